@@ -1,0 +1,1 @@
+"""Typer command-line interface; wires schema and runtime together."""
