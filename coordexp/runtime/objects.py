@@ -1,0 +1,45 @@
+"""Plain data shared between the pure stages (parsing, matching, targets, losses).
+
+Coordinates are norm1000 integer bins 0..999 everywhere (decision 9).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+GeometryKind = Literal["bbox_2d", "poly"]
+
+
+@dataclass(frozen=True)
+class DetObject:
+    """One detection object: a description and a box ``[x1, y1, x2, y2]`` or a flat polygon ``[x1, y1, ...]``."""
+
+    desc: str
+    geometry: GeometryKind
+    coords: tuple[int, ...]
+
+    def points(self) -> np.ndarray:
+        """Vertices as an ``(N, 2)`` float array; a box becomes its 4 corners (x1,y1),(x2,y1),(x2,y2),(x1,y2)."""
+        c = np.asarray(self.coords, dtype=np.float64)
+        if self.geometry == "bbox_2d":
+            x1, y1, x2, y2 = c
+            return np.array([[x1, y1], [x2, y1], [x2, y2], [x1, y2]])
+        return c.reshape(-1, 2)
+
+
+@dataclass(frozen=True)
+class TokenSupervision:
+    """Per-token supervision of one ``Y_train``; positions index the assistant ids (label positions).
+
+    ``ce_positions`` never contains a coord-token position: coord slots are supervised only through
+    ``coord_positions`` (coord_reg / bbox_geo); text positions through hard CE over the full vocabulary.
+    """
+
+    ce_positions: np.ndarray  # int64 (Nce,)
+    ce_weights: np.ndarray  # float32 (Nce,), all > 0
+    coord_positions: np.ndarray  # int64 (Nc,)
+    coord_targets: np.ndarray  # float32 (Nc,), continuous target bin in [0, 999] (soft-target centre)
+    bbox_slots: np.ndarray  # int64 (K, 4): indices into coord_positions of supervised boxes' x1, y1, x2, y2
