@@ -49,19 +49,22 @@ def sanitize_logits(logits: torch.Tensor) -> torch.Tensor:
 
 def _check_temperature(temperature: float) -> None:
     if not (temperature > 0.0 and math.isfinite(temperature)):
-        raise ValueError(f"temperature must be a finite number > 0 (got {temperature}); fix coord_reg.config.temperature")
+        raise ValueError(
+            f"temperature must be a finite number > 0 (got {temperature}); fix coord_reg.config.temperature"
+        )
 
 
 def _check_coord_ids(coord_ids: torch.Tensor, vocab_size: int) -> None:
     if coord_ids.ndim != 1 or coord_ids.numel() != NUM_COORD_BINS or coord_ids.dtype != torch.long:
         raise ValueError(
-            f"coord_ids must be a 1-D LongTensor of the {NUM_COORD_BINS} ids of <|coord_0|>..<|coord_999|> in bin order "
-            f"(got shape {tuple(coord_ids.shape)}, dtype {coord_ids.dtype}); build it from CoordVocab"
+            f"coord_ids must be a 1-D LongTensor of the {NUM_COORD_BINS} ids of <|coord_0|>..<|coord_999|> "
+            f"in bin order (got shape {tuple(coord_ids.shape)}, dtype {coord_ids.dtype}); build it from CoordVocab"
         )
     if coord_ids.numel() and (int(coord_ids.min()) < 0 or int(coord_ids.max()) >= vocab_size):
         raise ValueError(
             f"coord_ids must lie in [0, {vocab_size}) for logits with vocab size {vocab_size} "
-            f"(got range [{int(coord_ids.min())}, {int(coord_ids.max())}]); the model's vocabulary lacks the coord tokens"
+            f"(got range [{int(coord_ids.min())}, {int(coord_ids.max())}]); the model's vocabulary lacks the coord "
+            "tokens"
         )
 
 
@@ -128,9 +131,13 @@ def gaussian_soft_targets(
         num_bins: number of coord bins.
     """
     if not (sigma > 0.0 and math.isfinite(sigma)):
-        raise ValueError(f"target_sigma must be a finite number > 0 bins (got {sigma}); fix coord_reg.config.target_sigma")
+        raise ValueError(
+            f"target_sigma must be a finite number > 0 bins (got {sigma}); fix coord_reg.config.target_sigma"
+        )
     if truncate is not None and not truncate >= 0.0:
-        raise ValueError(f"target_truncate must be >= 0 or null (got {truncate}); fix coord_reg.config.target_truncate")
+        raise ValueError(
+            f"target_truncate must be >= 0 or null (got {truncate}); fix coord_reg.config.target_truncate"
+        )
     if centres.ndim != 1:
         raise ValueError(f"centres must be a 1-D tensor of target bins (got shape {tuple(centres.shape)})")
     c = torch.nan_to_num(centres.float(), nan=0.0).clamp(0.0, float(num_bins - 1)).unsqueeze(1)
@@ -167,7 +174,9 @@ def expected_bins(p: torch.Tensor) -> torch.Tensor:
     return p @ k
 
 
-def smoothl1_and_ciou(pred: torch.Tensor, target: torch.Tensor, eps: float = 1.0e-7) -> tuple[torch.Tensor, torch.Tensor]:
+def smoothl1_and_ciou(
+    pred: torch.Tensor, target: torch.Tensor, eps: float = 1.0e-7
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean SmoothL1 (beta 1, per coordinate) and mean ``1 - CIoU`` of ``(K, 4)`` xyxy boxes in [0, 1] units.
 
     SmoothL1 compares the raw coordinates; CIoU canonicalises each box to (min, max) corners first, so an

@@ -12,7 +12,7 @@ flattened logits first), never on a full-vocab log-softmax over the whole sequen
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, NamedTuple, Optional, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -71,6 +71,37 @@ def _check_positions(positions: np.ndarray, name: str, n_assistant: int, where: 
         raise ValueError(f"{where}: {name} repeats a position; each token is supervised at most once")
 
 
+def _checked_values(
+    sup: TokenSupervision, n_ce: int, n_coord: int, where: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """CE weights, coord targets and bbox slots of one segment, validated against the position counts."""
+    ce_w = np.asarray(sup.ce_weights, dtype=np.float32).reshape(-1)
+    if ce_w.size != n_ce or not np.all(np.isfinite(ce_w)) or (ce_w.size and ce_w.min() <= 0):
+        raise ValueError(
+            f"{where}: ce_weights must be finite, > 0 and one per ce position (got {ce_w.size} weights for "
+            f"{n_ce} positions); leave a zero-weight token out of ce_positions instead"
+        )
+    targets = np.asarray(sup.coord_targets, dtype=np.float32).reshape(-1)
+    if targets.size != n_coord or not np.all(np.isfinite(targets)):
+        raise ValueError(
+            f"{where}: coord_targets must be finite, one per coord position ({targets.size} vs {n_coord})"
+        )
+    if targets.size and (targets.min() < 0.0 or targets.max() > _MAX_BIN):
+        raise ValueError(
+            f"{where}: coord_targets must lie in [0, 999] norm1000 bins (got [{targets.min()}, {targets.max()}])"
+        )
+    slots = _as_index_array(sup.bbox_slots, "bbox_slots", where)
+    if slots.size == 0:
+        slots = np.zeros((0, 4), dtype=np.int64)
+    if slots.ndim != 2 or slots.shape[1] != 4:
+        raise ValueError(f"{where}: bbox_slots must have shape (K, 4) (got {slots.shape})")
+    if slots.size and (slots.min() < 0 or slots.max() >= n_coord):
+        raise ValueError(
+            f"{where}: bbox_slots must index coord_positions [0, {n_coord}) (got range [{slots.min()}, {slots.max()}])"
+        )
+    return ce_w, targets, slots
+
+
 def _segment_arrays(segment: SupervisionSegment, seq_len: int, where: str) -> dict[str, np.ndarray]:
     """Validate one segment and return its absolute label positions, labels, weights, targets and slots."""
     sup, row, start = segment.supervision, int(segment.row), int(segment.assistant_start)
@@ -93,27 +124,7 @@ def _segment_arrays(segment: SupervisionSegment, seq_len: int, where: str) -> di
             f"{where}: positions {overlap[:5].tolist()} are in both ce_positions and coord_positions; coord tokens "
             "are supervised only by coord_reg/bbox_geo (fix the target builder)"
         )
-    ce_w = np.asarray(sup.ce_weights, dtype=np.float32).reshape(-1)
-    if ce_w.shape != ce_pos.shape or not np.all(np.isfinite(ce_w)) or (ce_w.size and ce_w.min() <= 0):
-        raise ValueError(
-            f"{where}: ce_weights must be finite, > 0 and one per ce position (got {ce_w.size} weights for "
-            f"{ce_pos.size} positions); leave a zero-weight token out of ce_positions instead"
-        )
-    targets = np.asarray(sup.coord_targets, dtype=np.float32).reshape(-1)
-    if targets.shape != coord_pos.shape or not np.all(np.isfinite(targets)):
-        raise ValueError(f"{where}: coord_targets must be finite, one per coord position ({targets.size} vs {coord_pos.size})")
-    if targets.size and (targets.min() < 0.0 or targets.max() > _MAX_BIN):
-        raise ValueError(f"{where}: coord_targets must lie in [0, 999] norm1000 bins (got [{targets.min()}, {targets.max()}])")
-    slots = _as_index_array(sup.bbox_slots, "bbox_slots", where)
-    if slots.size == 0:
-        slots = np.zeros((0, 4), dtype=np.int64)
-    if slots.ndim != 2 or slots.shape[1] != 4:
-        raise ValueError(f"{where}: bbox_slots must have shape (K, 4) (got {slots.shape})")
-    if slots.size and (slots.min() < 0 or slots.max() >= coord_pos.size):
-        raise ValueError(
-            f"{where}: bbox_slots must index coord_positions [0, {coord_pos.size}) (got range "
-            f"[{slots.min()}, {slots.max()}])"
-        )
+    ce_w, targets, slots = _checked_values(sup, ce_pos.size, coord_pos.size, where)
     abs_ce, abs_coord = start + ce_pos, start + coord_pos
     if (abs_ce.size and abs_ce.min() == 0) or (abs_coord.size and abs_coord.min() == 0):
         raise ValueError(
@@ -161,11 +172,11 @@ class SupervisionBatch:
             raise ValueError(f"seq_len must be >= 2 to hold a prompt token and a label (got {seq_len})")
         parts = [_segment_arrays(SupervisionSegment(*seg), seq_len, f"segment {i}") for i, seg in enumerate(segments)]
         spans = sorted((tuple(p["span"].tolist()), i) for i, p in enumerate(parts))
-        for (prev, i_prev), (cur, i_cur) in zip(spans, spans[1:]):
+        for (prev, i_prev), (cur, i_cur) in zip(spans, spans[1:], strict=False):
             if prev[0] == cur[0] and cur[1] < prev[2] and prev[2] > prev[1] and cur[2] > cur[1]:
                 raise ValueError(
-                    f"segments {i_prev} and {i_cur} overlap in row {cur[0]} (assistant spans [{prev[1]}, {prev[2]}) and "
-                    f"[{cur[1]}, {cur[2]})); each packed segment needs its own offset"
+                    f"segments {i_prev} and {i_cur} overlap in row {cur[0]} (assistant spans "
+                    f"[{prev[1]}, {prev[2]}) and [{cur[1]}, {cur[2]})); each packed segment needs its own offset"
                 )
         coord_offsets = np.cumsum([0] + [p["coord_index"].size for p in parts])
 
@@ -173,14 +184,16 @@ class SupervisionBatch:
             arrays = [p[key] for p in parts]
             return np.concatenate(arrays).astype(dtype) if arrays else np.zeros(shape, dtype=dtype)
 
-        slots = [p["bbox_slots"] + off for p, off in zip(parts, coord_offsets)]
+        slots = [p["bbox_slots"] + off for p, off in zip(parts, coord_offsets[:-1], strict=True)]
         return cls(
             ce_logit_index=torch.from_numpy(cat("ce_index", np.int64)),
             ce_labels=torch.from_numpy(cat("ce_labels", np.int64)),
             ce_weights=torch.from_numpy(cat("ce_weights", np.float32)),
             coord_logit_index=torch.from_numpy(cat("coord_index", np.int64)),
             coord_targets=torch.from_numpy(cat("coord_targets", np.float32)),
-            bbox_slots=torch.from_numpy(np.concatenate(slots).astype(np.int64) if slots else np.zeros((0, 4), np.int64)),
+            bbox_slots=torch.from_numpy(
+                np.concatenate(slots).astype(np.int64) if slots else np.zeros((0, 4), np.int64)
+            ),
             seq_len=int(seq_len),
             num_rows=max((int(p["span"][0]) + 1 for p in parts), default=0),
         )
@@ -189,7 +202,14 @@ class SupervisionBatch:
         """The same batch with its tensors on ``device``."""
         moved = {
             name: getattr(self, name).to(device)
-            for name in ("ce_logit_index", "ce_labels", "ce_weights", "coord_logit_index", "coord_targets", "bbox_slots")
+            for name in (
+                "ce_logit_index",
+                "ce_labels",
+                "ce_weights",
+                "coord_logit_index",
+                "coord_targets",
+                "bbox_slots",
+            )
         }
         return SupervisionBatch(**moved, seq_len=self.seq_len, num_rows=self.num_rows)
 
@@ -326,7 +346,9 @@ def compute_objective(
         if ce_rows.shape[0]:
             labels = batch.ce_labels.to(device)
             if int(labels.max()) >= vocab or int(labels.min()) < 0:
-                raise ValueError(f"ce label ids must lie in [0, {vocab}) (got range [{int(labels.min())}, {int(labels.max())}])")
+                raise ValueError(
+                    f"ce label ids must lie in [0, {vocab}) (got range [{int(labels.min())}, {int(labels.max())}])"
+                )
             ce = torch.nn.functional.cross_entropy(sanitize_logits(ce_rows), labels, reduction="none")
             terms["token_ce"] = (weights * ce).sum() / weights.sum()
         else:

@@ -67,7 +67,8 @@ def select_segments(lengths: Sequence[int], capacity: int) -> list[int]:
     if lengths[0] > capacity:
         raise ValueError(
             f"the oldest segment (encoded_len={lengths[0]}) exceeds packing_length={capacity}; it can never be "
-            "packed. Increase global_max_length, reduce rollout_matching.max_new_tokens, or set training.packing: false."
+            "packed. Increase global_max_length, reduce rollout_matching.max_new_tokens, or set "
+            "training.packing: false."
         )
     candidates = [fifo_greedy_selection(lengths, capacity)]
     residual = capacity - lengths[0]
@@ -97,7 +98,10 @@ class CarryBuffer(Generic[T]):
     """Rank-local FIFO of pending segments; every rejected insertion leaves the buffer unchanged."""
 
     def __init__(self, packing_length: int, max_segments: int) -> None:
-        for name, value in (("packing_length", packing_length), ("max_segments (training.packing_buffer)", max_segments)):
+        for name, value in (
+            ("packing_length", packing_length),
+            ("max_segments (training.packing_buffer)", max_segments),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int when packing is enabled (got {value!r})")
         _import_binpacking()  # fail at trainer set-up, not at the first pop

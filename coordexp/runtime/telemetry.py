@@ -7,7 +7,7 @@ averaged: averaging per-step ratios would weight a 1-object image like a 60-obje
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Iterable, Literal, Mapping, Optional, Sequence
 
@@ -103,7 +103,9 @@ class RolloutCounters:
             counts = getattr(self, name)
             for reason, value in counts.items():
                 if not isinstance(reason, str) or isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                    raise ValueError(f"RolloutCounters.{name} maps reason strings to non-negative ints (got {reason!r}: {value!r})")
+                    raise ValueError(
+                        f"RolloutCounters.{name} maps reason strings to non-negative ints (got {reason!r}: {value!r})"
+                    )
             # zero entries are dropped so equal counts compare equal however they were built
             object.__setattr__(self, name, MappingProxyType({r: counts[r] for r in sorted(counts) if counts[r]}))
 
@@ -130,7 +132,9 @@ class RolloutCounters:
         if decode_mode not in ("greedy", "sampling", "beam"):
             raise ValueError(f"decode_mode must be 'greedy', 'sampling' or 'beam' (got {decode_mode!r})")
         if matched > min(pred_valid, gt_objects):
-            raise ValueError(f"matched={matched} exceeds valid predictions ({pred_valid}) or GT objects ({gt_objects})")
+            raise ValueError(
+                f"matched={matched} exceeds valid predictions ({pred_valid}) or GT objects ({gt_objects})"
+            )
         dropped: dict[str, int] = {}
         ambiguous = 0
         for reason in drop_reasons:
@@ -212,11 +216,13 @@ class RolloutCounters:
     def to_log_dict(self, prefix: str = "rollout/") -> dict[str, float]:
         """Flat ``{prefix + name: value}`` of counts, per-reason counts and the defined ratios (undefined omitted)."""
         out: dict[str, float] = {f"{prefix}{name}": float(getattr(self, name)) for name in _SCALAR_FIELDS}
-        out.update({
-            f"{prefix}pred_dropped": float(self.pred_dropped),
-            f"{prefix}pred_parsed": float(self.pred_parsed),
-            f"{prefix}prefix_fallbacks": float(self.prefix_fallbacks),
-        })
+        out.update(
+            {
+                f"{prefix}pred_dropped": float(self.pred_dropped),
+                f"{prefix}pred_parsed": float(self.pred_parsed),
+                f"{prefix}prefix_fallbacks": float(self.prefix_fallbacks),
+            }
+        )
         out.update({f"{prefix}dropped/{r}": float(n) for r, n in self.dropped_by_reason.items()})
         out.update({f"{prefix}prefix_fallback/{r}": float(n) for r, n in self.prefix_fallbacks_by_reason.items()})
         out.update({f"{prefix}{name}": value for name, value in self.ratios().items() if value is not None})
@@ -280,9 +286,9 @@ class RolloutCounters:
                 "use the same drop/fallback reason tuples as to_tensor"
             )
         n = len(_SCALAR_FIELDS)
-        scalars = dict(zip(_SCALAR_FIELDS, values[:n]))
-        dropped = dict(zip(drop_reasons, values[n : n + len(drop_reasons)]))
-        fallbacks = dict(zip(fallback_reasons, values[n + len(drop_reasons) :]))
+        scalars = dict(zip(_SCALAR_FIELDS, values[:n], strict=True))
+        dropped = dict(zip(drop_reasons, values[n : n + len(drop_reasons)], strict=True))
+        fallbacks = dict(zip(fallback_reasons, values[n + len(drop_reasons) :], strict=True))
         return cls(**scalars, dropped_by_reason=dropped, prefix_fallbacks_by_reason=fallbacks)
 
 

@@ -55,7 +55,11 @@ def make_pipeline(
         "target_truncate": None,
     }
     objective = [
-        {**base, "name": "token_ce", "config": {"rollout_fn_desc_weight": 0.0, "rollout_matched_prefix_struct_weight": 0.0}},
+        {
+            **base,
+            "name": "token_ce",
+            "config": {"rollout_fn_desc_weight": 0.0, "rollout_matched_prefix_struct_weight": 0.0},
+        },
         {**base, "name": "coord_reg", "config": reg_cfg},
         {**base, "name": "bbox_geo", "config": {"smoothl1_weight": 1.0, "ciou_weight": 1.0}},
     ]
@@ -247,7 +251,10 @@ def test_from_segments_offsets_bbox_slots_into_the_batch():
         (SupervisionSegment(supervision(coord_pos=[-1], targets=[3]), [1, 2], 0, 1), "outside the assistant span"),
         (SupervisionSegment(supervision(ce_pos=[0]), [1, 2], 0, 9), "does not fit a row"),
         (SupervisionSegment(supervision(ce_pos=[0], coord_pos=[0], targets=[1]), [1], 0, 1), "both ce_positions"),
-        (SupervisionSegment(supervision(coord_pos=[0], targets=[1], slots=[[0, 0, 0, 1]]), [1, 2], 0, 1), "bbox_slots"),
+        (
+            SupervisionSegment(supervision(coord_pos=[0], targets=[1], slots=[[0, 0, 0, 1]]), [1, 2], 0, 1),
+            "bbox_slots",
+        ),
         (SupervisionSegment(supervision(coord_pos=[0], targets=[1000.5]), [1], 0, 1), r"\[0, 999\]"),
         (SupervisionSegment(supervision(ce_pos=[0], ce_w=[0.0]), [1], 0, 1), "ce_weights"),
         (SupervisionSegment(supervision(ce_pos=[0, 0]), [1], 0, 1), "repeats"),
@@ -267,6 +274,7 @@ def test_from_segments_rejects_overlapping_segments_in_one_row():
 
 
 # ------------------------------------------------------------------ compute_objective
+
 
 def _random_segment(rng: np.random.Generator, n_assistant: int, n_boxes: int):
     """Assistant ids = text tokens with ``4 * n_boxes`` coord tokens, every token supervised."""
@@ -404,7 +412,9 @@ def test_text_gate_term_is_nonzero_only_with_coord_mass_at_text_positions():
     pipe = make_pipeline(coord_reg={"config": {"text_gate_weight": 1.0}})
     clean = torch.full((1, 2, VOCAB), -1e4)
     clean[0, 0, 3] = 0.0
-    assert compute_objective(clean, batch, COORD_IDS, pipe).terms["coord_reg/text_gate"] == pytest.approx(0.0, abs=1e-6)
+    assert compute_objective(clean, batch, COORD_IDS, pipe).terms["coord_reg/text_gate"] == pytest.approx(
+        0.0, abs=1e-6
+    )
     leaky = clean.clone()
     leaky[0, 0, COORD_IDS] = 0.0
     value = compute_objective(leaky, batch, COORD_IDS, pipe).terms["coord_reg/text_gate"]
@@ -448,15 +458,18 @@ def test_logits_must_match_the_batch_layout():
 
 def _packed_vs_unpacked(seed: int, prompt_lens: list[int], assistant_lens: list[int], boxes: list[int]):
     rng = np.random.default_rng(seed)
-    segs = [_random_segment(rng, n, k) for n, k in zip(assistant_lens, boxes)]
-    seg_lens = [p + n for p, n in zip(prompt_lens, assistant_lens)]
+    segs = [_random_segment(rng, n, k) for n, k in zip(assistant_lens, boxes, strict=True)]
+    seg_lens = [p + n for p, n in zip(prompt_lens, assistant_lens, strict=True)]
     packed_len, pad_len = sum(seg_lens) + 1, max(seg_lens) + 2
     # The same per-segment logits placed packed (one row) and padded (one row each).
-    seg_logits = [torch.randn(length, VOCAB, generator=torch.Generator().manual_seed(seed + i)) * 3 for i, length in enumerate(seg_lens)]
+    seg_logits = [
+        torch.randn(length, VOCAB, generator=torch.Generator().manual_seed(seed + i)) * 3
+        for i, length in enumerate(seg_lens)
+    ]
     packed = torch.randn(1, packed_len, VOCAB)
     padded = torch.randn(len(segs), pad_len, VOCAB)
     packed_segments, padded_segments, offset = [], [], 0
-    for i, ((sup, ids), p_len, s_len) in enumerate(zip(segs, prompt_lens, seg_lens)):
+    for i, ((sup, ids), p_len, s_len) in enumerate(zip(segs, prompt_lens, seg_lens, strict=True)):
         packed[0, offset : offset + s_len] = seg_logits[i]
         padded[i, :s_len] = seg_logits[i]
         packed_segments.append(SupervisionSegment(sup, ids, 0, offset + p_len))
@@ -474,7 +487,9 @@ def _packed_vs_unpacked(seed: int, prompt_lens: list[int], assistant_lens: list[
     for i, s_len in enumerate(seg_lens):
         assert torch.allclose(packed_grad[0, offset : offset + s_len], padded_grad[i, :s_len], atol=1e-6)
         offset += s_len
-    assert torch.count_nonzero(packed_grad[0, offset:]) == 0 and torch.count_nonzero(padded_grad[0, seg_lens[0] :]) == 0
+    assert (
+        torch.count_nonzero(packed_grad[0, offset:]) == 0 and torch.count_nonzero(padded_grad[0, seg_lens[0] :]) == 0
+    )
     return packed_res, padded_res
 
 
@@ -491,6 +506,6 @@ def test_packed_row_gives_the_same_loss_and_gradients_as_unpacked_rows():
     st.lists(st.tuples(st.integers(1, 4), st.integers(4, 14), st.integers(0, 1)), min_size=1, max_size=3),
 )
 def test_packing_equivalence_holds_for_random_layouts(seed, layout):
-    prompt_lens, assistant_lens, boxes = (list(x) for x in zip(*layout))
+    prompt_lens, assistant_lens, boxes = (list(x) for x in zip(*layout, strict=True))
     packed, padded = _packed_vs_unpacked(seed, prompt_lens, assistant_lens, boxes)
     assert packed.total.item() == pytest.approx(padded.total.item(), abs=1e-5)

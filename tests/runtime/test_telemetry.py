@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -125,7 +127,7 @@ def test_counters_validate_their_inputs():
     with pytest.raises(ValueError, match="matched=5 exceeds"):
         sample(matched=5)
     frozen = RolloutCounters()
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         frozen.samples = 3
     with pytest.raises(TypeError):
         frozen.dropped_by_reason["x"] = 1
