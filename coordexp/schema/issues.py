@@ -1,0 +1,151 @@
+"""Pydantic errors -> :class:`ConfigIssue`: dotted paths with list indices, no union tags, a fix for each."""
+
+from __future__ import annotations
+
+import difflib
+import typing
+from typing import Any, Iterator, Optional, Union
+
+from pydantic import BaseModel, ValidationError
+
+from coordexp.schema.errors import ConfigIssue, ConfigRuleError, format_path
+
+__all__ = ["PathTuple", "validation_issues"]
+
+PathTuple = tuple[Union[str, int], ...]
+_MISSING = object()
+
+
+def _clean_loc(loc: tuple, raw: Any) -> tuple[PathTuple, PathTuple]:
+    """(path in the user's mapping, loc with union tags) -- tags are loc items the raw data does not have."""
+    path: list = []
+    node = raw
+    for part in loc:
+        if isinstance(node, dict):
+            if part in node:
+                path.append(part)
+                node = node[part]
+                continue
+            if isinstance(part, str) and node.get("name") == part:
+                continue  # discriminator tag of a pipeline module union
+            path.append(part)
+            node = _MISSING
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            path.append(part)
+            node = node[part]
+        else:
+            path.append(part)
+            node = _MISSING
+    return tuple(path), tuple(loc)
+
+
+def _unwrap(annotation: Any) -> Union[type, list, None]:
+    """The model class an annotation holds (through Optional, list, Annotated); a list of models for a union."""
+    for _ in range(8):
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            return annotation
+        origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+        if origin is typing.Annotated or (origin in (list, tuple) and args):
+            annotation = args[0]
+        elif origin is Union or str(origin) == "<class 'types.UnionType'>":
+            members = [a for a in args if a is not type(None)]
+            if len(members) == 1:
+                annotation = members[0]
+                continue
+            models = [_unwrap(m) for m in members]
+            return [m for m in models if isinstance(m, type)]
+        else:
+            return None
+    return None
+
+
+def _allowed_keys(root: type, loc: tuple) -> Optional[list[str]]:
+    """Field names of the model that owns the last key of ``loc`` (None if it cannot be resolved)."""
+    current: Union[type, list, None] = root
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        if isinstance(current, list):  # a tagged union: this loc item is the tag
+            current = next((m for m in current if part in typing.get_args(m.model_fields["name"].annotation)), None)
+            continue
+        info = current.model_fields.get(part) if current is not None else None
+        if info is None:
+            return None
+        current = _unwrap(info.annotation)
+    return sorted(current.model_fields) if isinstance(current, type) else None
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _hint_for(err: dict, allowed: Optional[list[str]], key: str) -> tuple[str, str]:
+    kind = err["type"]
+    value = err.get("input")
+    if kind == "extra_forbidden":
+        hint = "Remove it or fix its spelling."
+        if allowed:
+            close = difflib.get_close_matches(key, allowed, n=1)
+            listing = ", ".join(allowed) if len(allowed) <= 12 else "see `coordexp schema`"
+            hint = (f"Did you mean {close[0]!r}? " if close else "") + f"Allowed keys here: {listing}."
+        return "unknown key", hint
+    if kind == "missing":
+        return "required key is missing", f"Add `{key}: ...` (see `coordexp schema` for its type)."
+    msg = err["msg"]
+    got = f" (got {_describe(value)})"
+    if kind in {"int_type", "float_type", "bool_type", "string_type"} and isinstance(value, str):
+        if kind == "bool_type":
+            return msg + got, "Write true or false without quotes (yes/no/on/off are strings)."
+        return msg + got, "Quoted values are strings; write the number without quotes."
+    if kind == "bool_type":
+        return msg + got, "Write true or false."
+    if kind in {"model_type", "dict_type", "model_attributes_type"}:
+        return f"expected a mapping of keys{got}", "Write nested `key: value` lines under this key."
+    if kind == "list_type":
+        return f"expected a list{got}", "Write a YAML list (`- item` lines or [a, b])."
+    if kind == "literal_error":
+        return msg + got, "Use one of the listed values exactly (case-sensitive)."
+    if kind == "union_tag_invalid" or kind == "union_tag_not_found":
+        return msg + got, "Set `name:` to one of the module names listed."
+    if kind.startswith(("greater", "less", "too_short", "too_long")):
+        return msg + got, "Change the value to satisfy the bound."
+    if kind == "value_error":
+        text = str(err.get("ctx", {}).get("error", msg))
+        return text + got, "Fix the value as described."
+    return msg + got, "Fix the value at this path."
+
+
+def validation_issues(
+    exc: ValidationError, raw: Any, root: Optional[type] = None
+) -> Iterator[tuple[PathTuple, ConfigIssue]]:
+    """Yield ``(path tuple, issue)`` for every error, expanding cross-field rule errors into their paths.
+
+    ``raw`` is the validated input (to tell union tags from keys); ``root`` the model (for key suggestions).
+    """
+    for err in exc.errors(include_url=False):
+        path, loc = _clean_loc(tuple(err["loc"]), raw)
+        cause = err.get("ctx", {}).get("error") if err["type"] == "value_error" else None
+        if isinstance(cause, ConfigRuleError):
+            for v in cause.violations:
+                full = (*path, *_split(v.path))
+                yield full, ConfigIssue(format_path(full), v.message, v.hint)
+            continue
+        key = str(path[-1]) if path else ""
+        allowed = _allowed_keys(root, loc) if root is not None and loc else None
+        message, hint = _hint_for(err, allowed, key)
+        yield path, ConfigIssue(format_path(path), message, hint)
+
+
+def _split(dotted: str) -> PathTuple:
+    parts: list = []
+    for piece in dotted.split("."):
+        while "[" in piece:
+            head, _, rest = piece.partition("[")
+            if head:
+                parts.append(head)
+            index, _, piece = rest.partition("]")
+            parts.append(int(index))
+        if piece:
+            parts.append(piece)
+    return tuple(parts)

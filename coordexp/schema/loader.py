@@ -1,0 +1,248 @@
+"""Load a YAML config: ``extends:`` chains, legacy keys, strict schema validation, every issue at once.
+
+``extends`` is a path or a list of paths relative to the file that names it; bases apply in order, then the
+file itself; mappings deep-merge, lists and scalars replace. Relative path values resolve against the
+directory of the file that set them.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from pydantic import ValidationError
+
+from coordexp.schema.errors import ConfigError, ConfigIssue
+from coordexp.schema.issues import PathTuple, validation_issues
+from coordexp.schema.legacy import find_legacy_keys, strip_legacy_keys
+from coordexp.schema.root import CoordExpConfig, config_warnings
+from coordexp.schema.yaml_io import YamlReadError, read_yaml_file
+
+__all__ = ["MergedConfig", "ValidationReport", "load_config", "load_merged", "validate_config_file", "deep_merge"]
+
+EXTENDS_KEY = "extends"
+
+
+@dataclass
+class MergedConfig:
+    """The raw mapping after ``extends`` merging, with the file that set each key path."""
+
+    data: dict
+    origins: dict[PathTuple, str] = field(default_factory=dict)
+    files: tuple[str, ...] = ()
+
+    def file_of(self, path: PathTuple) -> Optional[str]:
+        """The file that set ``path`` (or its nearest existing ancestor)."""
+        for n in range(len(path), -1, -1):
+            if path[:n] in self.origins:
+                return self.origins[path[:n]]
+        return None
+
+
+@dataclass(frozen=True)
+class ValidationReport:
+    """The outcome of validating one file: the config (when valid), errors and warnings."""
+
+    path: str
+    config: Optional[CoordExpConfig]
+    errors: tuple[ConfigIssue, ...]
+    warnings: tuple[ConfigIssue, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+def _record_origins(node: Any, path: PathTuple, file: str, origins: dict[PathTuple, str]) -> None:
+    origins[path] = file
+    if isinstance(node, dict):
+        for key, value in node.items():
+            _record_origins(value, (*path, key), file, origins)
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            _record_origins(value, (*path, i), file, origins)
+
+
+def deep_merge(base: dict, override: dict) -> dict:
+    """``override`` on top of ``base``: mappings merge key by key, everything else (lists too) replaces."""
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def _overlay_origins(
+    into: dict[PathTuple, str], layer: dict, layer_origins: dict[PathTuple, str], path: PathTuple = ()
+) -> None:
+    """Record that ``layer`` was merged on top: replaced subtrees forget their old origins."""
+    for key, value in layer.items():
+        child = (*path, key)
+        if isinstance(value, dict):
+            into[child] = layer_origins.get(child, into.get(child, ""))
+            _overlay_origins(into, value, layer_origins, child)
+            continue
+        for stale in [p for p in into if p[: len(child)] == child]:
+            del into[stale]
+        into.update({p: f for p, f in layer_origins.items() if p[: len(child)] == child})
+
+
+def _display(path: Path) -> str:
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:  # another drive on Windows
+        return str(path)
+    return str(path) if rel.startswith("..") else rel
+
+
+def load_merged(path: Union[str, Path]) -> MergedConfig:
+    """Read ``path`` and its ``extends`` chain into one raw mapping; raises :class:`ConfigError`."""
+    return _load_merged(Path(path).absolute(), chain=())
+
+
+def _load_merged(path: Path, chain: tuple[Path, ...]) -> MergedConfig:
+    shown = _display(path)
+    resolved = path.resolve()
+    if resolved in chain:
+        cycle = " -> ".join(_display(p) for p in (*chain, resolved))
+        raise ConfigError([ConfigIssue(EXTENDS_KEY, f"extends cycle: {cycle}", "Remove one of the extends links.", shown)])
+    try:
+        data = read_yaml_file(path)
+    except YamlReadError as exc:
+        raise ConfigError([ConfigIssue("", exc.message, exc.hint, shown)]) from None
+    if data is None:
+        raise ConfigError(
+            [ConfigIssue("", "file is empty", "A config is a mapping with global_max_length, model, data, ...", shown)]
+        )
+    if not isinstance(data, dict):
+        raise ConfigError(
+            [
+                ConfigIssue(
+                    "",
+                    f"top level must be a mapping of sections, got a {type(data).__name__}",
+                    "Write `key: value` lines (global_max_length, model, data, training, custom, rollout_matching).",
+                    shown,
+                )
+            ]
+        )
+    bases = data.pop(EXTENDS_KEY, None)
+    if bases is None:
+        base_list: list = []
+    elif isinstance(bases, str):
+        base_list = [bases]
+    elif isinstance(bases, list) and all(isinstance(b, str) for b in bases):
+        base_list = bases
+    else:
+        raise ConfigError(
+            [ConfigIssue(EXTENDS_KEY, "extends must be a path or a list of paths", "e.g. extends: base.yaml", shown)]
+        )
+    merged = MergedConfig({}, {}, ())
+    issues: list[ConfigIssue] = []
+    for base in base_list:
+        base_path = Path(os.path.expanduser(base))
+        base_path = base_path if base_path.is_absolute() else path.parent / base_path
+        try:
+            loaded = _load_merged(base_path, (*chain, resolved))
+        except ConfigError as exc:
+            issues.extend(
+                i if i.path or i.message.startswith("extends") else ConfigIssue(
+                    EXTENDS_KEY, f"base {base!r}: {i.message}", i.hint, shown
+                )
+                for i in exc.issues
+            )
+            continue
+        merged.data = deep_merge(merged.data, loaded.data)
+        _overlay_origins(merged.origins, loaded.data, loaded.origins)
+        merged.files = (*merged.files, *(f for f in loaded.files if f not in merged.files))
+    if issues:
+        raise ConfigError(issues)
+    merged.data = deep_merge(merged.data, data)
+    own: dict[PathTuple, str] = {}
+    _record_origins(data, (), shown, own)
+    _overlay_origins(merged.origins, data, own)
+    merged.origins[()] = shown
+    merged.files = (*merged.files, shown)
+    return merged
+
+
+def _path_fields(model: type, prefix: PathTuple = ()) -> list[tuple[PathTuple, str]]:
+    """Dotted paths of every string field marked as a filesystem path in the schema."""
+    from pydantic import BaseModel
+
+    from coordexp.schema.base import PATH_MARKER
+
+    found = []
+    for name, info in model.model_fields.items():
+        extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+        if PATH_MARKER in extra:
+            found.append(((*prefix, name), extra[PATH_MARKER]))
+        annotation = info.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            found.extend(_path_fields(annotation, (*prefix, name)))
+    return found
+
+
+_PATH_FIELDS = _path_fields(CoordExpConfig)
+
+
+def _resolve_paths(data: dict, merged: MergedConfig) -> dict:
+    """Relative path values become absolute, against the directory of the file that set each one."""
+    for key_path, kind in _PATH_FIELDS:
+        parent = data
+        for part in key_path[:-1]:
+            parent = parent.get(part) if isinstance(parent, dict) else None
+        value = parent.get(key_path[-1]) if isinstance(parent, dict) else None
+        if not isinstance(value, str) or not value:
+            continue
+        if kind == "hub-or-path" and not value.startswith((".", "/", "~")):
+            continue  # a hub id such as Qwen/Qwen2.5-VL-3B-Instruct
+        expanded = Path(os.path.expanduser(value))
+        if not expanded.is_absolute():
+            origin = merged.file_of(key_path) or "."
+            expanded = Path(origin).absolute().parent / expanded
+        parent[key_path[-1]] = os.path.normpath(str(expanded))
+    return data
+
+
+def validate_merged(merged: MergedConfig) -> ValidationReport:
+    """Legacy keys first (their message wins), then the schema; all issues of the file at once."""
+    top = merged.files[-1] if merged.files else None
+    hits = find_legacy_keys(merged.data)
+    issues = [hit.issue(merged.file_of(hit.path)) for hit in hits]
+    replaced = {h.replacement for h in hits if h.replacement}
+    data = _resolve_paths(strip_legacy_keys(merged.data, hits), merged)
+    try:
+        config = CoordExpConfig.model_validate(data)
+    except ValidationError as exc:
+        config = None
+        for loc, issue in validation_issues(exc, data, CoordExpConfig):
+            if issue.message.startswith("required key is missing") and issue.path in replaced:
+                continue  # the legacy message above already names this key
+            issues.append(ConfigIssue(issue.path, issue.message, issue.hint, merged.file_of(loc)))
+    if issues:
+        return ValidationReport(top or "", None, tuple(issues), ())
+    warnings = tuple(ConfigIssue(w.path, w.message, w.hint, top) for w in config_warnings(config))
+    return ValidationReport(top or "", config, (), warnings)
+
+
+def validate_config_file(path: Union[str, Path]) -> ValidationReport:
+    """Validate one file without raising (what ``coordexp validate`` shows)."""
+    try:
+        merged = load_merged(path)
+    except ConfigError as exc:
+        return ValidationReport(_display(Path(path).absolute()), None, exc.issues, ())
+    return validate_merged(merged)
+
+
+def load_config(path: Union[str, Path]) -> CoordExpConfig:
+    """The validated config of ``path``; raises :class:`ConfigError` listing every problem of the file."""
+    report = validate_config_file(path)
+    if not report.ok:
+        raise ConfigError(report.errors)
+    assert report.config is not None
+    return report.config

@@ -1,0 +1,210 @@
+"""``rollout_matching.*`` (spec 004): backend, decoding, repeat guard, vLLM colocate/server, offload, knobs."""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+from urllib.parse import urlsplit
+
+from pydantic import Field, field_validator, model_validator
+
+from coordexp.schema.base import StrictModel
+from coordexp.schema.errors import RuleViolation, raise_violations
+from coordexp.schema.matching import MatchingConfig, OtConfig
+from coordexp.schema.pipeline import PipelineConfig
+
+__all__ = [
+    "DecodingConfig",
+    "RepeatTerminateConfig",
+    "VllmSyncConfig",
+    "VllmServerEntry",
+    "VllmServerConfig",
+    "VllmConfig",
+    "OffloadConfig",
+    "RolloutMatchingConfig",
+]
+
+
+class DecodingConfig(StrictModel):
+    """Rollout sampling (decision 6). ``temperature: 0`` is greedy; ``num_beams > 1`` is beam search (HF only)."""
+
+    temperature: float = Field(0.0, ge=0.0, description="0 = greedy; > 0 samples.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass in (0, 1].")
+    top_k: int = Field(-1, description="-1 disables top-k; otherwise >= 1.")
+    num_beams: int = Field(1, ge=1, description="> 1 runs beam search and trains on the best beam.")
+    repetition_penalty: float = Field(1.0, gt=0.0, description="1.0 disables the penalty.")
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_range(cls, value: int) -> int:
+        if value != -1 and value < 1:
+            raise ValueError(f"top_k must be -1 (disabled) or >= 1 (got {value})")
+        return value
+
+
+class RepeatTerminateConfig(StrictModel):
+    """Per-sequence repeat guard: an offending sequence is forced to EOS; others in the batch continue."""
+
+    enabled: bool = Field(False, description="Activate the guard for HF and vLLM rollouts alike.")
+    min_new_tokens: int = Field(256, ge=0, description="Never trigger before this many new tokens.")
+    max_consecutive_token_repeats: int = Field(64, ge=1, description="Trigger on this many identical tokens.")
+    ngram_size: int = Field(64, ge=1, description="n-gram length watched for repeats.")
+    ngram_repeats: int = Field(2, ge=2, description="Trigger when the last n-gram occurs this many times.")
+    max_object_keys: Optional[int] = Field(None, ge=1, description="Trigger after this many object_N keys.")
+
+
+class VllmSyncConfig(StrictModel):
+    """How learner weights reach vLLM after each optimizer step."""
+
+    mode: Literal["full", "adapter", "auto"] = Field(
+        "full", description="full: merged weights; adapter: LoRA only (needs enable_lora); auto: adapter iff LoRA."
+    )
+    fallback_to_full: bool = Field(True, description="On adapter-sync failure, warn and switch to full for good.")
+
+
+class VllmServerEntry(StrictModel):
+    """One pre-launched rollout server."""
+
+    base_url: str = Field(description="http(s)://host:port prefix serving /health/, /infer/, /init_communicator/.")
+    group_port: int = Field(ge=1, le=65535, description="TCP port of the weight-sync communicator group.")
+
+    @field_validator("base_url")
+    @classmethod
+    def _http_url_with_host(cls, value: str) -> str:
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"base_url must be an http:// or https:// URL with a host (got {value!r})")
+        if parts.hostname == "0.0.0.0":
+            raise ValueError("base_url host 0.0.0.0 is a bind address, not reachable; use 127.0.0.1 or a hostname")
+        try:
+            parts.port
+        except ValueError as exc:
+            raise ValueError(f"base_url has an invalid port (got {value!r})") from exc
+        return value
+
+
+class VllmServerConfig(StrictModel):
+    """``vllm.server``: an explicit list of servers (decision 7; the paired-list form is legacy)."""
+
+    servers: list[VllmServerEntry] = Field(min_length=1, description="Non-empty list of {base_url, group_port}.")
+    timeout_s: float = Field(240.0, gt=0.0, description="Reachability and communicator-init timeout, seconds.")
+    infer_timeout_s: Optional[float] = Field(
+        None, description="HTTP timeout for /infer/; null or <= 0 means no timeout."
+    )
+
+    @model_validator(mode="after")
+    def _distinct_servers(self) -> "VllmServerConfig":
+        violations, seen = [], {}
+        for i, entry in enumerate(self.servers):
+            key = entry.base_url.rstrip("/")
+            if key in seen:
+                violations.append(
+                    RuleViolation(
+                        f"servers[{i}].base_url",
+                        f"duplicate server {entry.base_url!r} (already servers[{seen[key]}])",
+                        "List each rollout server once.",
+                    )
+                )
+            seen.setdefault(key, i)
+        raise_violations(violations)
+        return self
+
+
+class VllmConfig(StrictModel):
+    """``rollout_matching.vllm``: colocated engine settings (spec defaults) or the external server list."""
+
+    mode: Literal["colocate", "server"] = Field("colocate", description="colocate (default) or server.")
+    gpu_memory_utilization: float = Field(0.45, gt=0.0, le=1.0, description="Colocate: VRAM share for vLLM.")
+    tensor_parallel_size: int = Field(4, ge=1, description="Colocate: GPUs per engine.")
+    max_model_len: Optional[int] = Field(
+        None, ge=16, description="Prompt + generation cap; null means global_max_length."
+    )
+    enable_lora: bool = Field(False, description="Serve the policy as base + LoRA adapter.")
+    enable_prefix_caching: bool = Field(True, description="Colocate: reuse KV cache of shared prompt prefixes.")
+    enforce_eager: bool = Field(False, description="Colocate: disable CUDA graphs.")
+    max_num_seqs: Optional[int] = Field(None, ge=1, description="Colocate: engine batch cap; null = vLLM default.")
+    sync: VllmSyncConfig = Field(default_factory=VllmSyncConfig)
+    server: Optional[VllmServerConfig] = Field(None, description="Required when mode is server.")
+
+    @model_validator(mode="after")
+    def _mode_rules(self) -> "VllmConfig":
+        violations = []
+        if self.sync.mode == "adapter" and not self.enable_lora:
+            violations.append(
+                RuleViolation(
+                    "sync.mode",
+                    "sync.mode: adapter requires vllm.enable_lora: true (there is no adapter to sync)",
+                    "Set rollout_matching.vllm.enable_lora: true, or use sync.mode: full.",
+                )
+            )
+        if self.mode == "server" and self.server is None:
+            violations.append(
+                RuleViolation(
+                    "server",
+                    "vllm.mode: server needs vllm.server.servers (the pre-launched rollout servers)",
+                    "Add rollout_matching.vllm.server.servers: [{base_url: http://127.0.0.1:8000, group_port: "
+                    "51216}], or use vllm.mode: colocate.",
+                )
+            )
+        raise_violations(violations)
+        return self
+
+
+class OffloadConfig(StrictModel):
+    """Colocate-only: move model/optimizer to CPU while vLLM generates (a no-op for other backends)."""
+
+    enabled: bool = Field(False)
+    offload_model: bool = Field(False)
+    offload_optimizer: bool = Field(False)
+
+    @model_validator(mode="after")
+    def _offloads_something(self) -> "OffloadConfig":
+        violations = []
+        if self.enabled and not (self.offload_model or self.offload_optimizer):
+            violations.append(
+                RuleViolation(
+                    "enabled",
+                    "offload.enabled: true but neither offload_model nor offload_optimizer is set, so nothing moves",
+                    "Set offload_model: true and/or offload_optimizer: true, or offload.enabled: false.",
+                )
+            )
+        raise_violations(violations)
+        return self
+
+
+class RolloutMatchingConfig(StrictModel):
+    """``rollout_matching``: every stage-2 rollout, matching and loss-pipeline key of spec 004."""
+
+    rollout_backend: Literal["vllm", "hf"] = Field("vllm", description="vllm (default) or hf generate().")
+    decode_batch_size: int = Field(1, ge=1, description="Max sequences per rollout GPU in one decode call.")
+    max_new_tokens: int = Field(512, ge=1, description="Generation cap per rollout.")
+    decoding: DecodingConfig = Field(default_factory=DecodingConfig)
+    repeat_terminate: RepeatTerminateConfig = Field(default_factory=RepeatTerminateConfig)
+    vllm: VllmConfig = Field(default_factory=VllmConfig)
+    offload: OffloadConfig = Field(default_factory=OffloadConfig)
+    pipeline: Optional[PipelineConfig] = Field(None, description="Loss modules; required (no implicit default).")
+    matching: MatchingConfig = Field(default_factory=MatchingConfig)
+    ot: OtConfig = Field(default_factory=OtConfig)
+
+    @model_validator(mode="after")
+    def _backend_rules(self) -> "RolloutMatchingConfig":
+        violations = []
+        if self.rollout_backend == "vllm" and self.decoding.num_beams > 1:
+            violations.append(
+                RuleViolation(
+                    "decoding.num_beams",
+                    f"num_beams: {self.decoding.num_beams} (beam search) is not supported by rollout_backend: vllm",
+                    "Use rollout_backend: hf for beam search, or decoding.num_beams: 1.",
+                )
+            )
+        max_len = self.vllm.max_model_len
+        if self.rollout_backend == "vllm" and max_len is not None and self.max_new_tokens >= max_len:
+            violations.append(
+                RuleViolation(
+                    "max_new_tokens",
+                    f"max_new_tokens ({self.max_new_tokens}) must be < vllm.max_model_len ({max_len}); the prompt "
+                    "needs room too",
+                    "Lower rollout_matching.max_new_tokens or raise rollout_matching.vllm.max_model_len.",
+                )
+            )
+        raise_violations(violations)
+        return self

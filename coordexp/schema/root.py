@@ -1,0 +1,109 @@
+"""The top-level config (``CoordExpConfig``), its cross-section rules, and the non-fatal warnings."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from coordexp.schema.base import StrictModel
+from coordexp.schema.custom import CustomConfig
+from coordexp.schema.data import DataConfig
+from coordexp.schema.errors import ConfigIssue, RuleViolation, raise_violations
+from coordexp.schema.model import ModelConfig
+from coordexp.schema.rollout import RolloutMatchingConfig
+from coordexp.schema.template import TemplateConfig
+from coordexp.schema.training import TrainingConfig
+
+__all__ = ["CoordExpConfig", "config_warnings"]
+
+
+class CoordExpConfig(StrictModel):
+    """A whole run. Every key has exactly one owner here; the runtime reads the contract built from it."""
+
+    global_max_length: int = Field(
+        ge=16, description="Token cap of one encoded sample / packed row (packing_length unless template.max_length)."
+    )
+    model: ModelConfig
+    template: TemplateConfig = Field(default_factory=TemplateConfig)
+    data: DataConfig
+    training: TrainingConfig
+    custom: CustomConfig
+    rollout_matching: RolloutMatchingConfig = Field(default_factory=RolloutMatchingConfig)
+
+    @model_validator(mode="after")
+    def _cross_section_rules(self) -> "CoordExpConfig":
+        violations = []
+        rm = self.rollout_matching
+        if rm.pipeline is None:
+            variant = self.custom.trainer_variant
+            violations.append(
+                RuleViolation(
+                    "rollout_matching.pipeline",
+                    f"rollout_matching.pipeline is required when custom.trainer_variant={variant} "
+                    "(no implicit default objective manifest)",
+                    "Add rollout_matching.pipeline.objective[] with token_ce and coord_reg entries (name, enabled, "
+                    "weight, channels, config); see examples/base_stage2.yaml.",
+                )
+            )
+        max_len = rm.vllm.max_model_len
+        if rm.rollout_backend == "vllm" and max_len is not None and max_len < self.global_max_length:
+            violations.append(
+                RuleViolation(
+                    "rollout_matching.vllm.max_model_len",
+                    f"vllm.max_model_len ({max_len}) must be >= global_max_length ({self.global_max_length})",
+                    "Raise rollout_matching.vllm.max_model_len, lower global_max_length, or remove max_model_len "
+                    "to use global_max_length.",
+                )
+            )
+        tmpl_len = self.template.max_length
+        if tmpl_len is not None and tmpl_len > self.global_max_length:
+            violations.append(
+                RuleViolation(
+                    "template.max_length",
+                    f"template.max_length ({tmpl_len}) exceeds global_max_length ({self.global_max_length})",
+                    "Lower template.max_length or raise global_max_length.",
+                )
+            )
+        raise_violations(violations)
+        return self
+
+
+def config_warnings(cfg: CoordExpConfig) -> list[ConfigIssue]:
+    """Settings that are legal but have no effect; ``validate`` prints them without failing."""
+    warnings: list[ConfigIssue] = []
+    rm = cfg.rollout_matching
+    if cfg.custom.trainer_variant == "stage2_rollout_aligned" and rm.pipeline is not None:
+        for field in ("objective", "diagnostics"):
+            for i, module in enumerate(getattr(rm.pipeline, field)):
+                if module.enabled and "B" not in module.channels:
+                    warnings.append(
+                        ConfigIssue(
+                            f"rollout_matching.pipeline.{field}[{i}].channels",
+                            f"module {module.name!r} has no channel B, so it is inert in stage2_rollout_aligned",
+                            "Add 'B' to channels, or set enabled: false to make that explicit.",
+                        )
+                    )
+    if rm.rollout_backend == "hf" and "vllm" in rm.model_fields_set:
+        warnings.append(
+            ConfigIssue(
+                "rollout_matching.vllm",
+                "vllm settings are ignored because rollout_backend is hf",
+                "Remove rollout_matching.vllm, or set rollout_backend: vllm.",
+            )
+        )
+    if rm.offload.enabled and not (rm.rollout_backend == "vllm" and rm.vllm.mode == "colocate"):
+        warnings.append(
+            ConfigIssue(
+                "rollout_matching.offload.enabled",
+                "offload only applies to vLLM colocate rollouts; it is a no-op with this backend",
+                "Set offload.enabled: false, or use rollout_backend: vllm with vllm.mode: colocate.",
+            )
+        )
+    if rm.rollout_backend == "vllm" and rm.vllm.mode == "colocate" and rm.vllm.server is not None:
+        warnings.append(
+            ConfigIssue(
+                "rollout_matching.vllm.server",
+                "vllm.server is ignored because vllm.mode is colocate",
+                "Remove rollout_matching.vllm.server, or set vllm.mode: server.",
+            )
+        )
+    return warnings
