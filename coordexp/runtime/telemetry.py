@@ -31,22 +31,28 @@ AMBIGUOUS_REASON = "ambiguous_alignment"
 # Fixed reason vocabularies for the tensor layout: every rank must use the same tuple (pass the parser's own
 # reason set to to_tensor/from_tensor if it differs). A reason outside the vocabulary fails loudly, never vanishes.
 DEFAULT_DROP_REASONS: tuple[str, ...] = (
+    # schema problems of a complete object (coordexp.runtime.parsing.SCHEMA_REASONS, minus AMBIGUOUS_REASON)
+    "unknown_key",
+    "duplicate_desc",
+    "multiple_geometry",
+    "missing_desc",
+    "bad_desc_type",
+    "empty_desc",
+    "missing_geometry",
+    "bad_nesting",
+    "non_coord_value",
+    "bbox_arity",
+    "poly_arity",
+    "bbox_invalid",
+    # entries that are not usable objects at all
+    "non_object_value",
+    "non_object_key",
     "malformed",
     "truncated",
-    "non_object_key",
-    "non_object_value",
-    "missing_desc",
-    "empty_desc",
-    "bad_desc_type",
-    "missing_geometry",
-    "multiple_geometry",
-    "unknown_key",
-    "bbox_arity",
-    "bbox_invalid",
-    "poly_arity",
-    "non_coord_value",
+    "cut_fallback",
+    "prefix_fallback",
 )
-DEFAULT_PREFIX_FALLBACK_REASONS: tuple[str, ...] = ("no_top_level_brace", "leading_text", "unexpressible_cut")
+DEFAULT_PREFIX_FALLBACK_REASONS: tuple[str, ...] = ("no_open_brace", "leading_text", "cut_fallback")
 
 # Scalar count fields in tensor order (the reason counts follow, in vocabulary order).
 _SCALAR_FIELDS: tuple[str, ...] = (
@@ -126,9 +132,12 @@ class RolloutCounters:
         decode_mode: DecodeMode,
         eos_stopped: bool,
         rollout_tokens: int,
+        cut_fallbacks: int = 0,
     ) -> "RolloutCounters":
         """Counters of one rollout. ``drop_reasons`` lists one reason per non-valid parsed object; the
-        :data:`AMBIGUOUS_REASON` entries count as ambiguous-excluded. ``fp`` is derived as valid - matched."""
+        :data:`AMBIGUOUS_REASON` entries count as ambiguous-excluded. ``fp`` is derived as valid - matched.
+        ``prefix_fallback`` (the empty-prefix reason, or None) and ``cut_fallbacks`` (cuts moved back to an earlier
+        boundary) are both counted in ``prefix_fallbacks_by_reason``, the latter as ``"cut_fallback"``."""
         if decode_mode not in ("greedy", "sampling", "beam"):
             raise ValueError(f"decode_mode must be 'greedy', 'sampling' or 'beam' (got {decode_mode!r})")
         if matched > min(pred_valid, gt_objects):
@@ -142,6 +151,9 @@ class RolloutCounters:
                 ambiguous += 1
             else:
                 dropped[reason] = dropped.get(reason, 0) + 1
+        fallbacks = {"cut_fallback": cut_fallbacks}
+        if prefix_fallback:
+            fallbacks[prefix_fallback] = fallbacks.get(prefix_fallback, 0) + 1
         return cls(
             samples=1,
             pred_valid=pred_valid,
@@ -153,7 +165,7 @@ class RolloutCounters:
             fp=pred_valid - matched,
             gating_rejections=gating_rejections,
             truncated_rollouts=int(truncated),
-            prefix_fallbacks_by_reason={prefix_fallback: 1} if prefix_fallback else {},
+            prefix_fallbacks_by_reason=fallbacks,
             decode_greedy=int(decode_mode == "greedy"),
             decode_sampling=int(decode_mode == "sampling"),
             decode_beam=int(decode_mode == "beam"),
@@ -185,7 +197,7 @@ class RolloutCounters:
 
     @property
     def prefix_fallbacks(self) -> int:
-        """Rollouts whose prefix fell back (empty ``{`` or an earlier boundary), all reasons."""
+        """Prefix fallbacks of all reasons: empty-prefix rollouts plus cuts moved back to an earlier boundary."""
         return sum(self.prefix_fallbacks_by_reason.values())
 
     def ratios(self) -> dict[str, Optional[float]]:
@@ -197,10 +209,10 @@ class RolloutCounters:
             "valid_pred_per_image": self.pred_valid,
             "gating_rejections_per_image": self.gating_rejections,
             "rollout_tokens_per_image": self.rollout_tokens,
+            "prefix_fallbacks_per_image": self.prefix_fallbacks,
         }
         per_sample_rate = {
             "truncation_rate": self.truncated_rollouts,
-            "prefix_fallback_rate": self.prefix_fallbacks,
             "eos_stop_rate": self.eos_stopped,
             "beam_rate": self.decode_beam,
         }

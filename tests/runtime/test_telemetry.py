@@ -80,9 +80,10 @@ def test_zero_denominators_give_none_and_are_left_out_of_the_log():
 
 
 def test_log_dict_has_counts_reasons_ratios_and_no_iou():
-    log = sample(prefix_fallback="no_top_level_brace").to_log_dict(prefix="train/rollout/")
+    log = sample(prefix_fallback="no_open_brace", cut_fallbacks=2).to_log_dict(prefix="train/rollout/")
     assert log["train/rollout/dropped/bbox_invalid"] == 2.0
-    assert log["train/rollout/prefix_fallback/no_top_level_brace"] == 1.0
+    assert log["train/rollout/prefix_fallback/no_open_brace"] == 1.0
+    assert log["train/rollout/prefix_fallback/cut_fallback"] == 2.0 and log["train/rollout/prefix_fallbacks"] == 3.0
     assert log["train/rollout/pred_dropped"] == 3.0 and log["train/rollout/gating_rejections"] == 5.0
     assert log["train/rollout/match_rate"] == 0.5
     assert all(isinstance(v, float) for v in log.values())
