@@ -1,0 +1,570 @@
+"""Strict, token-aligned parsing of one rollout into objects and an append-ready prefix (spec 004, decision 3).
+
+One left-to-right pass lexes the concatenated token pieces (bytes, from the cached :class:`PieceTable`); every
+lexeme maps back to its token through the piece offsets, so coord-slot indices come from token ids, never from
+searching ``<|coord_k|>`` text. Objects are never repaired: a bad one is kept in the prefix (if the JSON around it
+is intact) but marked invalid with one reason. The prefix ends right after the last complete top-level entry whose
+value is a dict (or after ``{``), and only its last token may be replaced (fused ``}}``, ``},``, ``"]},`` ...).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Literal, Mapping, Sequence
+
+import numpy as np
+
+from coordexp.runtime.objects import DetObject
+from coordexp.runtime.pieces import PieceTable
+from coordexp.runtime.tokens import CoordVocab
+
+DropReason = Literal[
+    "unknown_key", "duplicate_desc", "multiple_geometry", "missing_desc", "bad_desc_type", "empty_desc",
+    "missing_geometry", "bad_nesting", "non_coord_value", "bbox_arity", "poly_arity", "ambiguous_alignment",
+    "bbox_invalid", "non_object_value", "malformed", "truncated", "cut_fallback", "prefix_fallback", "non_object_key",
+]
+# Schema problems of a syntactically complete object, in priority order: the first that applies is THE reason.
+SCHEMA_REASONS: tuple[str, ...] = (
+    "unknown_key", "duplicate_desc", "multiple_geometry", "missing_desc", "bad_desc_type", "empty_desc",
+    "missing_geometry", "bad_nesting", "non_coord_value", "bbox_arity", "poly_arity", "ambiguous_alignment",
+    "bbox_invalid",
+)
+_SCHEMA_RANK = {r: i for i, r in enumerate(SCHEMA_REASONS)}
+PrefixFallback = Literal["no_open_brace", "leading_text"]
+
+OBJECT_KEY_RE = re.compile(r"object_([0-9]+)", re.ASCII)
+_COORD_TEXT_RE = re.compile(rb"<\|coord_[0-9]{1,4}\|>")
+_LITERAL_RE = re.compile(rb"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?|true|false|null")
+_STRING = rb'"(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*'
+_LEX_RE = re.compile(
+    rb"[ \t\n\r]*(?:([{}\[\],:])|(" + _STRING + rb'")|([^ \t\n\r{}\[\],:"]+)|(\Z)|("))'
+)
+_OPEN_STRING_TO_END_RE = re.compile(_STRING + rb"(?:\\(?:u[0-9a-fA-F]{0,3})?)?\Z")
+_WS_RE = re.compile(rb"[ \t\n\r]*")
+_PUNCT, _STR, _OTHER, _END, _QUOTE = 1, 2, 3, 4, 5
+_LBRACE, _RBRACE, _LBRACK, _RBRACK, _COMMA, _COLON = b"{}[],:"
+_MAX_DEPTH = 64
+
+
+@dataclass(frozen=True)
+class ParsedObject:
+    """One ``"object_N": ...`` entry retained in the prefix, in appearance order.
+
+    Positions index the rollout ids and equal prefix positions (only the prefix's last token may change, and a
+    coord token never is that token). ``coords``/``coord_token_indices`` are meaningful only when ``valid``.
+    ``struct_token_positions`` are the entry's tokens that are neither coord tokens nor desc-value tokens.
+    """
+
+    key: str
+    index: int
+    desc: str | None
+    geometry: Literal["bbox_2d", "poly"] | None
+    coords: tuple[int, ...]
+    coord_token_indices: tuple[int, ...]
+    valid: bool
+    drop_reason: str | None
+    token_span: tuple[int, int]
+    struct_token_positions: tuple[int, ...]
+    desc_token_positions: tuple[int, ...]
+
+    def to_det_object(self) -> DetObject:
+        if not self.valid or self.geometry is None or self.desc is None:
+            raise ValueError(f"{self.key} is invalid ({self.drop_reason}); only valid objects become DetObjects")
+        return DetObject(desc=self.desc, geometry=self.geometry, coords=self.coords)
+
+
+@dataclass(frozen=True)
+class RolloutParse:
+    """Everything the targets builder and telemetry need from one rollout.
+
+    ``prefix_ids[:n_kept] == response_ids[:n_kept]``; the rest (at most the re-encoding of one token) replaces
+    rollout token ``n_kept``. ``dropped_by_reason`` counts every object entry that is not a usable object
+    (invalid, truncated, malformed, cut away by a fallback) plus top-level entries whose key is not ``object_N``.
+    """
+
+    response_ids: tuple[int, ...]
+    prefix_ids: tuple[int, ...]
+    prefix_text: str
+    n_kept: int
+    objects: tuple[ParsedObject, ...]
+    max_object_index: int | None
+    truncated: bool
+    stopped_at_eos: bool
+    prefix_fallback: PrefixFallback | None
+    cut_fallbacks: int
+    dropped_by_reason: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+
+    @property
+    def valid_objects(self) -> tuple[ParsedObject, ...]:
+        return tuple(o for o in self.objects if o.valid)
+
+    @property
+    def n_dropped(self) -> int:
+        return sum(self.dropped_by_reason.values())
+
+    @property
+    def n_ambiguous(self) -> int:
+        """Objects excluded because their coord slots could not be aligned to tokens (telemetry counts them apart)."""
+        return self.dropped_by_reason.get("ambiguous_alignment", 0)
+
+
+class _Truncated(Exception):
+    """The text ended inside a JSON value."""
+
+
+class _Malformed(Exception):
+    """A syntax error: nothing from here on can stay in a prefix that must remain valid JSON."""
+
+
+class _Entry:
+    """A top-level entry while it is being scanned (mutable scratch; becomes a ParsedObject if retained)."""
+
+    __slots__ = ("key", "index", "start", "end", "is_dict", "reasons", "desc", "desc_inner", "geometry",
+                 "shapes", "bins", "coord_toks", "n_slots", "bbox_pairs")
+
+    def __init__(self, key: str, index: int | None, start: int) -> None:
+        self.key, self.index, self.start = key, index, start
+        self.end = -1
+        self.is_dict = False
+        self.reasons: set[str] = set()
+        self.desc: str | None = None
+        self.desc_inner: tuple[int, int] | None = None
+        self.geometry: str | None = None
+        self.shapes: list[int] = []  # per top-level geometry element: 1 scalar, 2 pair, 0 anything else
+        self.bins: list[int] = []
+        self.coord_toks: list[int] = []
+        self.n_slots = 0
+
+
+class _Scanner:
+    def __init__(self, text: bytes, tok_of_byte: list[int], starts: list[int], bins: list[int]) -> None:
+        self.text, self.tok_of_byte, self.starts, self.bins = text, tok_of_byte, starts, bins
+
+    # -- lexing ---------------------------------------------------------------------------------------------
+    def lex(self, pos: int) -> tuple[int, int, int]:
+        m = _LEX_RE.match(self.text, pos)
+        kind = m.lastindex
+        start, end = m.span(kind)
+        if kind == _QUOTE:
+            if _OPEN_STRING_TO_END_RE.match(self.text, start):
+                raise _Truncated
+            raise _Malformed
+        if kind == _OTHER and end == len(self.text):
+            raise _Truncated  # a bare value running into the end may still have been growing
+        return kind, start, end
+
+    def fail(self, kind: int) -> None:
+        raise _Truncated if kind == _END else _Malformed
+
+    def expect(self, pos: int, char: int) -> int:
+        kind, start, end = self.lex(pos)
+        if kind != _PUNCT or self.text[start] != char:
+            self.fail(kind)
+        return end
+
+    def coord_bin_at(self, start: int, end: int) -> int:
+        """Bin of the single coord token spanning exactly ``[start, end)``, else -1."""
+        if end <= start:
+            return -1
+        tok = self.tok_of_byte[start]
+        if self.starts[tok] != start or self.starts[tok + 1] != end:
+            return -1
+        return self.bins[tok]
+
+    def check_bare(self, start: int, end: int) -> None:
+        """A bare (unquoted) value must be a JSON literal or a coord token (CoordJSON); anything else is syntax."""
+        if _LITERAL_RE.fullmatch(self.text, start, end) or _COORD_TEXT_RE.fullmatch(self.text, start, end):
+            return
+        raise _Malformed
+
+    # -- generic values -------------------------------------------------------------------------------------
+    def skip_value(self, lexeme: tuple[int, int, int], depth: int = 0) -> int:
+        kind, start, end = lexeme
+        if kind == _STR:
+            return end
+        if kind == _OTHER:
+            self.check_bare(start, end)
+            return end
+        if kind == _PUNCT and self.text[start] in (_LBRACE, _LBRACK):
+            return self.skip_container(end, self.text[start] == _LBRACE, depth + 1)
+        self.fail(kind)
+
+    def skip_container(self, pos: int, is_dict: bool, depth: int) -> int:
+        if depth > _MAX_DEPTH:
+            raise _Malformed
+        close = _RBRACE if is_dict else _RBRACK
+        kind, start, end = self.lex(pos)
+        if kind == _PUNCT and self.text[start] == close:
+            return end
+        while True:
+            if is_dict:
+                if kind != _STR:
+                    self.fail(kind)
+                kind, start, end = self.lex(self.expect(end, _COLON))
+            pos = self.skip_value((kind, start, end), depth)
+            kind, start, end = self.lex(pos)
+            if kind == _PUNCT and self.text[start] == _COMMA:
+                kind, start, end = self.lex(end)
+                continue
+            if kind == _PUNCT and self.text[start] == close:
+                return end
+            self.fail(kind)
+
+    # -- objects --------------------------------------------------------------------------------------------
+    def object_body(self, pos: int, entry: _Entry) -> int:
+        """Scan ``{...}`` after its ``{``; fills ``entry``; returns the position after the closing ``}``."""
+        text = self.text
+        kind, start, end = self.lex(pos)
+        if kind == _PUNCT and text[start] == _RBRACE:
+            return end
+        while True:
+            if kind != _STR:
+                self.fail(kind)
+            name = _decode_string(text, start, end)
+            value = self.lex(self.expect(end, _COLON))
+            if name == "desc":
+                if entry.desc is not None or entry.desc_inner is not None or "bad_desc_type" in entry.reasons:
+                    entry.reasons.add("duplicate_desc")
+                if value[0] == _STR:
+                    pos = value[2]
+                    entry.desc = _decode_string(text, value[1], value[2])
+                    entry.desc_inner = (value[1] + 1, value[2] - 1)
+                else:
+                    pos = self.skip_value(value)
+                    entry.reasons.add("bad_desc_type")
+            elif name in ("bbox_2d", "poly"):
+                if entry.geometry is not None:
+                    entry.reasons.add("multiple_geometry")
+                entry.geometry = name
+                if value[0] == _PUNCT and text[value[1]] == _LBRACK:
+                    pos = self.geometry_array(value[2], entry)
+                else:
+                    pos = self.skip_value(value)
+                    entry.reasons.add("non_coord_value")
+            else:
+                pos = self.skip_value(value)
+                entry.reasons.add("unknown_key")
+            kind, start, end = self.lex(pos)
+            if kind == _PUNCT and text[start] == _COMMA:
+                kind, start, end = self.lex(end)
+                continue
+            if kind == _PUNCT and text[start] == _RBRACE:
+                return end
+            self.fail(kind)
+
+    def scalar(self, lexeme: tuple[int, int, int], entry: _Entry) -> int:
+        """One coordinate slot: a coord token, bare or quoted; anything else marks the object invalid."""
+        kind, start, end = lexeme
+        if kind == _STR:
+            inner_start, inner_end = start + 1, end - 1
+        elif kind == _OTHER:
+            inner_start, inner_end = start, end
+        else:
+            end = self.skip_value(lexeme)  # raises for non-values; a nested dict is valid JSON but no coordinate
+            entry.reasons.add("non_coord_value")
+            return end
+        entry.n_slots += 1
+        value = self.coord_bin_at(inner_start, inner_end)
+        if value >= 0:
+            entry.bins.append(value)
+            entry.coord_toks.append(self.tok_of_byte[inner_start])
+        elif _COORD_TEXT_RE.fullmatch(self.text, inner_start, inner_end):
+            entry.reasons.add("ambiguous_alignment")  # coord text that is not exactly one coord token
+        elif kind == _OTHER:
+            self.check_bare(start, end)
+            entry.reasons.add("non_coord_value")
+        else:
+            entry.reasons.add("non_coord_value")
+        return end
+
+    def geometry_array(self, pos: int, entry: _Entry) -> int:
+        text = self.text
+        kind, start, end = self.lex(pos)
+        if kind == _PUNCT and text[start] == _RBRACK:
+            return end
+        while True:
+            if kind == _PUNCT and text[start] == _LBRACK:
+                pos = self.pair(end, entry)
+            else:
+                entry.shapes.append(1 if kind in (_STR, _OTHER) else 0)
+                pos = self.scalar((kind, start, end), entry)
+            kind, start, end = self.lex(pos)
+            if kind == _PUNCT and text[start] == _COMMA:
+                kind, start, end = self.lex(end)
+                continue
+            if kind == _PUNCT and text[start] == _RBRACK:
+                return end
+            self.fail(kind)
+
+    def pair(self, pos: int, entry: _Entry) -> int:
+        """A nested ``[x, y]`` point; anything but exactly two scalars is ``bad_nesting``."""
+        text = self.text
+        count = 0
+        kind, start, end = self.lex(pos)
+        if not (kind == _PUNCT and text[start] == _RBRACK):
+            while True:
+                if kind in (_STR, _OTHER):
+                    self.scalar((kind, start, end), entry)
+                    pos = end
+                else:
+                    pos = self.skip_value((kind, start, end))
+                    entry.reasons.add("bad_nesting")
+                count += 1
+                kind, start, end = self.lex(pos)
+                if kind == _PUNCT and text[start] == _COMMA:
+                    kind, start, end = self.lex(end)
+                    continue
+                if kind == _PUNCT and text[start] == _RBRACK:
+                    break
+                self.fail(kind)
+        entry.shapes.append(2 if count == 2 else 0)
+        return end
+
+
+def _decode_string(text: bytes, start: int, end: int) -> str:
+    raw = text[start + 1 : end - 1]
+    if b"\\" not in raw:
+        return raw.decode("utf-8", "replace")
+    import json
+
+    return json.loads(text[start:end].decode("utf-8", "replace"))
+
+
+def _schema_reason(entry: _Entry) -> str | None:
+    reasons = entry.reasons
+    if entry.desc is None and "bad_desc_type" not in reasons:
+        reasons.add("missing_desc")
+    elif entry.desc is not None and not entry.desc.strip():
+        reasons.add("empty_desc")
+    if entry.geometry is None:
+        reasons.add("missing_geometry")
+    elif entry.geometry == "bbox_2d":
+        if any(s != 1 for s in entry.shapes):
+            reasons.add("bad_nesting")
+        if entry.n_slots != 4:
+            reasons.add("bbox_arity")
+        elif len(entry.bins) == 4:
+            x1, y1, x2, y2 = entry.bins
+            if x2 < x1 or y2 < y1:
+                reasons.add("bbox_invalid")
+    else:
+        if 0 in entry.shapes or len(set(entry.shapes)) > 1:
+            reasons.add("bad_nesting")
+        if entry.n_slots < 6 or entry.n_slots % 2:
+            reasons.add("poly_arity")
+    return min(reasons, key=_SCHEMA_RANK.__getitem__) if reasons else None
+
+
+def _count(counter: dict[str, int], reason: str, n: int = 1) -> None:
+    if n:
+        counter[reason] = counter.get(reason, 0) + n
+
+
+def parse_rollout(
+    response_ids: Sequence[int],
+    tokenizer: Any,
+    vocab: CoordVocab,
+    *,
+    piece_table: PieceTable | None = None,
+) -> RolloutParse:
+    """Parse one rollout (assistant token ids) strictly and choose its append-ready prefix.
+
+    A stop token (``<|im_end|>``, eos, ``<|endoftext|>``) ends the response: it and everything after are ignored.
+    Text before the first ``{`` (other than whitespace) cannot be trimmed, so the prefix falls back to ``{``.
+    """
+    table = piece_table if piece_table is not None else PieceTable.for_tokenizer(tokenizer)
+    ids_arr = np.asarray(response_ids, dtype=np.int64).reshape(-1)
+    if ids_arr.size and (int(ids_arr.min()) < 0 or int(ids_arr.max()) >= len(table.pieces)):
+        raise ValueError(
+            f"response ids must lie in [0, {len(table.pieces)}) for this tokenizer; got min {int(ids_arr.min())}, "
+            f"max {int(ids_arr.max())} (was the rollout produced with another tokenizer or vocabulary size?)"
+        )
+    stop_mask = np.isin(ids_arr, np.fromiter(table.stop_ids, dtype=np.int64, count=len(table.stop_ids)))
+    stopped = bool(stop_mask.any())
+    if stopped:
+        ids_arr = ids_arr[: int(stop_mask.argmax())]
+    ids = ids_arr.tolist()
+    lengths = table.lengths[ids_arr]
+    starts = np.zeros(len(ids) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=starts[1:])
+    text = table.text_of(ids)
+    bins_arr = vocab.bins_of(ids_arr)
+    tok_of_byte = np.repeat(np.arange(len(ids)), lengths).tolist()
+    starts_list = starts.tolist()
+    scanner = _Scanner(text, tok_of_byte, starts_list, bins_arr.tolist())
+    dropped: dict[str, int] = {}
+
+    pos = _WS_RE.match(text).end()
+    fallback: PrefixFallback | None = None
+    if pos >= len(text) or text[pos] != _LBRACE:
+        pos = text.find(b"{")
+        fallback = "no_open_brace" if pos < 0 else "leading_text"
+    if pos < 0:
+        return _fallback_parse(ids, table, stopped, fallback, dropped, truncated=False)
+
+    entries, candidates, truncated = _scan_top_level(scanner, pos + 1, dropped)
+    if fallback is not None:
+        _count(dropped, "prefix_fallback", sum(1 for e in entries if e.index is not None))
+        return _fallback_parse(ids, table, stopped, fallback, dropped, truncated=truncated)
+
+    cut_fallbacks, n_kept, replacement, cut, n_retained = 0, 0, (), 0, 0
+    for cut, n_retained in reversed(candidates):
+        k = tok_of_byte[cut - 1]
+        if starts_list[k + 1] == cut:
+            n_kept, replacement = k + 1, ()
+            break
+        found = table.reencode(text[starts_list[k] : cut])
+        if found is not None:
+            n_kept, replacement = k, found
+            break
+        cut_fallbacks += 1
+    else:  # even the cut right after "{" cannot be expressed: start from the empty prefix
+        n_kept, replacement, cut, n_retained = 0, table.open_brace_ids(), -1, 0
+
+    coord_cum = np.concatenate([[0], np.cumsum(bins_arr >= 0)]).tolist()
+    rep_lengths = [len(table.pieces[r]) for r in replacement]
+    n_before_fallback = candidates[-1][1]
+    objects: list[ParsedObject] = []
+    for i, entry in enumerate(entries):
+        if entry.index is None:
+            _count(dropped, "non_object_key")
+        elif i >= n_retained:
+            _count(dropped, "cut_fallback" if i < n_before_fallback else "non_object_value")
+        else:
+            obj = _finish(entry, scanner, coord_cum, n_kept, replacement, rep_lengths)
+            objects.append(obj)
+            if not obj.valid:
+                _count(dropped, obj.drop_reason)
+    prefix_ids = tuple(ids[:n_kept]) + tuple(replacement)
+    prefix_bytes = text[:cut] if cut >= 0 else b"{"
+    indices = [o.index for o in objects]
+    return RolloutParse(
+        response_ids=tuple(ids),
+        prefix_ids=prefix_ids,
+        prefix_text=prefix_bytes.decode("utf-8", "replace"),
+        n_kept=n_kept,
+        objects=tuple(objects),
+        max_object_index=max(indices) if indices else None,
+        truncated=truncated,
+        stopped_at_eos=stopped,
+        prefix_fallback=None,
+        cut_fallbacks=cut_fallbacks,
+        dropped_by_reason=MappingProxyType(dropped),
+    )
+
+
+def _scan_top_level(scanner: _Scanner, pos: int, dropped: dict[str, int]):
+    """Scan the entries of the top-level object opened just before ``pos``.
+
+    Returns the complete entries, the cut candidates ``(byte_end, n_entries_before)`` (after ``{`` and after every
+    entry whose value is a dict) and whether the text ended inside the structure. A syntax error stops the scan:
+    everything from the broken entry on is unusable.
+    """
+    text = scanner.text
+    entries: list[_Entry] = []
+    candidates = [(pos, 0)]
+    pending: _Entry | None = None
+    try:
+        kind, start, end = scanner.lex(pos)
+        if kind == _PUNCT and text[start] == _RBRACE:
+            return entries, candidates, False
+        while True:
+            if kind != _STR:
+                scanner.fail(kind)
+            key = _decode_string(text, start, end)
+            match = OBJECT_KEY_RE.fullmatch(key)
+            pending = _Entry(key, int(match.group(1)) if match else None, start)
+            value = scanner.lex(scanner.expect(end, _COLON))
+            pending.is_dict = value[0] == _PUNCT and text[value[1]] == _LBRACE
+            if match is not None and pending.is_dict:
+                pos = scanner.object_body(value[2], pending)
+            else:
+                pos = scanner.skip_value(value)
+            pending.end = pos
+            entries.append(pending)
+            if pending.is_dict:
+                candidates.append((pos, len(entries)))
+            pending = None
+            kind, start, end = scanner.lex(pos)
+            if kind == _PUNCT and text[start] == _COMMA:
+                kind, start, end = scanner.lex(end)
+                continue
+            if kind == _PUNCT and text[start] == _RBRACE:
+                return entries, candidates, False
+            scanner.fail(kind)
+    except _Truncated:
+        if pending is not None and pending.index is not None:
+            _count(dropped, "truncated")
+        return entries, candidates, True
+    except _Malformed:
+        if pending is None or pending.index is not None:
+            _count(dropped, "malformed")
+        return entries, candidates, False
+
+
+def _finish(
+    entry: _Entry,
+    scanner: _Scanner,
+    coord_cum: list[int],
+    n_kept: int,
+    replacement: tuple[int, ...],
+    rep_lengths: list[int],
+) -> ParsedObject:
+    """Turn a retained entry into a ParsedObject with its reason and token positions (prefix coordinates)."""
+    tok_of_byte, starts = scanner.tok_of_byte, scanner.starts
+    first, last = tok_of_byte[entry.start], tok_of_byte[entry.end - 1]
+    if entry.is_dict:
+        if coord_cum[last + 1] - coord_cum[first] != len(entry.coord_toks):
+            entry.reasons.add("ambiguous_alignment")  # a coord token outside the geometry slots
+        reason = _schema_reason(entry)
+    else:
+        reason = "non_object_value"
+    desc_lo = desc_hi = -1  # byte range of the desc value
+    desc_toks: list[int] = []
+    if entry.desc_inner is not None and entry.desc_inner[1] > entry.desc_inner[0]:
+        desc_lo, desc_hi = entry.desc_inner
+        desc_toks = list(range(tok_of_byte[desc_lo], tok_of_byte[desc_hi - 1] + 1))
+    skip = set(entry.coord_toks).union(desc_toks)
+    struct = [t for t in range(first, last + 1) if t not in skip]
+    end_tok = last + 1
+    if replacement and last == n_kept:  # this entry's closing token was re-encoded
+        struct = [t for t in struct if t != last]
+        desc_toks = [t for t in desc_toks if t != last]
+        offset = starts[last]
+        for j, length in enumerate(rep_lengths):
+            lo, hi = offset, offset + length
+            (desc_toks if lo < desc_hi and hi > desc_lo else struct).append(n_kept + j)
+            offset = hi
+        end_tok = n_kept + len(replacement)
+    valid = reason is None
+    return ParsedObject(
+        key=entry.key,
+        index=entry.index,
+        desc=entry.desc,
+        geometry=entry.geometry if entry.is_dict else None,
+        coords=tuple(entry.bins),
+        coord_token_indices=tuple(entry.coord_toks),
+        valid=valid,
+        drop_reason=reason,
+        token_span=(first, end_tok),
+        struct_token_positions=tuple(struct),
+        desc_token_positions=tuple(desc_toks),
+    )
+
+
+def _fallback_parse(ids, table, stopped, fallback, dropped, *, truncated: bool) -> RolloutParse:
+    return RolloutParse(
+        response_ids=tuple(ids),
+        prefix_ids=table.open_brace_ids(),
+        prefix_text="{",
+        n_kept=0,
+        objects=(),
+        max_object_index=None,
+        truncated=truncated,
+        stopped_at_eos=stopped,
+        prefix_fallback=fallback,
+        cut_fallbacks=0,
+        dropped_by_reason=MappingProxyType(dropped),
+    )

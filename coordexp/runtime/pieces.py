@@ -1,0 +1,143 @@
+"""Per-token text pieces, built once per tokenizer, so parsing never calls ``decode`` per token.
+
+Pieces are BYTES: a byte-level BPE token may hold part of a multi-byte UTF-8 character, and only bytes concatenate
+exactly (``b"".join(pieces) .decode("utf-8", "replace") == tokenizer.decode(ids)``). JSON structure characters are
+ASCII, so the parser scans bytes.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """Inverse of GPT-2's bytes_to_unicode: the printable stand-in character of each byte -> the byte."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+def _is_byte_level(tokenizer: Any) -> bool:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return False
+    from tokenizers import decoders
+
+    return isinstance(backend.decoder, decoders.ByteLevel)
+
+
+def _build_pieces(tokenizer: Any) -> list[bytes]:
+    size = len(tokenizer)
+    added = {int(i): tok.content for i, tok in tokenizer.added_tokens_decoder.items()}
+    if _is_byte_level(tokenizer):
+        byte_of = _byte_level_decoder()
+        raw = tokenizer.convert_ids_to_tokens(list(range(size)))
+        pieces = []
+        for i, text in enumerate(raw):
+            if i in added:
+                pieces.append(added[i].encode("utf-8"))
+            elif text is None:
+                pieces.append(b"")
+            else:
+                try:
+                    pieces.append(bytes(byte_of[ch] for ch in text))
+                except KeyError:
+                    pieces.append(tokenizer.decode([i], skip_special_tokens=False).encode("utf-8"))
+        return pieces
+    # Not byte-level (e.g. SentencePiece): decode each id once. Structure characters stay exact; a token that is
+    # part of a multi-byte character decodes to U+FFFD here, so such text only round-trips as replacement chars.
+    return [
+        tokenizer.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False).encode("utf-8")
+        for i in range(size)
+    ]
+
+
+@dataclass(frozen=True, eq=False)
+class PieceTable:
+    """Id -> decoded bytes for every id of one tokenizer, plus the re-encoding helpers of the prefix cut."""
+
+    pieces: tuple[bytes, ...]
+    lengths: np.ndarray = field(repr=False)
+    stop_ids: frozenset[int]
+    encode: Callable[[str], list[int]] = field(repr=False)
+    _replacements: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Any) -> "PieceTable":
+        pieces = _build_pieces(tokenizer)
+        vocab = tokenizer.get_vocab()
+        stops = {int(vocab[t]) for t in _STOP_TOKENS if t in vocab}
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            stops.add(int(tokenizer.eos_token_id))
+        lengths = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=len(pieces))
+        lengths.setflags(write=False)
+
+        def encode(text: str) -> list[int]:
+            return list(tokenizer.encode(text, add_special_tokens=False))
+
+        return cls(pieces=tuple(pieces), lengths=lengths, stop_ids=frozenset(stops), encode=encode)
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Any) -> "PieceTable":
+        """The cached table of ``tokenizer``; rebuilt when tokens were added since (``len`` changed)."""
+        key = id(tokenizer)
+        entry = _CACHE.get(key)
+        if entry is not None:
+            ref, table = entry
+            if ref() is tokenizer and len(table.pieces) == len(tokenizer):
+                return table
+        table = cls.from_tokenizer(tokenizer)
+        try:
+            ref = weakref.ref(tokenizer, lambda _r, key=key: _CACHE.pop(key, None))
+        except TypeError:  # not weak-referenceable: keep it alive with the table
+            ref = (lambda obj: (lambda: obj))(tokenizer)
+        _CACHE[key] = (ref, table)
+        return table
+
+    def text_of(self, ids: Sequence[int]) -> bytes:
+        """The exact decoded bytes of ``ids`` (special tokens included, no cleanup)."""
+        pieces = self.pieces
+        try:
+            return b"".join([pieces[i] for i in ids])
+        except IndexError:
+            bad = [int(i) for i in ids if not 0 <= int(i) < len(pieces)]
+            raise ValueError(f"token ids {bad[:5]} are outside the tokenizer's {len(pieces)} ids") from None
+
+    def reencode(self, text: bytes) -> tuple[int, ...] | None:
+        """Ids whose pieces concatenate to exactly ``text``, or None when the tokenizer cannot express it."""
+        cached = self._replacements.get(text)
+        if cached is not None or text in self._replacements:
+            return cached
+        result: tuple[int, ...] | None
+        try:
+            decoded = text.decode("utf-8")
+        except UnicodeDecodeError:
+            result = None
+        else:
+            ids = tuple(self.encode(decoded))
+            result = ids if ids and self.text_of(ids) == text else None
+        if len(self._replacements) < 65536:
+            self._replacements[text] = result
+        return result
+
+    def open_brace_ids(self) -> tuple[int, ...]:
+        """Ids of the empty prefix ``{`` (the fallback prefix of decision 3)."""
+        ids = self.reencode(b"{")
+        if ids is None:
+            raise ValueError("the tokenizer cannot encode '{' so that it decodes back to '{'; it cannot serve JSON output")
+        return ids
+
+
+_CACHE: dict[int, tuple[Callable[[], Any], PieceTable]] = {}

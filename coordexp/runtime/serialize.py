@@ -1,0 +1,164 @@
+"""Ground-truth serialization in the decision-3 assistant format, and the FN append fragment (SerializeAppend).
+
+One line, ``", "`` and ``": "`` separators, keys ``object_n``, quoted coord tokens, flat polygons, desc JSON-escaped
+(unicode kept), fields in ``object_field_order``. Byte spans of desc values and coord tokens are tracked while
+rendering, so the targets builder can find their tokens without searching text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+import numpy as np
+
+from coordexp.runtime.objects import DetObject
+
+FieldOrder = Literal["desc_first", "geometry_first"]
+FIELD_ORDERS: tuple[str, ...] = ("desc_first", "geometry_first")
+_MARKUP_RE = re.compile(r"<\|[^|<>]*\|>")
+
+
+@dataclass(frozen=True)
+class RenderedAppend:
+    """An append fragment and where its parts are, as UTF-8 byte offsets into ``text``."""
+
+    text: str
+    desc_spans: tuple[tuple[int, int], ...]  # desc value without its quotes, one per object
+    coord_spans: tuple[tuple[int, int, int], ...]  # (bin, start, end) of each coord token, in order
+    geometries: tuple[str, ...]  # geometry key of each object, in order
+
+
+def validate_gt_object(obj: DetObject, where: str) -> None:
+    """Fail with a clear message when a ground-truth object cannot be serialized into a parseable target."""
+    if not isinstance(obj, DetObject):
+        raise TypeError(f"{where}: expected a DetObject, got {type(obj).__name__}")
+    if not isinstance(obj.desc, str) or not obj.desc.strip():
+        raise ValueError(f"{where}: desc must be a non-empty string, got {obj.desc!r}; fix or drop this object in the data")
+    if _MARKUP_RE.search(obj.desc):
+        raise ValueError(
+            f"{where}: desc {obj.desc!r} contains special-token markup like '<|...|>', which the tokenizer would turn "
+            "into a coord/special token; clean the description in the data"
+        )
+    coords = obj.coords
+    bad = [c for c in coords if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or not 0 <= c <= 999]
+    if bad:
+        raise ValueError(f"{where}: coords must be ints in 0..999 (norm1000 bins); bad values {bad[:4]}")
+    if obj.geometry == "bbox_2d":
+        if len(coords) != 4:
+            raise ValueError(f"{where}: bbox_2d needs 4 values [x1, y1, x2, y2], got {len(coords)}")
+        if coords[2] < coords[0] or coords[3] < coords[1]:
+            raise ValueError(f"{where}: bbox_2d {list(coords)} has x2 < x1 or y2 < y1; store boxes as [x1, y1, x2, y2]")
+    elif obj.geometry == "poly":
+        if len(coords) < 6 or len(coords) % 2:
+            raise ValueError(f"{where}: poly needs an even number (>= 6) of values, got {len(coords)}")
+    else:
+        raise ValueError(f"{where}: geometry must be 'bbox_2d' or 'poly', got {obj.geometry!r}")
+
+
+def _check_field_order(field_order: str) -> None:
+    if field_order not in FIELD_ORDERS:
+        raise ValueError(f"object_field_order must be one of {list(FIELD_ORDERS)}, got {field_order!r}")
+
+
+class _Writer:
+    """Accumulates text while tracking its UTF-8 byte length."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.size = 0
+        self.desc_spans: list[tuple[int, int]] = []
+        self.coord_spans: list[tuple[int, int, int]] = []
+
+    def write(self, s: str) -> None:
+        self.parts.append(s)
+        self.size += len(s.encode("utf-8")) if not s.isascii() else len(s)
+
+    def entry(self, key: str, obj: DetObject, field_order: str) -> None:
+        self.write(f'"{key}": {{')
+        fields = (self._desc, self._geometry) if field_order == "desc_first" else (self._geometry, self._desc)
+        fields[0](obj)
+        self.write(", ")
+        fields[1](obj)
+        self.write("}")
+
+    def _desc(self, obj: DetObject) -> None:
+        escaped = json.dumps(obj.desc, ensure_ascii=False)
+        self.write('"desc": "')
+        start = self.size
+        self.write(escaped[1:-1])
+        self.desc_spans.append((start, self.size))
+        self.write('"')
+
+    def _geometry(self, obj: DetObject) -> None:
+        self.write(f'"{obj.geometry}": [')
+        for i, value in enumerate(obj.coords):
+            self.write('", "' if i else '"')
+            token = f"<|coord_{int(value)}|>"
+            self.coord_spans.append((int(value), self.size, self.size + len(token)))
+            self.write(token)
+        self.write('"]')
+
+
+def render_entries(
+    objects: Sequence[DetObject], start_index: int, field_order: FieldOrder, *, lead: str = "", tail: str = ""
+) -> RenderedAppend:
+    """``lead`` + ``"object_{start_index}": {...}, ...`` + ``tail``, with spans."""
+    _check_field_order(field_order)
+    if isinstance(start_index, bool) or not isinstance(start_index, int) or start_index < 1:
+        raise ValueError(f"start_index must be an int >= 1, got {start_index!r}")
+    writer = _Writer()
+    writer.write(lead)
+    for i, obj in enumerate(objects):
+        validate_gt_object(obj, f"object {i} of the ground truth")
+        if i:
+            writer.write(", ")
+        writer.entry(f"object_{start_index + i}", obj, field_order)
+    writer.write(tail)
+    return RenderedAppend(
+        text="".join(writer.parts),
+        desc_spans=tuple(writer.desc_spans),
+        coord_spans=tuple(writer.coord_spans),
+        geometries=tuple(o.geometry for o in objects),
+    )
+
+
+def serialize_objects(objects: Sequence[DetObject], field_order: FieldOrder = "desc_first") -> str:
+    """The full assistant text ``{"object_1": {...}, ...}`` of ground-truth objects (``{}`` when there are none)."""
+    return render_entries(objects, 1, field_order, lead="{", tail="}").text
+
+
+def append_lead(prefix_text: str, n_objects: int) -> str:
+    """The comma rule of SerializeAppend, from the last non-whitespace character of the decoded prefix."""
+    stripped = prefix_text.rstrip()
+    if not stripped:
+        raise ValueError("the rollout prefix is empty; an append-ready prefix starts with '{' (use the '{' fallback)")
+    last = stripped[-1]
+    if last == "}":
+        return ", " if n_objects else ""
+    if last == "{":
+        return ""
+    if last == ",":
+        if not n_objects:
+            raise ValueError("the rollout prefix ends with ',' but there is nothing to append; closing it gives invalid JSON")
+        return ""
+    raise ValueError(
+        f"rollout prefix is not append-ready: its last non-whitespace character is {last!r}; it must end with "
+        "'{', ',' or '}' (cut the rollout with coordexp.runtime.parsing.parse_rollout)"
+    )
+
+
+def render_append(
+    objects: Sequence[DetObject], start_index: int, prefix_text: str, field_order: FieldOrder = "desc_first"
+) -> RenderedAppend:
+    """SerializeAppend with spans: comma rule, entries numbered from ``start_index``, then the closing ``}``."""
+    return render_entries(objects, start_index, field_order, lead=append_lead(prefix_text, len(objects)), tail="}")
+
+
+def serialize_append(
+    objects: Sequence[DetObject], start_index: int, prefix_text: str, field_order: FieldOrder = "desc_first"
+) -> str:
+    """The text appended to the rollout prefix: ``[", "] "object_n": {...}, ... }``."""
+    return render_append(objects, start_index, prefix_text, field_order).text
