@@ -1,0 +1,368 @@
+"""Hungarian matching of predicted to ground-truth objects with AABB candidates and maskIoU gating (spec 004).
+
+Pipeline per sample: clamp every coordinate to [0, 999] -> AABB IoU -> top-k GT candidates per prediction ->
+rasterise every shape once on an ``R x R`` canvas -> maskIoU of candidate pairs -> gate (``maskIoU < gate`` is
+infeasible) -> Hungarian on a dummy-augmented square matrix -> pairs, FN GT indices, FP pred indices.
+
+Raster convention (decision 9): a norm1000 value ``v`` maps to canvas units ``v * R / 1000``; pixel ``(row, col)``
+is inside a shape when its centre ``(col + 0.5, row + 0.5)`` is inside the polygon under the **even-odd** rule
+(a ``bbox_2d`` is its 4-corner quadrilateral, a ``poly`` one ring). Edges are half-open, so two shapes that only
+touch share no pixel and a zero-area shape rasterises to an empty mask. The maskIoU of two empty masks is 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.optimize import linear_sum_assignment
+
+from coordexp.runtime.objects import DetObject
+from coordexp.schema.matching import MatchingConfig
+
+__all__ = [
+    "MatchCosts",
+    "MatchResult",
+    "aabb_iou_matrix",
+    "assignment_matrix",
+    "candidate_mask",
+    "compute_match_costs",
+    "mask_iou_matrix",
+    "match_objects",
+    "rasterize",
+]
+
+COORD_MAX = 999
+
+
+# --------------------------------------------------------------------------------------------------- geometry
+
+
+def _check_coords(obj: DetObject) -> None:
+    n = len(obj.coords)
+    if obj.geometry == "bbox_2d":
+        if n != 4:
+            raise ValueError(f"bbox_2d of object {obj.desc!r} has {n} coords; expected exactly 4 (x1, y1, x2, y2).")
+    elif obj.geometry == "poly":
+        if n < 6 or n % 2:
+            raise ValueError(
+                f"poly of object {obj.desc!r} has {n} coords; expected an even count >= 6 (at least 3 x, y vertices)."
+            )
+    else:
+        raise ValueError(f"object {obj.desc!r} has unknown geometry {obj.geometry!r}; expected 'bbox_2d' or 'poly'.")
+
+
+@dataclass(frozen=True)
+class _Rings:
+    """All shapes of a list as one ring table: clamped vertices ``(V, 2)`` and each ring's first vertex and size."""
+
+    points: np.ndarray
+    starts: np.ndarray
+    counts: np.ndarray
+
+    @classmethod
+    def of(cls, objects: Sequence[DetObject]) -> _Rings:
+        flat: list[int] = []
+        counts = np.empty(len(objects), dtype=np.int64)
+        for i, obj in enumerate(objects):
+            _check_coords(obj)
+            c = obj.coords
+            if obj.geometry == "bbox_2d":
+                flat += (c[0], c[1], c[2], c[1], c[2], c[3], c[0], c[3])
+                counts[i] = 4
+            else:
+                flat += c
+                counts[i] = len(c) // 2
+        points = np.clip(np.array(flat, dtype=np.int64).reshape(-1, 2), 0, COORD_MAX)
+        return cls(points=points, starts=np.cumsum(counts) - counts, counts=counts)
+
+    def aabbs(self) -> np.ndarray:
+        """``(n, 4)`` as ``x_min, y_min, x_max, y_max``; swapped bbox corners are canonicalised."""
+        if len(self.counts) == 0:
+            return np.zeros((0, 4), dtype=np.int64)
+        lo = np.minimum.reduceat(self.points, self.starts, axis=0)
+        hi = np.maximum.reduceat(self.points, self.starts, axis=0)
+        return np.concatenate([lo, hi], axis=1)
+
+    def edges(self) -> tuple[np.ndarray, np.ndarray]:
+        """Closed-ring edges ``(V, 4)`` as x0, y0, x1, y1 (vertex k to k + 1, last back to first) and their ring."""
+        owner = np.repeat(np.arange(len(self.counts)), self.counts)
+        nxt = np.arange(1, len(self.points) + 1)
+        ends = self.starts + self.counts - 1
+        nxt[ends] = self.starts
+        return np.concatenate([self.points, self.points[nxt]], axis=1), owner
+
+
+def _aabbs(objects: Sequence[DetObject]) -> np.ndarray:
+    return _Rings.of(objects).aabbs()
+
+
+def _pairwise_aabb_iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    ax0, ay0, ax1, ay1 = np.ascontiguousarray(a.T, dtype=np.float64)
+    bx0, by0, bx1, by1 = np.ascontiguousarray(b.T, dtype=np.float64)
+    iw = np.maximum(np.minimum(ax1[:, None], bx1[None, :]) - np.maximum(ax0[:, None], bx0[None, :]), 0.0)
+    ih = np.maximum(np.minimum(ay1[:, None], by1[None, :]) - np.maximum(ay0[:, None], by0[None, :]), 0.0)
+    inter = iw * ih
+    union = ((ax1 - ax0) * (ay1 - ay0))[:, None] + ((bx1 - bx0) * (by1 - by0))[None, :] - inter
+    return np.divide(inter, union, out=np.zeros(inter.shape), where=union > 0)
+
+
+def aabb_iou_matrix(preds: Sequence[DetObject], gts: Sequence[DetObject]) -> np.ndarray:
+    """Continuous IoU ``(P, G)`` of the clamped axis-aligned bounding boxes; 0 where the union is empty."""
+    return _pairwise_aabb_iou(_aabbs(preds), _aabbs(gts))
+
+
+def candidate_mask(
+    pred_aabbs: np.ndarray, gt_aabbs: np.ndarray, top_k: int, aabb_iou: np.ndarray | None = None
+) -> np.ndarray:
+    """Boolean ``(P, G)``: the ``top_k`` GT candidates of each prediction.
+
+    GTs are ranked by (AABB IoU descending, squared centre distance ascending, GT index ascending), so positive-IoU
+    GTs come first and, when fewer than ``top_k`` overlap (or none does), the rest is filled by the nearest centres.
+    """
+    n_pred, n_gt = len(pred_aabbs), len(gt_aabbs)
+    if top_k >= n_gt:
+        return np.ones((n_pred, n_gt), dtype=bool)
+    iou = _pairwise_aabb_iou(pred_aabbs, gt_aabbs) if aabb_iou is None else aabb_iou
+    pc = (pred_aabbs[:, :2] + pred_aabbs[:, 2:]).T.astype(np.float64)  # doubled centres: same order, exact
+    gc = (gt_aabbs[:, :2] + gt_aabbs[:, 2:]).T.astype(np.float64)
+    dist2 = (pc[0][:, None] - gc[0][None, :]) ** 2 + (pc[1][:, None] - gc[1][None, :]) ** 2
+    # Two stable sorts = lexicographic (IoU desc, distance asc, index asc).
+    by_dist = np.argsort(dist2, axis=1, kind="stable")
+    by_iou = np.argsort(-np.take_along_axis(iou, by_dist, axis=1), axis=1, kind="stable")
+    top = np.take_along_axis(by_dist, by_iou[:, :top_k], axis=1)
+    mask = np.zeros((n_pred, n_gt), dtype=bool)
+    np.put_along_axis(mask, top, True, axis=1)
+    return mask
+
+
+# ------------------------------------------------------------------------------------------------ rasterising
+
+
+@dataclass(frozen=True)
+class _RowSpans:
+    """Rasterised shapes as runs of set pixels per canvas row (no ``n x R x R`` canvas is ever built).
+
+    Shape ``s`` owns canvas rows ``first[s] .. end[s] - 1``, numbered ``base[s] + row - first[s]`` in a global
+    row table; global row ``g`` holds spans ``ptr[g] .. ptr[g] + count[g] - 1``, each the pixel columns
+    ``[start, stop)``, sorted and disjoint.
+    """
+
+    base: np.ndarray  # int64 (n,)
+    first: np.ndarray  # int64 (n,)
+    end: np.ndarray  # int64 (n,)
+    ptr: np.ndarray  # int64 (rows,)
+    count: np.ndarray  # int64 (rows,)
+    start: np.ndarray  # int64 (spans,)
+    stop: np.ndarray  # int64 (spans,)
+    areas: np.ndarray  # int64 (n,), set pixels per shape
+
+    def dense(self, resolution: int) -> np.ndarray:
+        """Boolean canvas ``(n, R, R)`` via a difference array over the spans."""
+        n = len(self.base)
+        span_row = np.repeat(np.arange(len(self.count)), self.count)
+        shape = np.searchsorted(self.base, span_row, side="right") - 1
+        canvas_row = span_row - self.base[shape] + self.first[shape]
+        diff = np.zeros((n, resolution, resolution + 1), dtype=np.int32)
+        np.add.at(diff, (shape, canvas_row, self.start), 1)
+        np.add.at(diff, (shape, canvas_row, self.stop), -1)
+        return np.cumsum(diff, axis=-1)[..., :resolution] > 0
+
+
+def _row_range(y_lo: np.ndarray, y_hi: np.ndarray, resolution: int) -> tuple[np.ndarray, np.ndarray]:
+    """Pixel rows ``[first, end)`` whose centre ``r + 0.5`` lies in ``[y_lo, y_hi)`` (norm1000 ints), exactly."""
+    first = -((1000 - 2 * resolution * y_lo) // 2000)  # ceil((2 R y_lo - 1000) / 2000)
+    end = -((1000 - 2 * resolution * y_hi) // 2000)
+    return first, end
+
+
+def _ragged_arange(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For counts ``[2, 3]``: owners ``[0, 0, 1, 1, 1]`` and positions within each owner ``[0, 1, 0, 1, 2]``."""
+    owner = np.repeat(np.arange(len(counts)), counts)
+    position = np.arange(len(owner)) - (np.cumsum(counts) - counts)[owner]
+    return owner, position
+
+
+def _rasterize_rings(rings: _Rings, resolution: int, selected: np.ndarray | None = None) -> _RowSpans:
+    """Row spans of the rings in ``selected`` (all when None), in that order.
+
+    Scanline fill: the crossings of all ring edges with each pixel-row centre are sorted and paired (even-odd
+    rule; the half-open edge rule makes every count even), each pair covering the pixel centres between them.
+    Vectorised over all edges of all shapes. Integer arithmetic throughout: canvas x = v * R / 1000 and pixel
+    centres sit at odd halves, so scaling by 2000 makes every comparison exact (no float ties on a centre).
+    """
+    if resolution < 1:
+        raise ValueError(f"raster resolution must be >= 1, got {resolution}.")
+    edges, owner = rings.edges()
+    aabbs = rings.aabbs()
+    if selected is not None:
+        slot = np.full(len(rings.counts), -1, dtype=np.int64)
+        slot[selected] = np.arange(len(selected))
+        owner = slot[owner]
+        edges, owner, aabbs = edges[owner >= 0], owner[owner >= 0], aabbs[selected]
+    n = len(aabbs)
+    shape_first, shape_end = _row_range(aabbs[:, 1], aabbs[:, 3], resolution)
+    height = shape_end - shape_first
+    base = np.cumsum(height) - height
+    x0, y0, x1, y1 = edges.T
+    # Rows whose centre lies in [y_lo, y_hi): half-open, so a vertex shared by two edges counts once.
+    row_first, row_end = _row_range(np.minimum(y0, y1), np.maximum(y0, y1), resolution)
+    row_count = np.maximum(row_end - row_first, 0)
+    edge_id, offset = _ragged_arange(row_count)
+    rows = row_first[edge_id] + offset
+    # Pixel c lies right of the crossing when (2c + 1) * 1000 * dy > num (dy > 0), where num / dy is 2R times the
+    # crossing's x in norm1000 units at the row centre.
+    dy = (y1 - y0)[edge_id]
+    num = 2 * resolution * x0[edge_id] * dy + ((2 * rows + 1) * 1000 - 2 * resolution * y0[edge_id]) * (x1 - x0)[edge_id]
+    sign = np.sign(dy)
+    num, dy = num * sign, dy * sign
+    first_col = np.clip((num - 1000 * dy) // (2000 * dy) + 1, 0, resolution)
+    stride = resolution + 1
+    shape_of = owner[edge_id]
+    events = np.sort((base[shape_of] + rows - shape_first[shape_of]) * stride + first_col, kind="stable")
+    span_row = events[0::2] // stride
+    start = events[0::2] - span_row * stride
+    stop = events[1::2] - span_row * stride
+    nonempty = stop > start
+    span_row, start, stop = span_row[nonempty], start[nonempty], stop[nonempty]
+    count = np.bincount(span_row, minlength=int(height.sum()))
+    span_shape = np.searchsorted(base, span_row, side="right") - 1
+    areas = np.bincount(span_shape, weights=stop - start, minlength=n).astype(np.int64)
+    return _RowSpans(
+        base=base, first=shape_first, end=shape_end, ptr=np.cumsum(count) - count, count=count,
+        start=start, stop=stop, areas=areas,
+    )
+
+
+def rasterize(objects: Sequence[DetObject], resolution: int) -> np.ndarray:
+    """Boolean masks ``(n, R, R)``, indexed ``[shape, row (y), column (x)]``; see the module doc for the convention."""
+    return _rasterize_rings(_Rings.of(objects), resolution).dense(resolution)
+
+
+def _pair_mask_iou(spans: _RowSpans, left: np.ndarray, right: np.ndarray) -> np.ndarray:
+    """maskIoU of shape pairs ``(left[i], right[i])``: span overlaps summed over the rows both shapes cover."""
+    first = np.maximum(spans.first[left], spans.first[right])
+    n_rows = np.maximum(np.minimum(spans.end[left], spans.end[right]) - first, 0)
+    pair_of_row, offset = _ragged_arange(n_rows)
+    canvas_row = first[pair_of_row] + offset
+    lo, ro = left[pair_of_row], right[pair_of_row]
+    row_a = spans.base[lo] - spans.first[lo] + canvas_row
+    row_b = spans.base[ro] - spans.first[ro] + canvas_row
+    # Every span of row a against every span of row b (almost always 1 x 1).
+    count_a, count_b = spans.count[row_a], spans.count[row_b]
+    combo_row, k = _ragged_arange(count_a * count_b)
+    ia = spans.ptr[row_a][combo_row] + k // count_b[combo_row]
+    ib = spans.ptr[row_b][combo_row] + k % count_b[combo_row]
+    overlap = np.minimum(spans.stop[ia], spans.stop[ib]) - np.maximum(spans.start[ia], spans.start[ib])
+    inter = np.bincount(pair_of_row[combo_row], weights=np.maximum(overlap, 0), minlength=len(left))
+    union = spans.areas[left] + spans.areas[right] - inter
+    return np.divide(inter, union, out=np.zeros(len(left)), where=union > 0)
+
+
+def mask_iou_matrix(pred_masks: np.ndarray, gt_masks: np.ndarray) -> np.ndarray:
+    """maskIoU ``(P, G)`` of boolean ``(P, R, R)`` and ``(G, R, R)`` masks via one count matmul; 0 for an empty union."""
+    p = pred_masks.reshape(len(pred_masks), -1).astype(np.float32)
+    g = gt_masks.reshape(len(gt_masks), -1).astype(np.float32)
+    inter = p @ g.T
+    union = p.sum(axis=1)[:, None] + g.sum(axis=1)[None, :] - inter
+    return np.divide(inter, union, out=np.zeros_like(inter), where=union > 0).astype(np.float64)
+
+
+# --------------------------------------------------------------------------------------------------- matching
+
+
+@dataclass(frozen=True)
+class MatchCosts:
+    """Everything the assignment sees for one sample, kept for telemetry and tests.
+
+    ``mask_iou`` is computed for candidate pairs only (0 elsewhere); ``feasible = candidate & mask_iou >= gate``.
+    """
+
+    aabb_iou: np.ndarray  # float (P, G)
+    candidate: np.ndarray  # bool (P, G)
+    mask_iou: np.ndarray  # float (P, G)
+    feasible: np.ndarray  # bool (P, G)
+
+    @property
+    def gating_rejections(self) -> int:
+        """Candidate pairs whose maskIoU fell below the gate (counted per pair, not per prediction)."""
+        return int((self.candidate & ~self.feasible).sum())
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    """Outcome of matching one sample; every GT is in exactly one pair or in ``fn_gt_indices``, every pred likewise with FP."""
+
+    pairs: tuple[tuple[int, int], ...]  # (pred_idx, gt_idx), sorted by pred_idx
+    fn_gt_indices: tuple[int, ...]  # sorted; appended as the FN tail
+    fp_pred_indices: tuple[int, ...]  # sorted
+    gating_rejections: int  # candidate pairs with maskIoU < gate
+    n_candidates: int  # candidate pairs considered (P * min(top_k, G))
+
+
+def compute_match_costs(preds: Sequence[DetObject], gts: Sequence[DetObject], cfg: MatchingConfig) -> MatchCosts:
+    """AABB IoU, top-k candidates, maskIoU of candidates (one raster per shape) and the gate, for one sample."""
+    rings = _Rings.of([*preds, *gts])
+    all_aabbs = rings.aabbs()
+    pred_aabbs, gt_aabbs = all_aabbs[: len(preds)], all_aabbs[len(preds) :]
+    aabb_iou = _pairwise_aabb_iou(pred_aabbs, gt_aabbs)
+    candidate = candidate_mask(pred_aabbs, gt_aabbs, cfg.candidate_top_k, aabb_iou)
+    mask_iou = np.zeros(aabb_iou.shape, dtype=np.float64)
+    # Shapes whose AABBs share no area share no pixel (half-open raster), so only those pairs are rasterised.
+    pred_idx, gt_idx = np.nonzero(candidate & (aabb_iou > 0))
+    if len(pred_idx):
+        used_preds, pred_local = np.unique(pred_idx, return_inverse=True)
+        used_gts, gt_local = np.unique(gt_idx, return_inverse=True)
+        used = np.concatenate([used_preds, used_gts + len(preds)])
+        spans = _rasterize_rings(rings, cfg.maskiou_resolution, used)
+        mask_iou[pred_idx, gt_idx] = _pair_mask_iou(spans, pred_local, gt_local + len(used_preds))
+    feasible = candidate & (mask_iou >= cfg.maskiou_gate)
+    return MatchCosts(aabb_iou=aabb_iou, candidate=candidate, mask_iou=mask_iou, feasible=feasible)
+
+
+def assignment_matrix(pair_cost: np.ndarray, feasible: np.ndarray, fp_cost: float, fn_cost: float) -> np.ndarray:
+    """Square ``(P + G)`` dummy-augmented cost matrix ``[[pair, fp], [fn, 0]]`` for ``linear_sum_assignment``.
+
+    Any complete assignment with ``k`` real pairs costs ``sum(pair costs) + (P - k) * fp_cost + (G - k) * fn_cost``.
+    An infeasible pair costs ``2 * (fp_cost + fn_cost) + 1``, so dropping it lowers the total by more than
+    ``fp_cost + fn_cost``: no optimal assignment contains one. Finite because scipy rejects rows of ``inf``.
+    """
+    n_pred, n_gt = pair_cost.shape
+    infeasible_cost = 2.0 * (fp_cost + fn_cost) + 1.0
+    matrix = np.zeros((n_pred + n_gt, n_pred + n_gt), dtype=np.float64)
+    matrix[:n_pred, :n_gt] = np.where(feasible, pair_cost, infeasible_cost)
+    matrix[:n_pred, n_gt:] = fp_cost
+    matrix[n_pred:, :n_gt] = fn_cost
+    return matrix
+
+
+def match_objects(preds: Sequence[DetObject], gts: Sequence[DetObject], cfg: MatchingConfig) -> MatchResult:
+    """Match predictions to GT: gate by maskIoU, then Hungarian with dummy FP/FN slots; deterministic.
+
+    Only predictions and GTs with at least one feasible pair enter the assignment (the others are FP/FN whatever
+    the assignment does), which keeps the matrix small without changing the optimum.
+    """
+    n_pred, n_gt = len(preds), len(gts)
+    costs = compute_match_costs(preds, gts, cfg)
+    pairs: list[tuple[int, int]] = []
+    live_preds = np.flatnonzero(costs.feasible.any(axis=1))
+    live_gts = np.flatnonzero(costs.feasible.any(axis=0))
+    if len(live_preds) and len(live_gts):
+        sub_feasible = costs.feasible[np.ix_(live_preds, live_gts)]
+        sub_cost = 1.0 - costs.mask_iou[np.ix_(live_preds, live_gts)]
+        matrix = assignment_matrix(sub_cost, sub_feasible, cfg.fp_cost, cfg.fn_cost)
+        rows, cols = linear_sum_assignment(matrix)
+        for r, c in zip(rows.tolist(), cols.tolist()):
+            if r < len(live_preds) and c < len(live_gts) and sub_feasible[r, c]:
+                pairs.append((int(live_preds[r]), int(live_gts[c])))
+    pairs.sort()
+    matched_preds = {p for p, _ in pairs}
+    matched_gts = {g for _, g in pairs}
+    return MatchResult(
+        pairs=tuple(pairs),
+        fn_gt_indices=tuple(j for j in range(n_gt) if j not in matched_gts),
+        fp_pred_indices=tuple(i for i in range(n_pred) if i not in matched_preds),
+        gating_rejections=costs.gating_rejections,
+        n_candidates=int(costs.candidate.sum()),
+    )
