@@ -45,14 +45,14 @@ LEGACY_PREFIXES: tuple[LegacyPrefix, ...] = (
     LegacyPrefix(
         "custom.extra.rollout_matching",
         _RM,
-        "Rollout settings live under top-level rollout_matching.* with the same sub-key names (decision 1).",
+        "Rollout settings live under top-level rollout_matching.* with the same sub-key names.",
     ),
 )
 
 LEGACY_KEYS: tuple[LegacyKey, ...] = (
     # decoding knobs (001: moved under decoding.*; OLD flat beam knobs)
     *(
-        LegacyKey(f"{_RM}.{k}", f"{_RM}.decoding.{k}", f"Sampling knobs live under {_RM}.decoding (spec 004).")
+        LegacyKey(f"{_RM}.{k}", f"{_RM}.decoding.{k}", f"Sampling knobs live under {_RM}.decoding.")
         for k in ("temperature", "top_p", "top_k", "num_beams", "repetition_penalty")
     ),
     LegacyKey(
@@ -67,13 +67,13 @@ LEGACY_KEYS: tuple[LegacyKey, ...] = (
     ),
     # batch-size knobs (spec 004: one decode_batch_size)
     *(
-        LegacyKey(f"{_RM}.{k}", f"{_RM}.decode_batch_size", "One knob controls decode microbatching (spec 004).")
+        LegacyKey(f"{_RM}.{k}", f"{_RM}.decode_batch_size", "One knob controls decode microbatching.")
         for k in ("rollout_generate_batch_size", "rollout_infer_batch_size", "channel_b_decode_batch_size")
     ),
     LegacyKey(
         f"{_RM}.eval_decode_batch_size",
         None,
-        f"Remove it: {_RM}.decode_batch_size also governs evaluation decoding (spec 004).",
+        f"Remove it: {_RM}.decode_batch_size also governs evaluation decoding.",
     ),
     LegacyKey(
         f"{_RM}.rollout_buffer",
@@ -95,7 +95,7 @@ LEGACY_KEYS: tuple[LegacyKey, ...] = (
         LegacyKey(
             f"{_RM}.vllm.server.{k}",
             f"{_RM}.vllm.server.servers[]",
-            "Use rollout_matching.vllm.server.servers: [{base_url, group_port}, ...] (decision 7).",
+            "Use rollout_matching.vllm.server.servers: [{base_url, group_port}, ...].",
         )
         for k in ("base_url", "group_port")
     ),
@@ -114,7 +114,7 @@ LEGACY_KEYS: tuple[LegacyKey, ...] = (
             f"{_RM}.{old}",
             f"{_COORD_REG}.{new}",
             "Coord-loss weights are authored in the config of the coord_reg entry of rollout_matching.pipeline."
-            "objective (decision 5).",
+            "objective.",
         )
         for old, new in (
             ("target_sigma", "target_sigma"),
@@ -172,7 +172,7 @@ LEGACY_KEYS: tuple[LegacyKey, ...] = (
     LegacyKey(
         "custom.trainer_variant",
         "custom.trainer_variant: stage2_rollout_aligned",
-        "rollout_matching_sft was renamed; use custom.trainer_variant: stage2_rollout_aligned (decision 2).",
+        "rollout_matching_sft was renamed; use custom.trainer_variant: stage2_rollout_aligned.",
         value="rollout_matching_sft",
     ),
     LegacyKey(

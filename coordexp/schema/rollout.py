@@ -1,4 +1,4 @@
-"""``rollout_matching.*`` (spec 004): backend, decoding, repeat guard, vLLM colocate/server, offload, knobs."""
+"""``rollout_matching.*``: backend, decoding, repeat guard, vLLM colocate/server, offload, knobs."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ __all__ = [
 
 
 class DecodingConfig(StrictModel):
-    """Rollout sampling (decision 6). ``temperature: 0`` is greedy; ``num_beams > 1`` is beam search (HF only)."""
+    """Rollout sampling. ``temperature: 0`` is greedy; ``num_beams > 1`` is beam search (HF only)."""
 
     temperature: float = Field(0.0, ge=0.0, description="0 = greedy; > 0 samples.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass in (0, 1].")
