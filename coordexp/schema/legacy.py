@@ -158,11 +158,10 @@ LEGACY_KEYS: tuple[LegacyKey, ...] = (
     # pipeline config aliases (spec 004: aliases are rejected)
     *(
         LegacyKey(
-            f"{_RM}.pipeline.{section}[*].config.{old}",
-            f"{_RM}.pipeline.{section}[{{0}}].config.{new}",
+            f"{_RM}.pipeline.objective[*].config.{old}",
+            f"{_RM}.pipeline.objective[{{0}}].config.{new}",
             f"Alias keys are rejected; rename {old} to {new}.",
         )
-        for section in ("objective", "diagnostics")
         for old, new in (
             ("bbox_smoothl1_weight", "smoothl1_weight"),
             ("coord_soft_ce_weight", "soft_ce_weight"),
@@ -226,6 +225,10 @@ def _match(tokens: tuple[str, ...], path: PathTuple) -> Optional[list[str]]:
 
 
 _COMPILED = tuple((_parse_pattern(k.pattern), k) for k in LEGACY_KEYS)
+_PRUNABLE = frozenset(
+    [".".join(p.old.split(".")[:n]) for p in LEGACY_PREFIXES for n in range(2, p.old.count(".") + 2)]
+    + [k.pattern for k in LEGACY_KEYS if k.container]
+)
 
 
 @dataclass(frozen=True)
@@ -324,9 +327,11 @@ def _delete(root: Any, path: PathTuple) -> None:
     parent = trail[-1]
     if isinstance(parent, dict) and path[-1] in parent:
         del parent[path[-1]]
-    # drop mappings emptied by the removal, bottom-up (never lists: indices must stay stable)
+    # drop legacy namespaces emptied by the removal (custom.extra, custom.coord_soft_ce_w1), bottom-up
     for depth in range(len(path) - 1, 0, -1):
         node, container = trail[depth], trail[depth - 1]
+        if format_path(path[:depth]) not in _PRUNABLE:
+            break
         if isinstance(node, dict) and not node and isinstance(container, dict):
             del container[path[depth - 1]]
         else:

@@ -21,7 +21,16 @@ from coordexp.schema.legacy import find_legacy_keys, strip_legacy_keys
 from coordexp.schema.root import CoordExpConfig, config_warnings
 from coordexp.schema.yaml_io import YamlReadError, read_yaml_file
 
-__all__ = ["MergedConfig", "ValidationReport", "load_config", "load_merged", "validate_config_file", "deep_merge"]
+__all__ = [
+    "MergedConfig",
+    "ValidationReport",
+    "deep_merge",
+    "load_config",
+    "load_merged",
+    "validate_config_file",
+    "validate_mapping",
+    "validate_merged",
+]
 
 EXTENDS_KEY = "extends"
 
@@ -214,14 +223,17 @@ def validate_merged(merged: MergedConfig) -> ValidationReport:
     top = merged.files[-1] if merged.files else None
     hits = find_legacy_keys(merged.data)
     issues = [hit.issue(merged.file_of(hit.path)) for hit in hits]
-    replaced = {h.replacement for h in hits if h.replacement}
+    # a stripped legacy key (or the key it names) must not also be reported as "required key is missing"
+    covered = {h.dotted for h in hits} | {
+        h.replacement.split(":")[0].removesuffix("[]") for h in hits if h.replacement
+    }
     data = _resolve_paths(strip_legacy_keys(merged.data, hits), merged)
     try:
         config = CoordExpConfig.model_validate(data)
     except ValidationError as exc:
         config = None
         for loc, issue in validation_issues(exc, data, CoordExpConfig):
-            if issue.message.startswith("required key is missing") and issue.path in replaced:
+            if issue.message.startswith("required key is missing") and issue.path in covered:
                 continue  # the legacy message above already names this key
             issues.append(ConfigIssue(issue.path, issue.message, issue.hint, merged.file_of(loc)))
     if issues:
@@ -246,3 +258,10 @@ def load_config(path: Union[str, Path]) -> CoordExpConfig:
         raise ConfigError(report.errors)
     assert report.config is not None
     return report.config
+
+
+def validate_mapping(data: dict, file: str = "<memory>") -> ValidationReport:
+    """Validate an in-memory mapping as if it were the whole content of ``file`` (no ``extends``)."""
+    origins: dict[PathTuple, str] = {}
+    _record_origins(data, (), file, origins)
+    return validate_merged(MergedConfig(copy.deepcopy(data), origins, (file,)))
