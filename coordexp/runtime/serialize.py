@@ -162,3 +162,15 @@ def serialize_append(
 ) -> str:
     """The text appended to the rollout prefix: ``[", "] "object_n": {...}, ... }``."""
     return render_append(objects, start_index, prefix_text, field_order).text
+
+
+_BARE_COORD_RE = re.compile(r'(?<!")(<\|coord_[0-9]{1,4}\|>)(?!")')
+
+
+def loads_coord_json(text: str):
+    """``json.loads`` for CoordJSON: bare coord tokens (accepted from rollouts, decision 3) are read as strings.
+
+    A ``Y_train`` whose rollout prefix uses only quoted coord tokens is plain JSON; one that keeps bare tokens
+    from the model's own output is plain JSON after this quoting.
+    """
+    return json.loads(_BARE_COORD_RE.sub(r'"\1"', text))
