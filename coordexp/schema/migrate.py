@@ -200,7 +200,7 @@ def _servers(rw: _Rewriter) -> None:
     if not isinstance(server, dict) or ("base_url" not in server and "group_port" not in server):
         return
     urls, ports = server.get("base_url"), server.get("group_port")
-    where = f"{_RM}.vllm.server.base_url/group_port"
+    where = f"{_RM}.vllm.server.base_url, {_RM}.vllm.server.group_port"
     entries: Optional[list] = None
     if isinstance(urls, str) and isinstance(ports, int):
         entries = [{"base_url": urls, "group_port": ports}]
@@ -220,7 +220,7 @@ def _servers(rw: _Rewriter) -> None:
     server.pop("base_url", None)
     server.pop("group_port", None)
     server["servers"] = entries
-    rw.m.changes.append(f"{where} -> {_RM}.vllm.server.servers[] ({len(entries)} server(s))")
+    rw.m.changes.append(f"{_RM}.vllm.server.base_url/group_port -> {_RM}.vllm.server.servers[] ({len(entries)} server(s))")
 
 
 def _grouped_knobs(rw: _Rewriter) -> None:
