@@ -87,7 +87,10 @@ def test_other_custom_extra_keys_are_unknown(stage2_config):
     stage2_config["custom"]["extra"] = {"rollout_matching": {"decode_batch_size": 2}, "foo": 1}
     report = validate_mapping(stage2_config)
     assert [(i.path, i.message) for i in report.errors] == [
-        ("custom.extra.rollout_matching.decode_batch_size", "legacy key, replaced by rollout_matching.decode_batch_size"),
+        (
+            "custom.extra.rollout_matching.decode_batch_size",
+            "legacy key, replaced by rollout_matching.decode_batch_size",
+        ),
         ("custom.extra", "unknown key"),
     ]
 

@@ -1,4 +1,4 @@
-"""``coordexp`` command line: ``validate``, ``schema``, ``migrate``.
+"""``coordexp`` command line: ``validate``, ``schema``, ``migrate`` (and ``demo``, the embedded default job).
 
 Module-level imports stay light (typer, rich, the schema package): ``validate`` and ``schema`` must never pay
 for torch/transformers/vllm. Commands that need the runtime import it inside their bodies.
@@ -114,7 +114,9 @@ def schema(
 @app.command()
 def migrate(
     config: Annotated[Path, typer.Argument(help="Legacy YAML config to rewrite.", show_default=False)],
-    in_place: Annotated[bool, typer.Option("--in-place", help="Rewrite the file, keeping a CONFIG.bak backup.")] = False,
+    in_place: Annotated[
+        bool, typer.Option("--in-place", help="Rewrite the file, keeping a CONFIG.bak backup.")
+    ] = False,
     output: Annotated[
         Optional[Path], typer.Option("--output", "-o", help="Write the canonical YAML here instead of stdout.")
     ] = None,
@@ -170,6 +172,47 @@ def migrate(
     raise typer.Exit(EXIT_INVALID if migration.unresolved else EXIT_OK)
 
 
+EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"
+
+
+@app.command()
+def demo(
+    examples_dir: Annotated[
+        Path, typer.Option("--examples-dir", help="Directory of example configs to check.")
+    ] = EXAMPLES_DIR,
+) -> None:
+    """Embedded default job: validate every example config and print a summary of its resolved contract.
+
+    (The trainer issue replaces this with the CPU training demo.)
+    """
+    from coordexp.schema.contract import build_contract
+    from coordexp.schema.loader import validate_config_file
+
+    paths = sorted(examples_dir.glob("*.yaml"))
+    if not paths:
+        _err.print(f"[red]✗[/red] no *.yaml under {escape(str(examples_dir))}. [dim]Pass --examples-dir.[/dim]")
+        raise typer.Exit(EXIT_INVALID)
+    failed = 0
+    for path in paths:
+        report = validate_config_file(path)
+        if not report.ok:
+            failed += 1
+            _out.print(f"[red]✗[/red] {escape(path.name)}: {len(report.errors)} problem(s)")
+            for issue in report.errors:
+                _out.print("  [red]•[/red] " + _issue_line(issue, report.path))
+            continue
+        c = build_contract(report.config)
+        rm = c.rollout_matching
+        backend = rm.rollout_backend + (f"/{rm.vllm_mode}" if rm.vllm_mode else "")
+        _out.print(
+            f"[green]✓[/green] {escape(path.name)}: {c.trainer_variant}, backend {backend}, "
+            f"sync {rm.vllm.sync_mode}, decode_batch_size {rm.decode_batch_size}, "
+            f"packing_length {rm.packing.packing_length}, modules "
+            f"{[m.name for m in (*rm.pipeline.objective, *rm.pipeline.diagnostics) if m.runs_on_rollout_channel]}"
+        )
+    raise typer.Exit(EXIT_INVALID if failed else EXIT_OK)
+
+
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(text, encoding="utf-8")
@@ -189,7 +232,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         if os.environ.get("COORDEXP_DEBUG") == "1":
             raise
         _err.print(f"[red]internal error[/red]: {escape(type(exc).__name__)}: {escape(str(exc))}")
-        _err.print("[dim]This is a bug in coordexp. Re-run with COORDEXP_DEBUG=1 for the traceback and report it.[/dim]")
+        _err.print("[dim]This is a bug in coordexp. Re-run with COORDEXP_DEBUG=1 for the traceback; report it.[/dim]")
         sys.exit(EXIT_INTERNAL)
 
 

@@ -119,7 +119,8 @@ def _load_merged(path: Path, chain: tuple[Path, ...]) -> MergedConfig:
     resolved = path.resolve()
     if resolved in chain:
         cycle = " -> ".join(_display(p) for p in (*chain, resolved))
-        raise ConfigError([ConfigIssue(EXTENDS_KEY, f"extends cycle: {cycle}", "Remove one of the extends links.", shown)])
+        issue = ConfigIssue(EXTENDS_KEY, f"extends cycle: {cycle}", "Remove one of the extends links.", shown)
+        raise ConfigError([issue])
     try:
         data = read_yaml_file(path)
     except YamlReadError as exc:

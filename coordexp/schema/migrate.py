@@ -50,7 +50,11 @@ _RM_COORD_OVERRIDES = {
     "w1_weight": "w1_weight",
     "gate_weight": "coord_gate_weight",
 }
-_ALIASES = {"bbox_smoothl1_weight": "smoothl1_weight", "coord_soft_ce_weight": "soft_ce_weight", "coord_w1_weight": "w1_weight"}
+_ALIASES = {
+    "bbox_smoothl1_weight": "smoothl1_weight",
+    "coord_soft_ce_weight": "soft_ce_weight",
+    "coord_w1_weight": "w1_weight",
+}
 _REMOVED = {
     f"{_RM}.num_return_sequences": "beam search always trains on the single best beam",
     f"{_RM}.eval_decode_batch_size": f"{_RM}.decode_batch_size also governs evaluation decoding",
@@ -220,7 +224,9 @@ def _servers(rw: _Rewriter) -> None:
     server.pop("base_url", None)
     server.pop("group_port", None)
     server["servers"] = entries
-    rw.m.changes.append(f"{_RM}.vllm.server.base_url/group_port -> {_RM}.vllm.server.servers[] ({len(entries)} server(s))")
+    rw.m.changes.append(
+        f"{_RM}.vllm.server.base_url/group_port -> {_RM}.vllm.server.servers[] ({len(entries)} server(s))"
+    )
 
 
 def _grouped_knobs(rw: _Rewriter) -> None:
@@ -250,7 +256,9 @@ def _coord_sources(rw: _Rewriter) -> list[tuple[str, str, Any]]:
     found = []
     section = _get(rw.data, "custom.coord_soft_ce_w1")
     if isinstance(section, dict):
-        found += [(f"custom.coord_soft_ce_w1.{o}", n, section[o]) for o, n in _COORD_SOFT_CE_W1.items() if o in section]
+        found += [
+            (f"custom.coord_soft_ce_w1.{old}", new, section[old]) for old, new in _COORD_SOFT_CE_W1.items() if old in section
+        ]
     for old, new in _RM_COORD_OVERRIDES.items():  # per-run overrides won over coord_soft_ce_w1 upstream
         value = _get(rw.data, f"{_RM}.{old}")
         if value is not _ABSENT:
@@ -268,7 +276,8 @@ def _coord_losses(rw: _Rewriter, old_variant: bool) -> None:
     objective = _get(rw.data, f"{_RM}.pipeline.objective")
     sources = [s for s, _, _ in found]
     if isinstance(objective, list):
-        index = next((i for i, m in enumerate(objective) if isinstance(m, dict) and m.get("name") == "coord_reg"), None)
+        names = [m.get("name") if isinstance(m, dict) else None for m in objective]
+        index = names.index("coord_reg") if "coord_reg" in names else None
         if index is None:
             rw.m.unresolved.append(
                 f"{', '.join(sources)}: the pipeline has no coord_reg entry; add one and move these weights into it"
@@ -379,7 +388,9 @@ def migrate_mapping(raw: dict, base_view: Optional[dict] = None) -> Migration:
     return rw.m
 
 
-def migrate_text(text: str, source: Union[str, Path], output: Optional[Union[str, Path]] = None) -> tuple[str, Migration]:
+def migrate_text(
+    text: str, source: Union[str, Path], output: Optional[Union[str, Path]] = None
+) -> tuple[str, Migration]:
     """Migrate YAML ``text`` read from ``source``; returns the new text (unchanged text if nothing moved).
 
     ``extends`` paths are rewritten relative to ``output`` when it lives in another directory.
