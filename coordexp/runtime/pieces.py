@@ -68,7 +68,7 @@ def _build_pieces(tokenizer: Any) -> list[bytes]:
 class PieceTable:
     """Id -> decoded bytes for every id of one tokenizer, plus the re-encoding helpers of the prefix cut."""
 
-    pieces: tuple[bytes, ...]
+    pieces: tuple[bytes, ...] = field(repr=False)
     lengths: np.ndarray = field(repr=False)
     stop_ids: frozenset[int]
     encode: Callable[[str], list[int]] = field(repr=False)
@@ -100,7 +100,7 @@ class PieceTable:
                 return table
         table = cls.from_tokenizer(tokenizer)
         try:
-            ref = weakref.ref(tokenizer, lambda _r, key=key: _CACHE.pop(key, None))
+            ref = weakref.ref(tokenizer, lambda _r, key=key, cache=_CACHE: cache.pop(key, None))
         except TypeError:  # not weak-referenceable: keep it alive with the table
             ref = (lambda obj: (lambda: obj))(tokenizer)
         _CACHE[key] = (ref, table)
