@@ -3,16 +3,29 @@
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 
 import pytest
 
-from coordexp.schema.legacy import find_legacy_keys
+from coordexp.schema.legacy import LEGACY_KEYS, find_legacy_keys
 from coordexp.schema.loader import validate_config_file, validate_mapping
 from coordexp.schema.migrate import OLD_COORD_DEFAULTS, migrate_mapping, migrate_text
 from coordexp.schema.yaml_io import parse_yaml_text
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def _place(data: dict, pattern: str, value) -> str:
+    """Put ``value`` at a concrete instance of ``pattern`` (``[*]`` -> the module entry, ``*`` -> a name)."""
+    index = 2 if "bbox_" in pattern else 1  # bbox_geo is objective[2], coord_reg objective[1]
+    concrete = pattern.replace("[*]", f"[{index}]").replace(".*", ".zz_any")
+    node = data
+    tokens = re.findall(r"[^.\[\]]+|\[\d+\]", concrete)
+    for token in tokens[:-1]:
+        node = node[int(token[1:-1])] if token.startswith("[") else node.setdefault(token, {})
+    node[tokens[-1]] = value
+    return concrete
 LEGACY_EXAMPLES = sorted((REPO / "examples" / "legacy").glob("*.yaml"))
 
 
@@ -144,3 +157,22 @@ def test_nothing_legacy_survives_a_full_migration(stage2_config):
     assert validate_mapping(m.data).ok
     assert m.data["rollout_matching"]["decoding"] == {"temperature": 0.7, "top_p": 0.9, "top_k": 50,
                                                       "repetition_penalty": 1.1}
+
+
+_SAMPLE_VALUES = {"rollout_matching.decode_mode": "greedy", "custom.trainer_variant": "rollout_matching_sft",
+                  "custom.coord_soft_ce_w1": None, "rollout_matching.ot_cost": "l1",
+                  "rollout_matching.maskiou_resolution": 64}
+
+
+@pytest.mark.parametrize("entry", [e for e in LEGACY_KEYS if e.migrates and ".vllm.server." not in e.pattern],
+                         ids=lambda e: e.pattern)
+def test_every_migratable_legacy_key_is_rewritten(stage2_config, entry):
+    """The table's ``migrates`` flag is true: migrate leaves no legacy key and the result validates."""
+    if entry.replacement and ".pipeline.objective[" in entry.replacement:  # leave the target key free
+        index = 2 if "bbox_" in entry.pattern else 1
+        config = stage2_config["rollout_matching"]["pipeline"]["objective"][index]["config"]
+        config.pop(entry.replacement.rsplit(".", 1)[-1], None)
+    path = _place(stage2_config, entry.pattern, _SAMPLE_VALUES.get(entry.pattern, 1))
+    m = migrate_mapping(stage2_config)
+    assert find_legacy_keys(m.data) == [] and m.unresolved == [], (path, m.unresolved)
+    assert validate_mapping(m.data).ok, [i.render() for i in validate_mapping(m.data).errors]

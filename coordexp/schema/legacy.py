@@ -147,6 +147,7 @@ LEGACY_KEYS: tuple[LegacyKey, ...] = (
         "custom.coord_soft_ce_w1.*",
         None,
         "custom.coord_soft_ce_w1 is disallowed and this key has no replacement; remove it.",
+        migrates=False,
     ),
     LegacyKey(
         "custom.coord_soft_ce_w1",
@@ -245,7 +246,7 @@ class LegacyHit:
 
     def issue(self, file: Optional[str] = None) -> ConfigIssue:
         guidance = self.entry.guidance
-        if isinstance(self.entry, LegacyPrefix) or getattr(self.entry, "migrates", False):
+        if isinstance(self.entry, LegacyPrefix) or self.entry.migrates:
             guidance += " `coordexp migrate` rewrites this automatically."
         message = "legacy key, removed" if self.replacement is None else f"legacy key, replaced by {self.replacement}"
         return ConfigIssue(self.dotted, message, guidance, file)

@@ -379,8 +379,12 @@ def migrate_mapping(raw: dict, base_view: Optional[dict] = None) -> Migration:
     _training(rw)
     for dotted, why in _REMOVED.items():
         rw.remove(dotted, why)
-    if isinstance(rw.data.get("custom"), dict) and rw.data["custom"].get("extra") == {}:
-        del rw.data["custom"]["extra"]
+    custom = rw.data.get("custom")
+    if isinstance(custom, dict):
+        for key in ("extra", "coord_soft_ce_w1"):
+            if key in custom and custom[key] in ({}, None):
+                del custom[key]
+                rw.m.changes.append(f"removed empty custom.{key}")
     reported = " ".join(rw.m.unresolved)
     for hit in find_legacy_keys(rw.data):
         if hit.dotted not in reported:
