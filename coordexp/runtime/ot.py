@@ -1,0 +1,203 @@
+"""Self-context coord targets for matched pairs: Sinkhorn OT + barycentric projection only (spec 004).
+
+For a pair involving a polygon (poly<->poly, bbox<->poly, poly<->bbox) both shapes become point sets (a bbox is its
+corners (x1,y1),(x2,y1),(x2,y2),(x1,y2)), an entropic OT plan ``T`` between uniform marginals is computed on an L1
+or L2 (Euclidean distance) ground cost in norm1000 units, and each predicted point gets the barycentre
+``g_hat_i = sum_j T_ij g_j / sum_j T_ij`` of the GT points. The plan is plain numpy: a stop-grad aligner.
+bbox<->bbox pairs take the GT bins directly. Targets are continuous bins in [0, 999] (soft-target centres).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from coordexp.runtime.objects import DetObject
+from coordexp.schema.matching import OtConfig
+
+__all__ = ["barycentric_targets", "ground_cost", "pair_coord_targets", "sinkhorn_plan"]
+
+COORD_MAX = 999.0
+
+
+def _check_args(epsilon: float, iters: int) -> None:
+    if not (np.isfinite(epsilon) and epsilon > 0):
+        raise ValueError(f"Sinkhorn epsilon must be a finite number > 0, got {epsilon!r} (rollout_matching.ot.epsilon).")
+    if iters < 1:
+        raise ValueError(f"Sinkhorn iters must be >= 1, got {iters!r} (rollout_matching.ot.iters).")
+
+
+def ground_cost(a: np.ndarray, b: np.ndarray, cost: str) -> np.ndarray:
+    """Pairwise ``(..., N, M)`` cost between points ``a (..., N, 2)`` and ``b (..., M, 2)``: ``l1`` or ``l2`` (Euclidean)."""
+    diff = np.abs(a[..., :, None, :] - b[..., None, :, :])
+    if cost == "l1":
+        return diff.sum(axis=-1)
+    if cost == "l2":
+        return np.sqrt((diff**2).sum(axis=-1))
+    raise ValueError(f"unknown OT ground cost {cost!r}; expected 'l1' or 'l2' (rollout_matching.ot.cost).")
+
+
+# Exp-domain scaling is the same iteration as log-domain (u = exp(f/eps), v = exp(g/eps)) and ~3x cheaper; it is
+# exact in float64 while the kernel's dynamic range exp(range(C)/eps) stays far from under/overflow.
+_EXP_DOMAIN_MAX_RANGE = 100.0
+
+
+def _logsumexp0(x: np.ndarray) -> np.ndarray:
+    """log-sum-exp over the leading axis (contiguous reductions, the fast direction for small point sets)."""
+    peak = x.max(axis=0)
+    np.subtract(x, peak, out=x)
+    np.exp(x, out=x)
+    return peak + np.log(x.sum(axis=0))
+
+
+def _sinkhorn_log(
+    scaled: np.ndarray, row_valid: np.ndarray, col_valid: np.ndarray, iters: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Log-domain Sinkhorn on a padded batch of ``cost / eps``; returns the plan and its row-normalised form.
+
+    Padded rows and columns carry log-mass ``-inf`` so they never receive or send mass. The column update runs
+    last, so column marginals hold exactly. Row normalisation cancels the row potential, so the normalised plan is
+    a softmax of ``g_j - C_ij / eps`` and never underflows to 0/0.
+    """
+    batch, n, m = scaled.shape
+    by_col = np.ascontiguousarray(scaled.transpose(2, 0, 1))  # (M, B, N): reduce over GT points j
+    by_row = np.ascontiguousarray(scaled.transpose(1, 0, 2))  # (N, B, M): reduce over predicted points i
+    log_a = np.where(row_valid, -np.log(row_valid.sum(axis=1, keepdims=True)), -np.inf)
+    log_b = np.where(col_valid, -np.log(col_valid.sum(axis=1, keepdims=True)), -np.inf)
+    f = np.zeros((batch, n))
+    g = np.where(col_valid, 0.0, -np.inf)
+    for _ in range(iters):
+        f = log_a - _logsumexp0(g.T[:, :, None] - by_col)
+        g = log_b - _logsumexp0(f.T[:, :, None] - by_row)
+    logits = g[:, None, :] - scaled
+    plan = np.exp(f[:, :, None] + logits)
+    weights = np.exp(logits - logits.max(axis=2, keepdims=True))
+    weights /= weights.sum(axis=2, keepdims=True)
+    weights *= row_valid[:, :, None]
+    return plan, weights
+
+
+def _sinkhorn_exp(
+    scaled: np.ndarray, row_valid: np.ndarray, col_valid: np.ndarray, iters: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Exp-domain twin of :func:`_sinkhorn_log` for batches whose ``range(C) / eps`` is at most the safe range."""
+    kernel = np.exp(-(scaled - scaled.min(axis=(1, 2), keepdims=True)))
+    kernel *= row_valid[:, :, None] & col_valid[:, None, :]
+    a = row_valid / row_valid.sum(axis=1, keepdims=True)
+    b = col_valid / col_valid.sum(axis=1, keepdims=True)
+    kernel_t = np.ascontiguousarray(kernel.transpose(0, 2, 1))
+    u = np.zeros(a.shape)
+    v = col_valid.astype(np.float64)
+    for _ in range(iters):
+        np.divide(a, np.matmul(kernel, v[:, :, None])[:, :, 0], out=u, where=row_valid)
+        np.divide(b, np.matmul(kernel_t, u[:, :, None])[:, :, 0], out=v, where=col_valid)
+    scaled_rows = kernel * v[:, None, :]
+    plan = u[:, :, None] * scaled_rows
+    row_sum = scaled_rows.sum(axis=2, keepdims=True)
+    weights = np.divide(scaled_rows, row_sum, out=np.zeros_like(scaled_rows), where=row_sum > 0)
+    return plan, weights
+
+
+def _sinkhorn_batch(
+    scaled: np.ndarray, n_rows: np.ndarray, n_cols: np.ndarray, iters: int, force_log: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """Plans ``(B, N, M)`` and row-normalised plans for a padded batch (uniform marginals over the real points)."""
+    batch, n, m = scaled.shape
+    row_valid = np.arange(n)[None, :] < n_rows[:, None]
+    col_valid = np.arange(m)[None, :] < n_cols[:, None]
+    valid = row_valid[:, :, None] & col_valid[:, None, :]
+    spread = np.where(valid, scaled, -np.inf).max(axis=(1, 2)) - np.where(valid, scaled, np.inf).min(axis=(1, 2))
+    fast = (spread <= _EXP_DOMAIN_MAX_RANGE) & (not force_log)
+    plan = np.zeros(scaled.shape)
+    weights = np.zeros(scaled.shape)
+    for chosen, solver in ((fast, _sinkhorn_exp), (~fast, _sinkhorn_log)):
+        if chosen.any():
+            plan[chosen], weights[chosen] = solver(scaled[chosen], row_valid[chosen], col_valid[chosen], iters)
+    return plan, weights
+
+
+def sinkhorn_plan(cost: np.ndarray, epsilon: float, iters: int) -> np.ndarray:
+    """Entropic OT plan ``(N, M)`` between uniform marginals for ``cost`` (the log-domain iteration).
+
+    Stable for ``epsilon`` tiny relative to the costs (no ``exp`` of a large positive number is ever taken).
+    Column sums are exactly ``1 / M``; row sums converge to ``1 / N`` with ``iters``.
+    """
+    _check_args(epsilon, iters)
+    cost = np.asarray(cost, dtype=np.float64)
+    if cost.ndim != 2 or 0 in cost.shape or not np.isfinite(cost).all():
+        raise ValueError(f"Sinkhorn cost must be a finite, non-empty 2-D array; got shape {cost.shape}.")
+    n, m = cost.shape
+    plan, _ = _sinkhorn_batch(cost[None] / epsilon, np.array([n]), np.array([m]), iters, force_log=True)
+    return plan[0]
+
+
+def _flat_points(obj: DetObject, role: str) -> tuple[int, ...]:
+    """Vertices as a flat ``x, y, ...`` tuple (a bbox as its 4 corners); malformed coordinate counts fail clearly."""
+    c, n = obj.coords, len(obj.coords)
+    if obj.geometry == "bbox_2d":
+        if n != 4:
+            raise ValueError(f"{role} bbox_2d {obj.desc!r} has {n} coords; expected exactly 4 (x1, y1, x2, y2).")
+        return (c[0], c[1], c[2], c[1], c[2], c[3], c[0], c[3])
+    if obj.geometry == "poly":
+        if n < 6 or n % 2:
+            raise ValueError(f"{role} poly {obj.desc!r} has {n} coords; expected an even count >= 6 (>= 3 vertices).")
+        return c
+    raise ValueError(f"{role} {obj.desc!r} has unknown geometry {obj.geometry!r}; expected 'bbox_2d' or 'poly'.")
+
+
+def _padded(flat_sets: list[tuple[int, ...]]) -> tuple[np.ndarray, np.ndarray]:
+    """Point sets as one zero-padded ``(B, N_max, 2)`` array clamped to [0, 999], plus the point counts."""
+    counts = np.array([len(f) // 2 for f in flat_sets])
+    points = np.clip(np.array([v for f in flat_sets for v in f], dtype=np.float64).reshape(-1, 2), 0.0, COORD_MAX)
+    owner = np.repeat(np.arange(len(counts)), counts)
+    position = np.arange(len(owner)) - (np.cumsum(counts) - counts)[owner]
+    out = np.zeros((len(counts), int(counts.max()), 2))
+    out[owner, position] = points
+    return out, counts
+
+
+def pair_coord_targets(
+    preds: Sequence[DetObject], gts: Sequence[DetObject], pairs: Iterable[tuple[int, int]], cfg: OtConfig
+) -> dict[tuple[int, int], np.ndarray]:
+    """Targets ``float (len(preds[pi].coords),)`` per matched pair, in the predicted object's coord-slot order.
+
+    bbox<->bbox: the GT bins. Any pair involving a poly: barycentric projection, all such pairs in one padded
+    Sinkhorn batch. A poly pred's slots take its projected vertices; a bbox pred takes the axis-aligned box of its
+    4 projected corners (x1 = min x, y1 = min y, x2 = max x, y2 = max y), so a box matched to a polygon is pulled
+    to that polygon's extent (a box onto a triangle gives the triangle's bounding box) and its slots stay ordered.
+    All targets are clipped to [0, 999].
+    """
+    _check_args(cfg.epsilon, cfg.iters)
+    targets: dict[tuple[int, int], np.ndarray] = {}
+    ot_keys: list[tuple[int, int]] = []
+    pred_sets: list[tuple[int, ...]] = []
+    gt_sets: list[tuple[int, ...]] = []
+    for pi, gi in pairs:
+        pred, gt = preds[pi], gts[gi]
+        pred_flat, gt_flat = _flat_points(pred, "predicted"), _flat_points(gt, "ground-truth")
+        if pred.geometry == "bbox_2d" and gt.geometry == "bbox_2d":
+            targets[(pi, gi)] = np.array([min(max(v, 0), 999) for v in gt.coords], dtype=np.float64)
+        else:
+            ot_keys.append((pi, gi))
+            pred_sets.append(pred_flat)
+            gt_sets.append(gt_flat)
+    if not ot_keys:
+        return targets
+    pred_pts, n_rows = _padded(pred_sets)
+    gt_pts, n_cols = _padded(gt_sets)
+    scaled = ground_cost(pred_pts, gt_pts, cfg.cost) / cfg.epsilon
+    _, weights = _sinkhorn_batch(scaled, n_rows, n_cols, cfg.iters)
+    projected = np.clip(np.matmul(weights, gt_pts), 0.0, COORD_MAX)  # convex combinations: clip is a no-op guard
+    corner_boxes = np.concatenate([projected[:, :4].min(axis=1), projected[:, :4].max(axis=1)], axis=1)
+    for b, key in enumerate(ot_keys):
+        if preds[key[0]].geometry == "bbox_2d":
+            targets[key] = corner_boxes[b]
+        else:
+            targets[key] = projected[b, : n_rows[b]].reshape(-1)
+    return targets
+
+
+def barycentric_targets(pred: DetObject, gt: DetObject, cfg: OtConfig) -> np.ndarray:
+    """Coord targets ``float (len(pred.coords),)`` for one matched pair, in the predicted object's slot order."""
+    return pair_coord_targets([pred], [gt], [(0, 0)], cfg)[(0, 0)]
