@@ -82,17 +82,21 @@ def _sinkhorn_exp(
     scaled: np.ndarray, row_valid: np.ndarray, col_valid: np.ndarray, iters: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """Exp-domain twin of :func:`_sinkhorn_log` for batches whose ``range(C) / eps`` is at most the safe range."""
-    kernel = np.exp(-(scaled - scaled.min(axis=(1, 2), keepdims=True)))
-    kernel *= row_valid[:, :, None] & col_valid[:, None, :]
+    valid = row_valid[:, :, None] & col_valid[:, None, :]
+    # Padded entries get kernel 1 and marginal 0: their scalings come out exactly 0 and no denominator is 0.
+    shift = np.where(valid, scaled, np.inf).min(axis=(1, 2), keepdims=True)
+    kernel = np.where(valid, np.exp(-(scaled - shift)), 1.0)
     a = row_valid / row_valid.sum(axis=1, keepdims=True)
     b = col_valid / col_valid.sum(axis=1, keepdims=True)
     kernel_t = np.ascontiguousarray(kernel.transpose(0, 2, 1))
-    u = np.zeros(a.shape)
-    v = col_valid.astype(np.float64)
+    u = np.zeros((*a.shape, 1))
+    v = col_valid.astype(np.float64)[:, :, None]
+    a, b = a[:, :, None], b[:, :, None]
     for _ in range(iters):
-        np.divide(a, np.matmul(kernel, v[:, :, None])[:, :, 0], out=u, where=row_valid)
-        np.divide(b, np.matmul(kernel_t, u[:, :, None])[:, :, 0], out=v, where=col_valid)
-    scaled_rows = kernel * v[:, None, :]
+        np.divide(a, np.matmul(kernel, v), out=u)
+        np.divide(b, np.matmul(kernel_t, u), out=v)
+    u, v = u[:, :, 0], v[:, :, 0]
+    scaled_rows = kernel * v[:, None, :] * row_valid[:, :, None]
     plan = u[:, :, None] * scaled_rows
     row_sum = scaled_rows.sum(axis=2, keepdims=True)
     weights = np.divide(scaled_rows, row_sum, out=np.zeros_like(scaled_rows), where=row_sum > 0)
