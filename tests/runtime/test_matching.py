@@ -103,6 +103,12 @@ def test_degenerate_shapes_are_empty_and_their_iou_is_zero():
     np.testing.assert_array_equal(costs.mask_iou, 0.0)  # empty vs empty: 0 by definition, not NaN
 
 
+def test_swapped_bbox_corners_are_the_same_rectangle():
+    masks = rasterize([box(300, 400, 100, 200), box(100, 200, 300, 400)], 64)
+    np.testing.assert_array_equal(masks[0], masks[1])
+    assert masks[0].sum() > 0
+
+
 def test_touching_shapes_share_no_pixel():
     left, right = box(100, 100, 200, 200), box(200, 100, 300, 200)
     masks = rasterize([left, right], 1000)
