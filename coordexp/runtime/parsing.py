@@ -10,6 +10,7 @@ value is a dict (or after ``{``), and only its last token may be replaced (fused
 from __future__ import annotations
 
 import re
+from bisect import bisect_right
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal, Mapping, Sequence
@@ -46,6 +47,22 @@ _WS_RE = re.compile(rb"[ \t\n\r]*")
 _PUNCT, _STR, _OTHER, _END, _QUOTE = 1, 2, 3, 4, 5
 _LBRACE, _RBRACE, _LBRACK, _RBRACK, _COMMA, _COLON = b"{}[],:"
 _MAX_DEPTH = 64
+
+# Fast path for the common, well-formed object body (exactly desc + one flat/pair geometry array of coord items);
+# a body it does not match, or whose items are not exactly one coord token each, takes the general path.
+_W = rb"[ \t\n\r]*"
+_ITEM = rb'(?:"<\|coord_[0-9]{1,4}\|>"|<\|coord_[0-9]{1,4}\|>)'
+_FLAT = rb"\[" + _W + _ITEM + rb"(?:" + _W + rb"," + _W + _ITEM + rb")*" + _W + rb"\]"
+_PAIR = rb"\[" + _W + _ITEM + _W + rb"," + _W + _ITEM + _W + rb"\]"
+_PAIRS = rb"\[" + _W + _PAIR + rb"(?:" + _W + rb"," + _W + _PAIR + rb")*" + _W + rb"\]"
+_DESC_FIELD = rb'"desc"' + _W + rb":" + _W + rb"(?P<desc>" + _STRING + rb'")'
+_GEOM_FIELD = rb'"(?P<geom>bbox_2d|poly)"' + _W + rb":" + _W + rb"(?P<arr>" + _FLAT + rb"|" + _PAIRS + rb")"
+_FAST_BODY_RES = (
+    re.compile(rb"\{" + _W + _DESC_FIELD + _W + rb"," + _W + _GEOM_FIELD + _W + rb"\}"),
+    re.compile(rb"\{" + _W + _GEOM_FIELD + _W + rb"," + _W + _DESC_FIELD + _W + rb"\}"),
+)
+_FAST_KEY_RE = re.compile(_W + rb'("object_([0-9]+)")' + _W + rb":" + _W + rb"(?=\{)")
+_USE_FAST_PATH = True  # tests switch it off to prove both paths agree
 
 
 @dataclass(frozen=True)
@@ -139,8 +156,39 @@ class _Entry:
 
 
 class _Scanner:
-    def __init__(self, text: bytes, tok_of_byte: list[int], starts: list[int], bins: list[int]) -> None:
-        self.text, self.tok_of_byte, self.starts, self.bins = text, tok_of_byte, starts, bins
+    def __init__(self, text: bytes, starts: list[int], bins: list[int], coord_cum: list[int], coord_at: list[int]):
+        self.text, self.starts, self.bins = text, starts, bins
+        self.coord_cum, self.coord_at = coord_cum, coord_at  # coord tokens before each token; their positions
+
+    def tok(self, pos: int) -> int:
+        """Index of the token holding byte ``pos``."""
+        return bisect_right(self.starts, pos) - 1
+
+    def fast_body(self, pos: int, entry: _Entry) -> int:
+        """Scan a canonical object body starting at its ``{`` in one regex match; -1 when it does not apply."""
+        text = self.text
+        m = _FAST_BODY_RES[0].match(text, pos) if text[pos + 1 : pos + 8].lstrip()[:2] == b'"d' else None
+        m = m or _FAST_BODY_RES[1].match(text, pos)
+        if m is None:
+            return -1
+        arr_start, arr_end = m.span("arr")
+        n_items = text.count(b"<|", arr_start, arr_end)
+        first, last = self.tok(arr_start), self.tok(arr_end - 1)
+        lo, hi = self.coord_cum[first], self.coord_cum[last + 1]
+        if hi - lo != n_items:
+            return -1  # some item is coord text spelled without its coord token: let the general path judge it
+        toks = self.coord_at[lo:hi]
+        bins = self.bins
+        entry.coord_toks = toks
+        entry.bins = [bins[t] for t in toks]
+        entry.n_slots = n_items
+        paired = text[arr_start + 1 : arr_end].lstrip(b" \t\n\r")[:1] == b"["
+        entry.shapes = [2] * (n_items // 2) if paired else [1] * n_items
+        desc_start, desc_end = m.span("desc")
+        entry.desc = _decode_string(text, desc_start, desc_end)
+        entry.desc_inner = (desc_start + 1, desc_end - 1)
+        entry.geometry = m.group("geom").decode()
+        return m.end()
 
     # -- lexing ---------------------------------------------------------------------------------------------
     def lex(self, pos: int) -> tuple[int, int, int]:
@@ -168,7 +216,7 @@ class _Scanner:
         """Bin of the single coord token spanning exactly ``[start, end)``, else -1."""
         if end <= start:
             return -1
-        tok = self.tok_of_byte[start]
+        tok = self.tok(start)
         if self.starts[tok] != start or self.starts[tok + 1] != end:
             return -1
         return self.bins[tok]
@@ -269,7 +317,7 @@ class _Scanner:
         value = self.coord_bin_at(inner_start, inner_end)
         if value >= 0:
             entry.bins.append(value)
-            entry.coord_toks.append(self.tok_of_byte[inner_start])
+            entry.coord_toks.append(self.tok(inner_start))
         elif _COORD_TEXT_RE.fullmatch(self.text, inner_start, inner_end):
             entry.reasons.add("ambiguous_alignment")  # coord text that is not exactly one coord token
         elif kind == _OTHER:
@@ -391,9 +439,10 @@ def parse_rollout(
     np.cumsum(lengths, out=starts[1:])
     text = table.text_of(ids)
     bins_arr = vocab.bins_of(ids_arr)
-    tok_of_byte = np.repeat(np.arange(len(ids)), lengths).tolist()
     starts_list = starts.tolist()
-    scanner = _Scanner(text, tok_of_byte, starts_list, bins_arr.tolist())
+    is_coord = bins_arr >= 0
+    coord_cum = np.concatenate([[0], np.cumsum(is_coord)]).tolist()
+    scanner = _Scanner(text, starts_list, bins_arr.tolist(), coord_cum, np.flatnonzero(is_coord).tolist())
     dropped: dict[str, int] = {}
 
     pos = _WS_RE.match(text).end()
@@ -411,7 +460,7 @@ def parse_rollout(
 
     cut_fallbacks, n_kept, replacement, cut, n_retained = 0, 0, (), 0, 0
     for cut, n_retained in reversed(candidates):
-        k = tok_of_byte[cut - 1]
+        k = scanner.tok(cut - 1)
         if starts_list[k + 1] == cut:
             n_kept, replacement = k + 1, ()
             break
@@ -423,7 +472,6 @@ def parse_rollout(
     else:  # even the cut right after "{" cannot be expressed: start from the empty prefix
         n_kept, replacement, cut, n_retained = 0, table.open_brace_ids(), -1, 0
 
-    coord_cum = np.concatenate([[0], np.cumsum(bins_arr >= 0)]).tolist()
     rep_lengths = [len(table.pieces[r]) for r in replacement]
     n_before_fallback = candidates[-1][1]
     objects: list[ParsedObject] = []
@@ -433,7 +481,7 @@ def parse_rollout(
         elif i >= n_retained:
             _count(dropped, "cut_fallback" if i < n_before_fallback else "non_object_value")
         else:
-            obj = _finish(entry, scanner, coord_cum, n_kept, replacement, rep_lengths)
+            obj = _finish(entry, scanner, n_kept, replacement, rep_lengths)
             objects.append(obj)
             if not obj.valid:
                 _count(dropped, obj.drop_reason)
@@ -471,17 +519,26 @@ def _scan_top_level(scanner: _Scanner, pos: int, dropped: dict[str, int]):
         if kind == _PUNCT and text[start] == _RBRACE:
             return entries, candidates, False
         while True:
-            if kind != _STR:
-                scanner.fail(kind)
-            key = _decode_string(text, start, end)
-            match = OBJECT_KEY_RE.fullmatch(key)
-            pending = _Entry(key, int(match.group(1)) if match else None, start)
-            value = scanner.lex(scanner.expect(end, _COLON))
-            pending.is_dict = value[0] == _PUNCT and text[value[1]] == _LBRACE
-            if match is not None and pending.is_dict:
-                pos = scanner.object_body(value[2], pending)
+            fast = _FAST_KEY_RE.match(text, pos) if _USE_FAST_PATH else None
+            if fast is not None:
+                pending = _Entry(fast.group(1)[1:-1].decode(), int(fast.group(2)), fast.start(1))
+                pending.is_dict = True
+                pos = scanner.fast_body(fast.end(), pending)
+                if pos < 0:
+                    pos = scanner.object_body(fast.end() + 1, pending)
             else:
-                pos = scanner.skip_value(value)
+                kind, start, end = scanner.lex(pos)
+                if kind != _STR:
+                    scanner.fail(kind)
+                key = _decode_string(text, start, end)
+                match = OBJECT_KEY_RE.fullmatch(key)
+                pending = _Entry(key, int(match.group(1)) if match else None, start)
+                value = scanner.lex(scanner.expect(end, _COLON))
+                pending.is_dict = value[0] == _PUNCT and text[value[1]] == _LBRACE
+                if match is not None and pending.is_dict:
+                    pos = scanner.object_body(value[2], pending)
+                else:
+                    pos = scanner.skip_value(value)
             pending.end = pos
             entries.append(pending)
             if pending.is_dict:
@@ -489,7 +546,7 @@ def _scan_top_level(scanner: _Scanner, pos: int, dropped: dict[str, int]):
             pending = None
             kind, start, end = scanner.lex(pos)
             if kind == _PUNCT and text[start] == _COMMA:
-                kind, start, end = scanner.lex(end)
+                pos = end
                 continue
             if kind == _PUNCT and text[start] == _RBRACE:
                 return entries, candidates, False
@@ -507,14 +564,13 @@ def _scan_top_level(scanner: _Scanner, pos: int, dropped: dict[str, int]):
 def _finish(
     entry: _Entry,
     scanner: _Scanner,
-    coord_cum: list[int],
     n_kept: int,
     replacement: tuple[int, ...],
     rep_lengths: list[int],
 ) -> ParsedObject:
     """Turn a retained entry into a ParsedObject with its reason and token positions (prefix coordinates)."""
-    tok_of_byte, starts = scanner.tok_of_byte, scanner.starts
-    first, last = tok_of_byte[entry.start], tok_of_byte[entry.end - 1]
+    tok, starts, coord_cum = scanner.tok, scanner.starts, scanner.coord_cum
+    first, last = tok(entry.start), tok(entry.end - 1)
     if entry.is_dict:
         if coord_cum[last + 1] - coord_cum[first] != len(entry.coord_toks):
             entry.reasons.add("ambiguous_alignment")  # a coord token outside the geometry slots
@@ -525,7 +581,7 @@ def _finish(
     desc_toks: list[int] = []
     if entry.desc_inner is not None and entry.desc_inner[1] > entry.desc_inner[0]:
         desc_lo, desc_hi = entry.desc_inner
-        desc_toks = list(range(tok_of_byte[desc_lo], tok_of_byte[desc_hi - 1] + 1))
+        desc_toks = list(range(tok(desc_lo), tok(desc_hi - 1) + 1))
     skip = set(entry.coord_toks).union(desc_toks)
     struct = [t for t in range(first, last + 1) if t not in skip]
     end_tok = last + 1

@@ -73,6 +73,8 @@ class PieceTable:
     stop_ids: frozenset[int]
     encode: Callable[[str], list[int]] = field(repr=False)
     _replacements: dict = field(default_factory=dict, repr=False)
+    _segments: dict = field(default_factory=dict, repr=False)
+    _flags: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any) -> "PieceTable":
@@ -131,6 +133,33 @@ class PieceTable:
         if len(self._replacements) < 65536:
             self._replacements[text] = result
         return result
+
+    def encode_segment(self, text: str) -> tuple[int, ...]:
+        """Cached encoding of a text holding no added token (e.g. the JSON between two coord tokens)."""
+        ids = self._segments.get(text)
+        if ids is None:
+            ids = tuple(self.encode(text)) if text else ()
+            if self.text_of(ids) != text.encode("utf-8"):
+                raise ValueError(f"the tokenizer does not round-trip {text[:60]!r} (decode(encode(text)) != text)")
+            if len(self._segments) >= 200_000:
+                self._segments.clear()
+            self._segments[text] = ids
+        return ids
+
+    def splits_at_added_tokens(self, added_token_text: str) -> bool:
+        """Whether encoding text around ``added_token_text`` equals encoding the pieces on either side separately.
+
+        True for Hugging Face added tokens that are not normalized and strip nothing (how coord tokens are added);
+        checked once on a probe so the segment cache is never used where it would change the tokenization.
+        """
+        cached = self._flags.get(added_token_text)
+        if cached is None:
+            left, right = '{"object_1": {"desc": "a b", "bbox_2d": ["', '", 7, x]}, "poly": [ '
+            whole = self.encode(left + added_token_text + right)
+            single = self.encode(added_token_text)
+            cached = len(single) == 1 and whole == self.encode(left) + single + self.encode(right)
+            self._flags[added_token_text] = cached
+        return cached
 
     def open_brace_ids(self) -> tuple[int, ...]:
         """Ids of the empty prefix ``{`` (the fallback prefix of decision 3)."""

@@ -23,12 +23,17 @@ _MARKUP_RE = re.compile(r"<\|[^|<>]*\|>")
 
 @dataclass(frozen=True)
 class RenderedAppend:
-    """An append fragment and where its parts are, as UTF-8 byte offsets into ``text``."""
+    """An append fragment and where its parts are, as UTF-8 byte offsets into ``text``.
+
+    ``segments`` are the texts between coord tokens (``len(coord_spans) + 1`` of them): since coord tokens are added
+    tokens, the tokenizer encodes each segment on its own, which lets encodings of repeated segments be cached.
+    """
 
     text: str
     desc_spans: tuple[tuple[int, int], ...]  # desc value without its quotes, one per object
     coord_spans: tuple[tuple[int, int, int], ...]  # (bin, start, end) of each coord token, in order
     geometries: tuple[str, ...]  # geometry key of each object, in order
+    segments: tuple[str, ...]
 
 
 def validate_gt_object(obj: DetObject, where: str) -> None:
@@ -63,43 +68,72 @@ def _check_field_order(field_order: str) -> None:
         raise ValueError(f"object_field_order must be one of {list(FIELD_ORDERS)}, got {field_order!r}")
 
 
+_COORD_TEXT = tuple(f"<|coord_{k}|>" for k in range(1000))
+
+
 class _Writer:
-    """Accumulates text while tracking its UTF-8 byte length."""
+    """Accumulates text and the character positions of desc values and coord tokens."""
 
     def __init__(self) -> None:
         self.parts: list[str] = []
-        self.size = 0
-        self.desc_spans: list[tuple[int, int]] = []
-        self.coord_spans: list[tuple[int, int, int]] = []
+        self.size = 0  # characters written so far
+        self.desc_chars: list[tuple[int, int]] = []
+        self.coord_chars: list[tuple[int, int]] = []  # (bin, start)
 
     def write(self, s: str) -> None:
         self.parts.append(s)
-        self.size += len(s.encode("utf-8")) if not s.isascii() else len(s)
+        self.size += len(s)
 
     def entry(self, key: str, obj: DetObject, field_order: str) -> None:
         self.write(f'"{key}": {{')
-        fields = (self._desc, self._geometry) if field_order == "desc_first" else (self._geometry, self._desc)
-        fields[0](obj)
-        self.write(", ")
-        fields[1](obj)
+        if field_order == "desc_first":
+            self._desc(obj)
+            self.write(", ")
+            self._geometry(obj)
+        else:
+            self._geometry(obj)
+            self.write(", ")
+            self._desc(obj)
         self.write("}")
 
     def _desc(self, obj: DetObject) -> None:
         escaped = json.dumps(obj.desc, ensure_ascii=False)
-        self.write('"desc": "')
-        start = self.size
-        self.write(escaped[1:-1])
-        self.desc_spans.append((start, self.size))
-        self.write('"')
+        start = self.size + 9  # len('"desc": "')
+        self.write('"desc": ' + escaped)
+        self.desc_chars.append((start, self.size - 1))
 
     def _geometry(self, obj: DetObject) -> None:
-        self.write(f'"{obj.geometry}": [')
+        self.write(f'"{obj.geometry}": ["')
         for i, value in enumerate(obj.coords):
-            self.write('", "' if i else '"')
-            token = f"<|coord_{int(value)}|>"
-            self.coord_spans.append((int(value), self.size, self.size + len(token)))
-            self.write(token)
+            if i:
+                self.write('", "')
+            self.coord_chars.append((int(value), self.size))
+            self.write(_COORD_TEXT[value])
         self.write('"]')
+
+    def render(self, geometries: tuple[str, ...]) -> RenderedAppend:
+        text = "".join(self.parts)
+        cuts = sorted({c for span in self.desc_chars for c in span} | {c for _, c in self.coord_chars}
+                      | {c + len(_COORD_TEXT[b]) for b, c in self.coord_chars})
+        if text.isascii():
+            byte_at = {c: c for c in cuts}
+        else:  # desc values may hold multi-byte characters: convert character offsets to byte offsets
+            byte_at, done, size = {}, 0, 0
+            for c in cuts:
+                size += len(text[done:c].encode("utf-8"))
+                byte_at[c], done = size, c
+        segments, previous = [], 0
+        for b, c in self.coord_chars:
+            segments.append(text[previous:c])
+            previous = c + len(_COORD_TEXT[b])
+        segments.append(text[previous:])
+        return RenderedAppend(
+            text=text,
+            desc_spans=tuple((byte_at[a], byte_at[b]) for a, b in self.desc_chars),
+            coord_spans=tuple((b, byte_at[c], byte_at[c] + len(_COORD_TEXT[b])) for b, c in self.coord_chars),
+            geometries=geometries,
+            segments=tuple(segments),
+        )
 
 
 def render_entries(
@@ -117,12 +151,7 @@ def render_entries(
             writer.write(", ")
         writer.entry(f"object_{start_index + i}", obj, field_order)
     writer.write(tail)
-    return RenderedAppend(
-        text="".join(writer.parts),
-        desc_spans=tuple(writer.desc_spans),
-        coord_spans=tuple(writer.coord_spans),
-        geometries=tuple(o.geometry for o in objects),
-    )
+    return writer.render(tuple(o.geometry for o in objects))
 
 
 def serialize_objects(objects: Sequence[DetObject], field_order: FieldOrder = "desc_first") -> str:

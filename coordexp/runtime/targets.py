@@ -27,6 +27,7 @@ from coordexp.schema.pipeline import TokenCeConfig
 
 __all__ = [
     "TrainTarget",
+    "encode_append",
     "build_train_target",
     "check_supervision_in_span",
     "serialize_append",
@@ -147,6 +148,23 @@ def _append_token_layout(
     return coord_at, np.asarray(sorted(set(desc)), dtype=np.int64), starts
 
 
+def encode_append(rendered: RenderedAppend, tokenizer: Any, vocab: CoordVocab, table: PieceTable) -> tuple[int, ...]:
+    """``tokenizer.encode(rendered.text)``, assembled from cached encodings of the text between coord tokens.
+
+    Coord tokens are added tokens, which the tokenizer splits out before anything else, so the result is identical;
+    ``PieceTable.splits_at_added_tokens`` checks that once per tokenizer and otherwise the whole text is encoded.
+    """
+    if not rendered.coord_spans or not table.splits_at_added_tokens(tokenizer.convert_ids_to_tokens(vocab.ids[0])):
+        return tuple(int(i) for i in tokenizer.encode(rendered.text, add_special_tokens=False))
+    ids: list[int] = []
+    coord_ids = vocab.ids
+    for segment, (value, _, _) in zip(rendered.segments, rendered.coord_spans):
+        ids.extend(table.encode_segment(segment))
+        ids.append(coord_ids[value])
+    ids.extend(table.encode_segment(rendered.segments[-1]))
+    return tuple(ids)
+
+
 def build_train_target(
     parse: RolloutParse,
     gt_objects: Sequence[DetObject],
@@ -177,7 +195,7 @@ def build_train_target(
     fn = tuple(g for g in range(len(gt_objects)) if g not in matched_gt)
     start_index = (parse.max_object_index or 0) + 1
     rendered = render_append([gt_objects[g] for g in fn], start_index, parse.prefix_text, field_order)
-    append_ids = tuple(int(i) for i in tokenizer.encode(rendered.text, add_special_tokens=False))
+    append_ids = encode_append(rendered, tokenizer, vocab, table)
     coord_at, desc_at, _ = _append_token_layout(append_ids, rendered, table, vocab)
 
     prefix_len, append_len = len(parse.prefix_ids), len(append_ids)

@@ -140,6 +140,8 @@ def test_parse_and_rebuild_random_rollouts(tiny_tokenizer, coord_vocab, piece_ta
                                 token_ce=weights, eos_id=tiny_tokenizer.eos_token_id)
     check_supervision_in_span(target)
     assert target.ids[: target.prefix_len] == parse.prefix_ids
+    # the cached segment-wise encoding of the append equals encoding the append text as a whole
+    assert target.ids[target.prefix_len : -1] == tuple(tiny_tokenizer.encode(target.append_text, add_special_tokens=False))
     assert target.fn_gt_indices == tuple(sorted(set(range(len(gt))) - set(gts)))
     y_text = tiny_tokenizer.decode(list(target.ids[:-1]))
     loaded = loads_coord_json(y_text)
@@ -174,6 +176,21 @@ def test_parse_and_rebuild_random_rollouts(tiny_tokenizer, coord_vocab, piece_ta
     n_boxes = sum(parse.objects[p].geometry == "bbox_2d" for p, _ in pairs)
     n_boxes += sum(gt[g].geometry == "bbox_2d" for g in target.fn_gt_indices)
     assert sup.bbox_slots.shape == (n_boxes, 4)
+
+
+@given(case=rollouts(), cut=st.floats(0, 1))
+@SETTINGS
+def test_fast_path_agrees_with_the_general_scanner(tiny_tokenizer, coord_vocab, monkeypatch, case, cut):
+    import coordexp.runtime.parsing as parsing
+
+    lead, entries, ending = case
+    ids = tiny_tokenizer.encode(lead + "{" + ", ".join(e.text for e in entries) + ending, add_special_tokens=False)
+    ids = ids[: round(cut * len(ids))]
+    fast = parse_rollout(ids, tiny_tokenizer, coord_vocab)
+    with monkeypatch.context() as patch:
+        patch.setattr(parsing, "_USE_FAST_PATH", False)
+        general = parse_rollout(ids, tiny_tokenizer, coord_vocab)
+    assert fast == general
 
 
 @given(ids=st.lists(st.integers(0, 3055), max_size=40))
