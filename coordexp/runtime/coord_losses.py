@@ -19,7 +19,13 @@ __all__ = [
     "NUM_COORD_BINS",
     "TEXT_GATE_MIN_NON_COORD_MASS",
     "sanitize_logits",
+    "gather_fenced_rows",
+    "check_coord_ids",
     "coord_vocab_log_mass",
+    "coord_vocab_log_mass_fenced",
+    "coord_columns",
+    "full_vocab_logsumexp",
+    "text_gate_from_log_mass",
     "coord_gate_loss",
     "text_gate_loss",
     "coord_log_probs",
@@ -37,14 +43,72 @@ LOGIT_CLAMP_ABS = 1.0e4
 TEXT_GATE_MIN_NON_COORD_MASS = 1.0e-6
 
 
+def _fence_(values: torch.Tensor) -> torch.Tensor:
+    """Apply the fence in place to a float32 tensor this module owns."""
+    torch.nan_to_num_(values, nan=0.0, posinf=LOGIT_CLAMP_ABS, neginf=-LOGIT_CLAMP_ABS)
+    return values.clamp_(-LOGIT_CLAMP_ABS, LOGIT_CLAMP_ABS)
+
+
+def _passes_fence(values: torch.Tensor) -> torch.Tensor:
+    """Bool mask of entries the fence leaves unchanged (NaN compares False); no float temporaries."""
+    passed = values >= -LOGIT_CLAMP_ABS
+    return passed.logical_and_(values <= LOGIT_CLAMP_ABS)
+
+
+class _SanitizeLogits(torch.autograd.Function):
+    """Fence as one autograd node: keeps a bool mask (or nothing when all entries pass) instead of float copies."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        passed = _passes_fence(logits)
+        out = _fence_(logits.to(torch.float32, copy=True))
+        ctx.input_dtype = logits.dtype
+        ctx.all_passed = bool(passed.all())
+        ctx.save_for_backward(None if ctx.all_passed else passed)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        (passed,) = ctx.saved_tensors
+        if not ctx.all_passed:
+            grad = grad * passed
+        return grad.to(ctx.input_dtype)
+
+
+class _GatherFencedRows(torch.autograd.Function):
+    """``sanitize_logits(flat.index_select(0, index))`` fused: one float32 copy of the gathered rows only."""
+
+    @staticmethod
+    def forward(ctx, flat: torch.Tensor, index: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        gathered = flat.index_select(0, index)  # a fresh tensor: fencing it in place touches nothing shared
+        passed = _passes_fence(gathered)
+        out = _fence_(gathered.float())
+        del gathered
+        ctx.flat_shape, ctx.input_dtype = flat.shape, flat.dtype
+        ctx.all_passed = bool(passed.all())
+        ctx.save_for_backward(index, None if ctx.all_passed else passed)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        index, passed = ctx.saved_tensors
+        if not ctx.all_passed:
+            grad = grad * passed
+        grad_flat = grad.new_zeros(ctx.flat_shape, dtype=ctx.input_dtype)
+        return grad_flat.index_add_(0, index, grad.to(ctx.input_dtype)), None
+
+
+def gather_fenced_rows(flat_logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows ``index`` of ``(M, V)`` logits, fenced like :func:`sanitize_logits` (float32), without an extra copy."""
+    return _GatherFencedRows.apply(flat_logits, index)
+
+
 def sanitize_logits(logits: torch.Tensor) -> torch.Tensor:
     """The one numeric fence: float32, NaN -> 0, +/-inf and anything beyond +/-1e4 clamped to +/-1e4.
 
     Gradients flow unchanged through finite in-range entries and are zero at sanitised entries.
     """
-    x = logits.float()
-    x = torch.nan_to_num(x, nan=0.0, posinf=LOGIT_CLAMP_ABS, neginf=-LOGIT_CLAMP_ABS)
-    return x.clamp(-LOGIT_CLAMP_ABS, LOGIT_CLAMP_ABS)
+    return _SanitizeLogits.apply(logits)
 
 
 def _check_temperature(temperature: float) -> None:
@@ -54,7 +118,8 @@ def _check_temperature(temperature: float) -> None:
         )
 
 
-def _check_coord_ids(coord_ids: torch.Tensor, vocab_size: int) -> None:
+def check_coord_ids(coord_ids: torch.Tensor, vocab_size: int) -> None:
+    """Fail clearly unless ``coord_ids`` is the 1000-id LongTensor of a vocabulary of ``vocab_size`` ids."""
     if coord_ids.ndim != 1 or coord_ids.numel() != NUM_COORD_BINS or coord_ids.dtype != torch.long:
         raise ValueError(
             f"coord_ids must be a 1-D LongTensor of the {NUM_COORD_BINS} ids of <|coord_0|>..<|coord_999|> "
@@ -68,22 +133,49 @@ def _check_coord_ids(coord_ids: torch.Tensor, vocab_size: int) -> None:
         )
 
 
+def coord_columns(rows: torch.Tensor, coord_ids: torch.Tensor) -> torch.Tensor:
+    """The ``(N, 1000)`` coord columns of ``(N, V)`` rows in bin order (a narrow view when the ids are consecutive)."""
+    coord_ids = coord_ids.to(rows.device)
+    first = int(coord_ids[0])
+    if bool((coord_ids == torch.arange(first, first + coord_ids.numel(), device=rows.device)).all()):
+        return rows.narrow(1, first, coord_ids.numel())
+    return rows.index_select(1, coord_ids)
+
+
+def full_vocab_logsumexp(fenced_full: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``logsumexp(rows / T)`` per row of fenced full-vocab rows (no scaled copy at ``T == 1``)."""
+    _check_temperature(temperature)
+    return torch.logsumexp(fenced_full if temperature == 1.0 else fenced_full / temperature, dim=1)
+
+
 def coord_vocab_log_mass(full_logits: torch.Tensor, coord_ids: torch.Tensor, temperature: float) -> torch.Tensor:
     """log of the full-vocab softmax mass on the coord ids, per row: ``lse(coord/T) - lse(all/T)`` (<= 0).
+
+    The entry point for every consumer holding raw logits (training, metrics, rollout paths).
 
     Args:
         full_logits: ``(N, V)`` full-vocabulary logit rows (any float dtype; sanitised here).
         coord_ids: ``(1000,)`` LongTensor of the coord token ids.
         temperature: softmax temperature (> 0).
     """
-    _check_temperature(temperature)
     if full_logits.ndim != 2:
         raise ValueError(f"full_logits must be 2-D (N, V) gathered rows (got shape {tuple(full_logits.shape)})")
-    _check_coord_ids(coord_ids, full_logits.shape[1])
-    scaled = sanitize_logits(full_logits) / temperature
-    coord_ids = coord_ids.to(scaled.device)
-    log_mass = torch.logsumexp(scaled.index_select(1, coord_ids), dim=1) - torch.logsumexp(scaled, dim=1)
-    return log_mass.clamp(max=0.0)
+    check_coord_ids(coord_ids, full_logits.shape[1])
+    fenced = sanitize_logits(full_logits)
+    return coord_vocab_log_mass_fenced(
+        coord_columns(fenced, coord_ids), full_vocab_logsumexp(fenced, temperature), temperature
+    )
+
+
+def coord_vocab_log_mass_fenced(
+    fenced_coord: torch.Tensor, full_lse: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """The gate math behind :func:`coord_vocab_log_mass`, for callers that fenced their rows once themselves:
+    ``fenced_coord`` = the coord columns of the fenced rows, ``full_lse`` = :func:`full_vocab_logsumexp` of them.
+    """
+    _check_temperature(temperature)
+    coord_lse = torch.logsumexp(fenced_coord if temperature == 1.0 else fenced_coord / temperature, dim=1)
+    return (coord_lse - full_lse).clamp(max=0.0)
 
 
 def coord_gate_loss(full_logits: torch.Tensor, coord_ids: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -91,20 +183,24 @@ def coord_gate_loss(full_logits: torch.Tensor, coord_ids: torch.Tensor, temperat
     return -coord_vocab_log_mass(full_logits, coord_ids, temperature)
 
 
-def text_gate_loss(full_logits: torch.Tensor, coord_ids: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Per-row penalty at supervised text positions: ``-log(1 - coord-vocab mass)``, capped at ``-log(1e-6)``.
-
-    FP-neutral: it only pushes coord mass away from positions whose label is text; ~0 when no coord mass.
-    """
-    log_mass = coord_vocab_log_mass(full_logits, coord_ids, temperature)
+def text_gate_from_log_mass(log_mass: torch.Tensor) -> torch.Tensor:
+    """``-log(1 - exp(log_mass))`` per row, capped at ``-log(1e-6)`` so an all-coord text row stays finite."""
     log_mass = log_mass.clamp(max=math.log1p(-TEXT_GATE_MIN_NON_COORD_MASS))
-    # log(1 - e^x) computed stably on both sides of x = -ln 2.
+    # log(1 - e^x) computed stably on both sides of x = -ln 2; both branches are finite on the clamped domain.
     log_non_coord = torch.where(
         log_mass > -math.log(2.0),
         torch.log(-torch.expm1(log_mass)),
         torch.log1p(-torch.exp(log_mass)),
     )
     return -log_non_coord
+
+
+def text_gate_loss(full_logits: torch.Tensor, coord_ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Per-row penalty at supervised text positions: ``-log(1 - coord-vocab mass)``, capped at ``-log(1e-6)``.
+
+    FP-neutral: it only pushes coord mass away from positions whose label is text; ~0 when no coord mass.
+    """
+    return text_gate_from_log_mass(coord_vocab_log_mass(full_logits, coord_ids, temperature))
 
 
 def coord_log_probs(coord_logits: torch.Tensor, temperature: float) -> torch.Tensor:

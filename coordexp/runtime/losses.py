@@ -19,16 +19,18 @@ import torch
 
 from coordexp.runtime.coord_losses import (
     NUM_COORD_BINS,
-    coord_gate_loss,
+    check_coord_ids,
+    coord_columns,
     coord_hard_ce,
     coord_log_probs,
-    coord_vocab_log_mass,
+    coord_vocab_log_mass_fenced,
     expected_bins,
+    full_vocab_logsumexp,
+    gather_fenced_rows,
     gaussian_soft_targets,
-    sanitize_logits,
     smoothl1_and_ciou,
     soft_ce,
-    text_gate_loss,
+    text_gate_from_log_mass,
     w1_distance,
 )
 from coordexp.runtime.objects import TokenSupervision
@@ -224,6 +226,24 @@ class ObjectiveResult:
     counts: Mapping[str, int]
 
 
+@dataclass(frozen=True)
+class _FencedRows:
+    """Logit rows gathered once at every supervised position (text rows first) and fenced once."""
+
+    full: torch.Tensor  # float32 (Nce + Nc, V)
+    coord: torch.Tensor  # float32 (Nce + Nc, 1000): the coord columns of ``full``, bin order
+    num_ce: int
+
+    @property
+    def coord_slot_coord(self) -> torch.Tensor:
+        return self.coord[self.num_ce :]
+
+    def log_mass(self, rows: slice, temperature: float) -> torch.Tensor:
+        """Shared-helper coord-vocab log mass of ``rows`` (a slice of the text-then-coord layout)."""
+        full_lse = full_vocab_logsumexp(self.full[rows], temperature)
+        return coord_vocab_log_mass_fenced(self.coord[rows], full_lse, temperature)
+
+
 def _coord_term_weights(cfg: CoordRegConfig) -> dict[str, float]:
     return {
         "coord_ce": cfg.coord_ce_weight,
@@ -234,20 +254,32 @@ def _coord_term_weights(cfg: CoordRegConfig) -> dict[str, float]:
     }
 
 
+def _token_ce(rows: _FencedRows, batch: SupervisionBatch, zero: torch.Tensor) -> torch.Tensor:
+    """``sum(w * ce) / sum(w)``; ce = lse - logit[label] (no full-vocab log-softmax copy is kept)."""
+    if rows.num_ce == 0:
+        return zero
+    vocab = rows.full.shape[1]
+    labels = batch.ce_labels.to(rows.full.device)
+    if int(labels.max()) >= vocab or int(labels.min()) < 0:
+        raise ValueError(
+            f"ce label ids must lie in [0, {vocab}) (got range [{int(labels.min())}, {int(labels.max())}])"
+        )
+    text = rows.full[: rows.num_ce]
+    ce = torch.logsumexp(text, dim=1) - text.gather(1, labels.unsqueeze(1)).squeeze(1)
+    weights = batch.ce_weights.to(rows.full.device)
+    return (weights * ce).sum() / weights.sum()
+
+
 def _coord_reg(
-    coord_rows: torch.Tensor,
-    ce_rows: torch.Tensor,
-    targets: torch.Tensor,
-    coord_ids: torch.Tensor,
-    cfg: CoordRegConfig,
-    zero: torch.Tensor,
+    rows: _FencedRows, targets: torch.Tensor, cfg: CoordRegConfig, zero: torch.Tensor
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Weighted sum of the coord_reg terms; a term with weight 0 is neither computed nor reported."""
     weights = _coord_term_weights(cfg)
     active = {name for name, w in weights.items() if w > 0}
     terms: dict[str, torch.Tensor] = {name: zero for name in active}
-    if coord_rows.shape[0]:
-        log_p = coord_log_probs(coord_rows.index_select(1, coord_ids), cfg.temperature)
+    num_coord = rows.full.shape[0] - rows.num_ce
+    if num_coord:
+        log_p = coord_log_probs(rows.coord_slot_coord, cfg.temperature)
         if active & {"soft_ce", "w1"}:
             q = gaussian_soft_targets(targets, cfg.target_sigma, cfg.target_truncate)
         if "coord_ce" in active:
@@ -256,10 +288,15 @@ def _coord_reg(
             terms["soft_ce"] = soft_ce(log_p, q).mean()
         if "w1" in active:
             terms["w1"] = w1_distance(log_p.exp(), q).mean()
-        if "gate" in active:
-            terms["gate"] = coord_gate_loss(coord_rows, coord_ids, cfg.temperature).mean()
-    if "text_gate" in active and ce_rows.shape[0]:
-        terms["text_gate"] = text_gate_loss(ce_rows, coord_ids, cfg.temperature).mean()
+    if {"gate", "text_gate"} & active:
+        # one shared-helper call covers both gates over the rows they need: text rows first, coord-slot rows after
+        start = 0 if "text_gate" in active else rows.num_ce
+        stop = rows.full.shape[0] if "gate" in active else rows.num_ce
+        log_mass = rows.log_mass(slice(start, stop), cfg.temperature)
+        if "gate" in active and num_coord:
+            terms["gate"] = (-log_mass[rows.num_ce - start :]).mean()
+        if "text_gate" in active and rows.num_ce:
+            terms["text_gate"] = text_gate_from_log_mass(log_mass[: rows.num_ce]).mean()
     total = zero
     for name, value in terms.items():
         total = total + weights[name] * value
@@ -267,41 +304,39 @@ def _coord_reg(
 
 
 def _bbox_geo(
-    coord_rows: torch.Tensor,
-    batch: SupervisionBatch,
-    coord_ids: torch.Tensor,
-    cfg: BboxGeoConfig,
-    zero: torch.Tensor,
+    rows: _FencedRows, batch: SupervisionBatch, cfg: BboxGeoConfig, zero: torch.Tensor
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """SmoothL1 and 1 - CIoU on the expected box (temperature-1 softmax over the coord bins) of each bbox slot."""
-    slots = batch.bbox_slots.to(coord_rows.device)
+    device = rows.coord.device
+    slots = batch.bbox_slots.to(device)
     if slots.shape[0] == 0:
         smoothl1, one_minus_ciou = zero, zero
     else:
         flat_slots = slots.reshape(-1)
-        log_p = coord_log_probs(coord_rows.index_select(0, flat_slots).index_select(1, coord_ids), 1.0)
+        log_p = coord_log_probs(rows.coord_slot_coord.index_select(0, flat_slots), 1.0)
         pred = (expected_bins(log_p.exp()) / _MAX_BIN).reshape(-1, 4)
-        target = (batch.coord_targets.to(coord_rows.device).index_select(0, flat_slots) / _MAX_BIN).reshape(-1, 4)
+        target = (batch.coord_targets.to(device).index_select(0, flat_slots) / _MAX_BIN).reshape(-1, 4)
         smoothl1, one_minus_ciou = smoothl1_and_ciou(pred, target)
     total = cfg.smoothl1_weight * smoothl1 + cfg.ciou_weight * one_minus_ciou
     return total, {"smoothl1": smoothl1, "ciou": one_minus_ciou}
 
 
 @torch.no_grad()
-def _coord_diagnostics(
-    coord_rows: torch.Tensor, ce_rows: torch.Tensor, targets: torch.Tensor, coord_ids: torch.Tensor
-) -> dict[str, float]:
+def _coord_diagnostics(rows: _FencedRows, targets: torch.Tensor) -> dict[str, float]:
     """Temperature-1 health of the coord distribution; 0.0 where there is no position to average over."""
     out = {"coord_diag/coord_mass": 0.0, "coord_diag/text_coord_mass": 0.0}
     out.update({"coord_diag/entropy": 0.0, "coord_diag/expected_bin_abs_err": 0.0})
-    if coord_rows.shape[0]:
-        out["coord_diag/coord_mass"] = coord_vocab_log_mass(coord_rows, coord_ids, 1.0).exp().mean().item()
-        log_p = coord_log_probs(coord_rows.index_select(1, coord_ids), 1.0)
+    if rows.full.shape[0] == 0:
+        return out
+    mass = rows.log_mass(slice(None), 1.0).exp()
+    if rows.num_ce:
+        out["coord_diag/text_coord_mass"] = mass[: rows.num_ce].mean().item()
+    if rows.full.shape[0] > rows.num_ce:
+        out["coord_diag/coord_mass"] = mass[rows.num_ce :].mean().item()
+        log_p = coord_log_probs(rows.coord_slot_coord, 1.0)
         p = log_p.exp()
         out["coord_diag/entropy"] = (-(p * log_p).sum(dim=1)).mean().item()
         out["coord_diag/expected_bin_abs_err"] = (expected_bins(p) - targets).abs().mean().item()
-    if ce_rows.shape[0]:
-        out["coord_diag/text_coord_mass"] = coord_vocab_log_mass(ce_rows, coord_ids, 1.0).exp().mean().item()
     return out
 
 
@@ -316,70 +351,52 @@ def compute_objective(
         coord_ids: ``(1000,)`` LongTensor of the coord token ids in bin order.
         pipeline: the contract's ``rollout_matching.pipeline``.
 
-    ``token_ce`` is ``sum(w * ce) / sum(w)`` over supervised text positions (full vocab, unsanitised labels,
-    sanitised logits); every other term is a plain mean over its positions or boxes. With nothing to average,
-    a term is exactly 0 (never NaN) and still part of the graph.
+    ``token_ce`` is ``sum(w * ce) / sum(w)`` over supervised text positions (full vocab, sanitised logits);
+    every other term is a plain mean over its positions or boxes. With nothing to average, a term is exactly 0
+    (never NaN) and still part of the graph. Memory: one fenced float32 copy of the supervised rows only.
     """
     if logits.ndim != 3:
         raise ValueError(f"logits must have shape (rows, seq_len, vocab) (got {tuple(logits.shape)})")
-    rows, seq_len, vocab = logits.shape
-    if seq_len != batch.seq_len or rows < batch.num_rows:
+    num_rows, seq_len, vocab = logits.shape
+    if seq_len != batch.seq_len or num_rows < batch.num_rows:
         raise ValueError(
             f"logits shape {tuple(logits.shape)} does not match the supervision batch (seq_len={batch.seq_len}, "
             f"rows >= {batch.num_rows}); build the SupervisionBatch for the same packed/padded layout"
         )
+    check_coord_ids(coord_ids, vocab)
     device = logits.device
-    flat = logits.reshape(rows * seq_len, vocab)
-    coord_ids = coord_ids.to(device)
+    flat = logits.reshape(num_rows * seq_len, vocab)
     zero = flat[:0].float().sum()
-    ce_idx = batch.ce_logit_index.to(device)
-    coord_idx = batch.coord_logit_index.to(device)
-    ce_rows = flat.index_select(0, ce_idx)
-    coord_rows = flat.index_select(0, coord_idx)
+    index = torch.cat([batch.ce_logit_index, batch.coord_logit_index]).to(device)
+    fenced = gather_fenced_rows(flat, index)
+    rows = _FencedRows(fenced, coord_columns(fenced, coord_ids), int(batch.ce_logit_index.numel()))
     targets = batch.coord_targets.to(device)
 
     total = zero
     terms: dict[str, torch.Tensor] = {}
     token_ce_module = pipeline.module("token_ce")
     if token_ce_module is not None:
-        weights = batch.ce_weights.to(device)
-        if ce_rows.shape[0]:
-            labels = batch.ce_labels.to(device)
-            if int(labels.max()) >= vocab or int(labels.min()) < 0:
-                raise ValueError(
-                    f"ce label ids must lie in [0, {vocab}) (got range [{int(labels.min())}, {int(labels.max())}])"
-                )
-            ce = torch.nn.functional.cross_entropy(sanitize_logits(ce_rows), labels, reduction="none")
-            terms["token_ce"] = (weights * ce).sum() / weights.sum()
-        else:
-            terms["token_ce"] = zero
+        terms["token_ce"] = _token_ce(rows, batch, zero)
         total = total + token_ce_module.weight * terms["token_ce"]
-
     coord_reg_module = pipeline.module("coord_reg")
     if coord_reg_module is not None:
-        module_loss, sub = _coord_reg(coord_rows, ce_rows, targets, coord_ids, coord_reg_module.config, zero)
+        module_loss, sub = _coord_reg(rows, targets, coord_reg_module.config, zero)
         terms["coord_reg"] = module_loss
         terms.update({f"coord_reg/{k}": v for k, v in sub.items()})
         total = total + coord_reg_module.weight * module_loss
-
     bbox_geo_module = pipeline.module("bbox_geo")
     if bbox_geo_module is not None:
-        module_loss, sub = _bbox_geo(coord_rows, batch, coord_ids, bbox_geo_module.config, zero)
+        module_loss, sub = _bbox_geo(rows, batch, bbox_geo_module.config, zero)
         terms["bbox_geo"] = module_loss
         terms.update({f"bbox_geo/{k}": v for k, v in sub.items()})
         total = total + bbox_geo_module.weight * module_loss
 
-    diagnostics: dict[str, float] = {}
-    if pipeline.module("coord_diag") is not None:
-        diagnostics = _coord_diagnostics(coord_rows, ce_rows, targets, coord_ids)
+    diagnostics = _coord_diagnostics(rows, targets) if pipeline.module("coord_diag") is not None else {}
     counts = {
-        "num_ce_tokens": int(ce_idx.numel()),
-        "num_coord_tokens": int(coord_idx.numel()),
+        "num_ce_tokens": rows.num_ce,
+        "num_coord_tokens": int(batch.coord_logit_index.numel()),
         "num_bbox_slots": int(batch.bbox_slots.shape[0]),
     }
     return ObjectiveResult(
-        total=total,
-        terms={k: float(v.detach()) for k, v in terms.items()},
-        diagnostics=diagnostics,
-        counts=counts,
+        total=total, terms={k: float(v.detach()) for k, v in terms.items()}, diagnostics=diagnostics, counts=counts
     )

@@ -11,10 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordexp.runtime.coord_losses import (
+    coord_columns,
     coord_gate_loss,
     coord_hard_ce,
     coord_log_probs,
     coord_vocab_log_mass,
+    gather_fenced_rows,
     gaussian_soft_targets,
     sanitize_logits,
     smoothl1_and_ciou,
@@ -91,6 +93,33 @@ def test_sanitize_replaces_nan_and_clamps_infinities_in_float32():
     out = sanitize_logits(x)
     assert out.dtype == torch.float32
     assert out.tolist() == [0.0, 1e4, -1e4, 1e4, -3.5]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_gather_fence_matches_gather_then_sanitize_in_value_and_gradient(dtype):
+    torch.manual_seed(2)
+    base = torch.randn(6, 40) * 5
+    base[1, 3], base[2, 7], base[4, 0], base[4, 1] = float("nan"), float("inf"), float("-inf"), 3e4
+    index = torch.tensor([4, 1, 1, 2, 5])  # repeated row: its gradient accumulates
+    upstream = torch.randn(5, 40)
+    results = []
+    for fused in (True, False):
+        flat = base.clone().to(dtype).requires_grad_(True)
+        out = gather_fenced_rows(flat, index) if fused else sanitize_logits(flat.index_select(0, index))
+        (out * upstream).sum().backward()
+        results.append((out.detach(), flat.grad))
+    (fused_out, fused_grad), (ref_out, ref_grad) = results
+    assert fused_out.dtype == torch.float32 and torch.equal(fused_out, ref_out)
+    assert fused_grad.dtype == dtype and torch.allclose(fused_grad.float(), ref_grad.float())
+    assert fused_grad[1, 3] == 0 and fused_grad[2, 7] == 0 and fused_grad[4, 1] == 0
+    assert fused_grad[1, 0].float() == pytest.approx((upstream[1, 0] + upstream[2, 0]).item(), rel=1e-2)
+
+
+def test_coord_columns_handles_consecutive_and_scattered_ids():
+    rows = torch.randn(3, VOCAB)
+    assert torch.equal(coord_columns(rows, COORD_IDS), rows[:, COORD_IDS])
+    scattered = torch.randperm(VOCAB)[:1000]
+    assert torch.equal(coord_columns(rows, scattered), rows[:, scattered])
 
 
 def test_gate_is_zero_when_all_mass_is_on_coord_ids():
@@ -509,3 +538,40 @@ def test_packing_equivalence_holds_for_random_layouts(seed, layout):
     prompt_lens, assistant_lens, boxes = (list(x) for x in zip(*layout, strict=True))
     packed, padded = _packed_vs_unpacked(seed, prompt_lens, assistant_lens, boxes)
     assert packed.total.item() == pytest.approx(padded.total.item(), abs=1e-5)
+
+
+def test_gate_terms_do_not_depend_on_which_other_gate_is_enabled():
+    torch.manual_seed(5)
+    sup = supervision(ce_pos=[0, 2], coord_pos=[1, 3], targets=[5.0, 9.0])
+    ids = [3, coord_id(5), 4, coord_id(9)]
+    batch = SupervisionBatch.from_segments([SupervisionSegment(sup, ids, 0, 1)], seq_len=5)
+    logits = torch.randn(1, 5, VOCAB) * 3
+
+    def gates(gate_w: float, text_w: float) -> dict:
+        pipe = make_pipeline(coord_reg={"config": {"coord_gate_weight": gate_w, "text_gate_weight": text_w}})
+        return compute_objective(logits, batch, COORD_IDS, pipe).terms
+
+    both, gate_only, text_only = gates(1.0, 1.0), gates(1.0, 0.0), gates(0.0, 1.0)
+    assert "coord_reg/text_gate" not in gate_only and "coord_reg/gate" not in text_only
+    assert gate_only["coord_reg/gate"] == pytest.approx(both["coord_reg/gate"], abs=1e-6)
+    assert text_only["coord_reg/text_gate"] == pytest.approx(both["coord_reg/text_gate"], abs=1e-6)
+    expected_text = text_gate_loss(logits[0, [0, 2]], COORD_IDS, 1.0).mean().item()
+    assert both["coord_reg/text_gate"] == pytest.approx(expected_text, abs=1e-6)
+
+
+def test_objective_is_invariant_to_where_coord_ids_sit_in_the_vocabulary():
+    rng = np.random.default_rng(11)
+    sup, ids = _random_segment(rng, n_assistant=14, n_boxes=2)
+    logits = torch.randn(1, 16, VOCAB) * 2
+    perm = torch.from_numpy(rng.permutation(VOCAB))  # old id j -> new id perm[j]; coord ids become scattered
+    moved = torch.empty_like(logits)
+    moved[..., perm] = logits
+    pipe = make_pipeline(coord_reg={"config": {"coord_ce_weight": 1.0, "text_gate_weight": 0.5}})
+    original = compute_objective(
+        logits, SupervisionBatch.from_segments([SupervisionSegment(sup, ids, 0, 2)], 16), COORD_IDS, pipe
+    )
+    moved_ids = perm[torch.tensor(ids)].tolist()
+    relabelled = compute_objective(
+        moved, SupervisionBatch.from_segments([SupervisionSegment(sup, moved_ids, 0, 2)], 16), perm[COORD_IDS], pipe
+    )
+    assert relabelled.terms == pytest.approx(original.terms, abs=1e-5)
