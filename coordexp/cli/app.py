@@ -17,6 +17,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from coordexp.cli.assets import register as _register_assets
+
 __all__ = ["app", "main", "EXIT_OK", "EXIT_INTERNAL", "EXIT_INVALID"]
 
 EXIT_OK, EXIT_INTERNAL, EXIT_INVALID = 0, 1, 2
@@ -211,6 +213,9 @@ def demo(
             f"{[m.name for m in (*rm.pipeline.objective, *rm.pipeline.diagnostics) if m.runs_on_rollout_channel]}"
         )
     raise typer.Exit(EXIT_INVALID if failed else EXIT_OK)
+
+
+_register_assets(app)
 
 
 def _write_atomic(path: Path, text: str) -> None:

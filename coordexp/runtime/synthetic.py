@@ -1,0 +1,158 @@
+"""A deterministic synthetic detection dataset: flat-coloured rectangles, triangles and polygons on PNG images.
+
+Geometry is chosen in norm1000 bins first and then drawn, so the labels are exact: a norm1000 value ``v`` is the
+continuous image coordinate ``v * size / 1000`` (the raster convention of matching), and a pixel belongs to a shape
+when its centre lies inside it. Shapes sit in distinct cells of a 3 x 3 grid, so they never overlap or occlude.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["COLOURS", "SyntheticDataset", "write_synthetic_dataset", "synthetic_record"]
+
+COLOURS: dict[str, tuple[int, int, int]] = {
+    "red": (220, 40, 40),
+    "green": (40, 180, 60),
+    "blue": (50, 80, 230),
+    "yellow": (235, 215, 40),
+    "purple": (150, 60, 200),
+    "white": (245, 245, 245),
+}
+_SHAPES = ("rectangle", "triangle", "pentagon", "hexagon")
+_VERTICES = {"triangle": 3, "pentagon": 5, "hexagon": 6}
+_GRID = 3
+_MAX_OBJECTS = 8
+
+
+@dataclass(frozen=True)
+class SyntheticDataset:
+    """Where :func:`write_synthetic_dataset` put things (image paths in the JSONL are relative to ``root``)."""
+
+    root: Path
+    train_jsonl: Path
+    val_jsonl: Path
+    image_dir: Path
+
+
+def _to_pixels(v: int, size: int) -> float:
+    return v * size / 1000.0
+
+
+def _rectangle(rng: random.Random, cell: tuple[int, int, int, int]) -> list[int]:
+    x_lo, y_lo, x_hi, y_hi = cell
+    w = rng.randint(max(60, (x_hi - x_lo) // 3), x_hi - x_lo)
+    h = rng.randint(max(60, (y_hi - y_lo) // 3), y_hi - y_lo)
+    x1, y1 = rng.randint(x_lo, x_hi - w), rng.randint(y_lo, y_hi - h)
+    return [x1, y1, x1 + w, y1 + h]
+
+
+def _polygon(rng: random.Random, cell: tuple[int, int, int, int], n_vertices: int) -> list[int]:
+    x_lo, y_lo, x_hi, y_hi = cell
+    radius = rng.uniform(0.35, 0.5) * min(x_hi - x_lo, y_hi - y_lo)
+    cx = rng.uniform(x_lo + radius, x_hi - radius)
+    cy = rng.uniform(y_lo + radius, y_hi - radius)
+    start = rng.uniform(0, 2 * math.pi)
+    points = []
+    for k in range(n_vertices):
+        # angles increase with y pointing down, so vertices run clockwise on screen
+        angle = start + 2 * math.pi * k / n_vertices + rng.uniform(-0.25, 0.25) * (2 * math.pi / n_vertices)
+        r = radius * rng.uniform(0.8, 1.0)
+        points.append((round(cx + r * math.cos(angle)), round(cy + r * math.sin(angle))))
+    first = min(range(n_vertices), key=lambda i: (points[i][1], points[i][0]))  # top-most, then left-most
+    points = points[first:] + points[:first]
+    return [c for p in points for c in p]
+
+
+def _cells(width_bins: int = 1000) -> list[tuple[int, int, int, int]]:
+    """Grid cells in norm1000 bins with a margin, so shapes neither touch each other nor the image border."""
+    step = width_bins // _GRID
+    margin = 20
+    return [
+        (col * step + margin, row * step + margin, (col + 1) * step - margin, (row + 1) * step - margin)
+        for row in range(_GRID)
+        for col in range(_GRID)
+    ]
+
+
+def _draw(image: Any, kind: str, coords: list[int], colour: tuple[int, int, int]) -> None:
+    from PIL import ImageDraw
+
+    width, height = image.size
+    draw = ImageDraw.Draw(image)
+    if kind == "rectangle":
+        x1, y1, x2, y2 = coords
+        # pixels whose centre c + 0.5 lies in [X1, X2): columns ceil(X1 - 0.5) .. ceil(X2 - 0.5) - 1
+        c0, c1 = math.ceil(_to_pixels(x1, width) - 0.5), math.ceil(_to_pixels(x2, width) - 0.5) - 1
+        r0, r1 = math.ceil(_to_pixels(y1, height) - 0.5), math.ceil(_to_pixels(y2, height) - 0.5) - 1
+        if c1 >= c0 and r1 >= r0:
+            draw.rectangle([c0, r0, c1, r1], fill=colour)
+        return
+    # PIL's coordinate (x, y) is the centre of pixel (x, y), i.e. continuous coordinate (x + 0.5, y + 0.5)
+    points = [(_to_pixels(coords[i], width) - 0.5, _to_pixels(coords[i + 1], height) - 0.5)
+              for i in range(0, len(coords), 2)]
+    draw.polygon(points, fill=colour)
+
+
+def synthetic_record(rng: random.Random, image_size: tuple[int, int]) -> tuple[Any, list[dict[str, Any]]]:
+    """One image and its objects (norm1000 ints), sorted top-to-bottom then left-to-right."""
+    from PIL import Image
+
+    width, height = image_size
+    grey = rng.randint(20, 70)
+    image = Image.new("RGB", (width, height), (grey, grey, grey))
+    n_objects = rng.randint(0, _MAX_OBJECTS)
+    objects = []
+    for cell in rng.sample(_cells(), n_objects):
+        colour_name = rng.choice(sorted(COLOURS))
+        kind = rng.choice(_SHAPES)
+        if kind == "rectangle":
+            coords = _rectangle(rng, cell)
+            entry = {"desc": f"{colour_name} {kind}", "bbox_2d": coords}
+        else:
+            coords = _polygon(rng, cell, _VERTICES[kind])
+            entry = {"desc": f"{colour_name} {kind}", "poly": coords}
+        _draw(image, kind, coords, COLOURS[colour_name])
+        objects.append(entry)
+    objects.sort(key=lambda o: (min((o.get("bbox_2d") or o["poly"])[1::2]), min((o.get("bbox_2d") or o["poly"])[::2])))
+    return image, objects
+
+
+def write_synthetic_dataset(
+    directory: str | Path,
+    *,
+    n_train: int,
+    n_val: int,
+    seed: int,
+    image_size: tuple[int, int] = (112, 112),
+) -> SyntheticDataset:
+    """Write ``train.jsonl``, ``val.jsonl`` and ``images/*.png`` under ``directory``; same seed -> same bytes.
+
+    Each image's content depends only on ``(seed, split, index)``, so growing ``n_train`` keeps existing images.
+    """
+    if n_train < 1 or n_val < 0:
+        raise ValueError(f"need n_train >= 1 and n_val >= 0, got n_train={n_train}, n_val={n_val}")
+    width, height = image_size
+    if width < 28 or height < 28:
+        raise ValueError(f"image_size {image_size} is too small; use at least 28 x 28 pixels")
+    root = Path(directory)
+    image_dir = root / "images"
+    image_dir.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for split, count in (("train", n_train), ("val", n_val)):
+        lines = []
+        for index in range(count):
+            rng = random.Random(f"coordexp-synthetic:{seed}:{split}:{index}")
+            image, objects = synthetic_record(rng, (width, height))
+            name = f"{split}_{index:05d}.png"
+            image.save(image_dir / name, format="PNG", optimize=False)
+            record = {"images": [f"images/{name}"], "width": width, "height": height, "objects": objects}
+            lines.append(json.dumps(record, separators=(", ", ": ")))
+        paths[split] = root / f"{split}.jsonl"
+        paths[split].write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return SyntheticDataset(root=root, train_jsonl=paths["train"], val_jsonl=paths["val"], image_dir=image_dir)

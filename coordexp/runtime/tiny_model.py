@@ -1,0 +1,203 @@
+"""A tiny, offline, deterministic Qwen-VL checkpoint (real transformers classes) for tests and the CPU demo.
+
+It is saved with ``save_pretrained`` exactly like a real checkpoint, so the trainer loads it through the same
+``AutoProcessor`` / ``AutoModelForImageTextToText.from_pretrained`` code path it uses for a 3B model. The init std
+is 0.2 (not Qwen's 0.02): with 0.02 a 2-layer model's logits are nearly uniform and it says the same thing for
+every image, which would make image-wiring and parity tests meaningless.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from coordexp.runtime.tiny import QWEN_SPECIAL_TOKENS, build_tiny_tokenizer
+
+__all__ = [
+    "TINY_FAMILIES",
+    "TINY_MIN_PIXELS",
+    "TINY_MAX_PIXELS",
+    "TINY_INIT_STD",
+    "build_tiny_model",
+    "tiny_model_config",
+    "tiny_image_processor",
+    "make_processor",
+    "save_processor",
+    "expand_checkpoint_vocab",
+]
+
+TINY_FAMILIES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl")
+# At most 16 merged image tokens per image: 28x28 pixels make one merged token (patch 14, merge 2).
+TINY_MIN_PIXELS = 28 * 28 * 4
+TINY_MAX_PIXELS = 28 * 28 * 16
+TINY_INIT_STD = 0.2
+PROCESSOR_CLASS_NAMES = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}
+_HIDDEN = 128
+_VOCAB_MULTIPLE = 64
+
+
+def _padded_vocab(n_tokens: int) -> int:
+    return -(-n_tokens // _VOCAB_MULTIPLE) * _VOCAB_MULTIPLE
+
+
+def _special_ids(tokenizer: Any) -> dict[str, int]:
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
+    unknown = [t for t, i in ids.items() if i is None or i == tokenizer.unk_token_id]
+    if unknown:
+        raise ValueError(f"tokenizer lacks the Qwen special tokens {unknown}; it cannot drive a Qwen-VL model")
+    return ids
+
+
+def tiny_model_config(tokenizer: Any, family: str = "qwen2_vl"):
+    """The config of the tiny model for ``tokenizer``: hidden 128, 2 layers, 2 heads, 1 KV head, vision depth 1-2."""
+    if family not in TINY_FAMILIES:
+        raise ValueError(f"unknown tiny model family {family!r}; choose one of {list(TINY_FAMILIES)}")
+    ids = _special_ids(tokenizer)
+    text = dict(
+        vocab_size=_padded_vocab(len(tokenizer)),
+        hidden_size=_HIDDEN,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=4096,
+        initializer_range=TINY_INIT_STD,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12]},
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+    )
+    shared = dict(
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    if family == "qwen2_vl":
+        from transformers import Qwen2VLConfig
+
+        vision = dict(depth=1, embed_dim=64, hidden_size=_HIDDEN, num_heads=2, mlp_ratio=2, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2, initializer_range=TINY_INIT_STD)
+        return Qwen2VLConfig(text_config=text, vision_config=vision, **shared)
+    from transformers import Qwen2_5_VLConfig
+
+    vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=_HIDDEN,
+                  patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                  fullatt_block_indexes=[1], initializer_range=TINY_INIT_STD)
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **shared)
+
+
+def tiny_image_processor(*, min_pixels: int = TINY_MIN_PIXELS, max_pixels: int = TINY_MAX_PIXELS):
+    """A Qwen2-VL image processor with a small pixel budget (the PIL backend when torchvision is absent)."""
+    from transformers.utils import is_torchvision_available
+
+    if is_torchvision_available():
+        from transformers import Qwen2VLImageProcessor as image_processor_class
+    else:
+        from transformers import Qwen2VLImageProcessorPil as image_processor_class
+    return image_processor_class(
+        size={"shortest_edge": min_pixels, "longest_edge": max_pixels},
+        patch_size=14,
+        temporal_patch_size=2,
+        merge_size=2,
+    )
+
+
+def make_processor(family: str, tokenizer: Any, image_processor: Any):
+    """The family's processor class around ``tokenizer`` and ``image_processor`` (chat template from the tokenizer)."""
+    if family == "qwen2_vl":
+        from transformers import Qwen2VLProcessor as processor_class
+    elif family == "qwen2_5_vl":
+        from transformers import Qwen2_5_VLProcessor as processor_class
+    else:
+        raise ValueError(f"unknown tiny model family {family!r}; choose one of {list(TINY_FAMILIES)}")
+    return processor_class(image_processor=image_processor, tokenizer=tokenizer,
+                           chat_template=tokenizer.chat_template)
+
+
+def _model_class(family: str):
+    if family == "qwen2_vl":
+        from transformers import Qwen2VLForConditionalGeneration
+
+        return Qwen2VLForConditionalGeneration
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    return Qwen2_5_VLForConditionalGeneration
+
+
+def build_tiny_model(path: str | Path, *, family: str = "qwen2_vl", seed: int = 0) -> Path:
+    """Build and save (``save_pretrained``) the tiny tokenizer, processor and randomly initialised model into ``path``.
+
+    Deterministic for a given ``(family, seed)``; the global torch RNG state is left as it was. Returns ``path``.
+    """
+    import torch
+    from transformers import AutoTokenizer
+
+    if family not in TINY_FAMILIES:
+        raise ValueError(f"unknown tiny model family {family!r}; choose one of {list(TINY_FAMILIES)}")
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    build_tiny_tokenizer(out)
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    config = tiny_model_config(tokenizer, family)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = _model_class(family)(config).to(torch.float32)
+    model.generation_config.eos_token_id = config.text_config.eos_token_id
+    model.generation_config.pad_token_id = config.text_config.pad_token_id
+    model.generation_config.do_sample = False
+    model.save_pretrained(str(out))
+    save_processor(out, family, tokenizer, tiny_image_processor())
+    return out
+
+
+def save_processor(path: Path, family: str, tokenizer: Any, image_processor: Any) -> None:
+    """Save the family's processor; without torchvision (which transformers 5 needs to build any Qwen-VL processor)
+    save its parts in the transformers-4 layout, which ``AutoProcessor`` reads back once torchvision is present."""
+    try:
+        processor = make_processor(family, tokenizer, image_processor)
+    except (AttributeError, ImportError, TypeError, ValueError):
+        from transformers.utils import is_torchvision_available
+
+        if is_torchvision_available():
+            raise
+        processor = None
+    if processor is not None:
+        processor.save_pretrained(str(path))
+        return
+    tokenizer.save_pretrained(str(path))
+    image_processor.save_pretrained(str(path))
+    config_file = Path(path) / "preprocessor_config.json"
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    config["processor_class"] = PROCESSOR_CLASS_NAMES[family]
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def expand_checkpoint_vocab(source: str | Path, destination: str | Path) -> int:
+    """Load a local checkpoint, add the missing coord tokens (tokenizer + embeddings) and save it to ``destination``.
+
+    Returns the number of tokens added (0 when the checkpoint already had them all: it is then saved unchanged).
+    """
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from coordexp.runtime.encoding import ImageTextProcessor, load_processor
+    from coordexp.runtime.tokens import add_coord_tokens
+
+    source, destination = Path(source), Path(destination)
+    processor = load_processor(source)
+    model = AutoModelForImageTextToText.from_pretrained(str(source), dtype="auto")
+    tokenizer = processor.tokenizer
+    added = add_coord_tokens(tokenizer, model)
+    destination.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(destination))
+    if isinstance(processor, ImageTextProcessor):
+        family = AutoConfig.from_pretrained(str(source)).model_type
+        if family not in PROCESSOR_CLASS_NAMES:
+            raise ValueError(f"{source}: model_type {family!r} is not a supported Qwen-VL family "
+                             f"({sorted(PROCESSOR_CLASS_NAMES)})")
+        save_processor(destination, family, tokenizer, processor.image_processor)
+    else:
+        processor.save_pretrained(str(destination))
+    return added
