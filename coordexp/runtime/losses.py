@@ -366,7 +366,8 @@ def compute_objective(
     check_coord_ids(coord_ids, vocab)
     device = logits.device
     flat = logits.reshape(num_rows * seq_len, vocab)
-    zero = flat[:0].float().sum()
+    # A graph-free zero: deriving it from the logits would add a full-size zero gradient to the backward pass.
+    zero = torch.zeros((), dtype=torch.float32, device=device)
     index = torch.cat([batch.ce_logit_index, batch.coord_logit_index]).to(device)
     fenced = gather_fenced_rows(flat, index)
     rows = _FencedRows(fenced, coord_columns(fenced, coord_ids), int(batch.ce_logit_index.numel()))
@@ -391,6 +392,8 @@ def compute_objective(
         terms.update({f"bbox_geo/{k}": v for k, v in sub.items()})
         total = total + bbox_geo_module.weight * module_loss
 
+    if fenced.requires_grad and not total.requires_grad:
+        total = total + fenced.sum() * 0.0  # nothing supervised: an exact 0 that still backpropagates
     diagnostics = _coord_diagnostics(rows, targets) if pipeline.module("coord_diag") is not None else {}
     counts = {
         "num_ce_tokens": rows.num_ce,
