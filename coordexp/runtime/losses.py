@@ -353,7 +353,8 @@ def compute_objective(
 
     ``token_ce`` is ``sum(w * ce) / sum(w)`` over supervised text positions (full vocab, sanitised logits);
     every other term is a plain mean over its positions or boxes. With nothing to average, a term is exactly 0
-    (never NaN) and still part of the graph. Memory: one fenced float32 copy of the supervised rows only.
+    (never NaN) and ``total`` still backpropagates (a zero gradient). Memory: the backward pass holds one fenced
+    float32 copy of the supervised rows, not of the sequence.
     """
     if logits.ndim != 3:
         raise ValueError(f"logits must have shape (rows, seq_len, vocab) (got {tuple(logits.shape)})")
