@@ -36,6 +36,7 @@ __all__ = [
 ]
 
 IMAGE_PAD_TOKEN = "<|image_pad|>"
+_VISION_PLACEHOLDERS = (IMAGE_PAD_TOKEN, "<|video_pad|>")
 
 
 class EncodingError(ValueError):
@@ -61,9 +62,14 @@ class EncodedPrompt:
 
     input_ids: "torch.Tensor"  # int64 (prompt_len,)
     attention_mask: "torch.Tensor"  # int64 (prompt_len,), all ones
+    mm_token_type_ids: "torch.Tensor"  # int64 (prompt_len,): 1 at image tokens, else 0 (drives the M-RoPE index)
     pixel_values: "torch.Tensor"  # float (n_patches, channels * temporal_patch * patch * patch)
     image_grid_thw: "torch.Tensor"  # int64 (n_images, 3)
     prompt_len: int
+
+    def model_inputs(self) -> dict[str, "torch.Tensor"]:
+        """Keyword arguments for ``model(...)`` / ``model.generate(...)`` with a batch of one."""
+        return _model_inputs(self)
 
 
 @dataclass(frozen=True)
@@ -72,14 +78,31 @@ class EncodedSample:
 
     input_ids: "torch.Tensor"  # int64 (prompt_len + n_assistant,)
     attention_mask: "torch.Tensor"  # int64, all ones
+    mm_token_type_ids: "torch.Tensor"  # int64: 1 at image tokens, else 0
     pixel_values: "torch.Tensor"
     image_grid_thw: "torch.Tensor"
     prompt_len: int
     assistant_start: int
 
+    def model_inputs(self) -> dict[str, "torch.Tensor"]:
+        """Keyword arguments for ``model(...)`` with a batch of one (add ``labels`` yourself)."""
+        return _model_inputs(self)
+
     @property
     def total_len(self) -> int:
         return int(self.input_ids.shape[0])
+
+
+def _model_inputs(encoded: EncodedPrompt | EncodedSample) -> dict[str, "torch.Tensor"]:
+    # transformers 5 Qwen-VL models need mm_token_type_ids for the multimodal rope index; without it generate()
+    # silently falls back to text-only positions for the image tokens.
+    return {
+        "input_ids": encoded.input_ids[None],
+        "attention_mask": encoded.attention_mask[None],
+        "mm_token_type_ids": encoded.mm_token_type_ids[None],
+        "pixel_values": encoded.pixel_values,
+        "image_grid_thw": encoded.image_grid_thw,
+    }
 
 
 def load_processor(path: str | Path) -> Any:
@@ -180,6 +203,7 @@ def encode_prompt(processor: Any, record: "DetectionRecord", template: TemplateC
     return EncodedPrompt(
         input_ids=input_ids,
         attention_mask=torch.ones_like(input_ids),
+        mm_token_type_ids=(input_ids == pad_id).long(),
         pixel_values=torch.as_tensor(vision["pixel_values"]),
         image_grid_thw=grid,
         prompt_len=len(expanded),
@@ -213,10 +237,19 @@ def encode_teacher_forced(
         )
     if not response:
         raise EncodingError(f"{record.source}: the assistant response is empty; Y_train always ends with EOS")
-    input_ids = torch.cat([prompt.input_ids, torch.tensor(response, dtype=torch.long)])
+    vision_ids = {processor.tokenizer.convert_tokens_to_ids(t) for t in _VISION_PLACEHOLDERS}
+    placeholder = next((k for k, i in enumerate(response) if i in vision_ids), None)
+    if placeholder is not None:
+        raise EncodingError(
+            f"{record.source}: the assistant response holds an image/video placeholder id ({response[placeholder]}) "
+            f"at position {placeholder}; the vision features would be misaligned. Forbid these ids in generation"
+        )
+    response_ids = torch.tensor(response, dtype=torch.long)
+    input_ids = torch.cat([prompt.input_ids, response_ids])
     return EncodedSample(
         input_ids=input_ids,
         attention_mask=torch.ones_like(input_ids),
+        mm_token_type_ids=torch.cat([prompt.mm_token_type_ids, torch.zeros_like(response_ids)]),
         pixel_values=prompt.pixel_values,
         image_grid_thw=prompt.image_grid_thw,
         prompt_len=prompt.prompt_len,

@@ -48,3 +48,26 @@ def piece_id(tiny_tokenizer, piece_table):
         return by_text[key]
 
     return lookup
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A saved tiny Qwen2-VL checkpoint (model, tokenizer with coord tokens, image processor), built once."""
+    from coordexp.runtime.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen2_vl"), family="qwen2_vl", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_processor(tiny_model_dir):
+    from coordexp.runtime.encoding import load_processor
+
+    return load_processor(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def synthetic_dataset(tmp_path_factory):
+    """A small deterministic synthetic shapes dataset (12 train / 4 val images of 112 x 112)."""
+    from coordexp.runtime.synthetic import write_synthetic_dataset
+
+    return write_synthetic_dataset(tmp_path_factory.mktemp("synthetic"), n_train=12, n_val=4, seed=0)
