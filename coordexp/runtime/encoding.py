@@ -233,7 +233,8 @@ def encode_teacher_forced(
         k, i = bad[0]
         raise EncodingError(
             f"{record.source}: assistant id {i} at response position {k} is outside the tokenizer's vocabulary "
-            f"(0..{vocab_size - 1}); pass the ids produced by this tokenizer"
+            f"(0..{vocab_size - 1}); ids in a model's padded embedding rows have no token: suppress them at "
+            "generation (e.g. suppress_tokens=range(len(tokenizer), vocab_size))"
         )
     if not response:
         raise EncodingError(f"{record.source}: the assistant response is empty; Y_train always ends with EOS")

@@ -148,6 +148,8 @@ def build_tiny_model(path: str | Path, *, family: str = "qwen2_vl", seed: int = 
     model.generation_config.eos_token_id = config.text_config.eos_token_id
     model.generation_config.pad_token_id = config.text_config.pad_token_id
     model.generation_config.do_sample = False
+    # padded embedding rows have no token; never let the random model emit them
+    model.generation_config.suppress_tokens = list(range(len(tokenizer), config.text_config.vocab_size))
     model.save_pretrained(str(out))
     save_processor(out, family, tokenizer, tiny_image_processor())
     return out

@@ -64,6 +64,7 @@ def test_saved_like_a_real_checkpoint(tiny_model_dir, model, tiny_processor):
     assert config.image_token_id == tokenizer.convert_tokens_to_ids("<|image_pad|>")
     assert model.generation_config.eos_token_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert len(CoordVocab.from_tokenizer(tokenizer)) == NUM_COORD_BINS
+    assert model.generation_config.suppress_tokens == list(range(len(tokenizer), text.vocab_size))
     assert (tiny_model_dir / "preprocessor_config.json").is_file()
     assert tiny_processor.image_processor.merge_size == 2
     # init std 0.2 (not 0.02), so outputs depend on the input
