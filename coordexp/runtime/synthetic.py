@@ -81,7 +81,8 @@ def _cells(width_bins: int = 1000) -> list[tuple[int, int, int, int]]:
 
 
 def _draw(image: Any, kind: str, coords: list[int], colour: tuple[int, int, int]) -> None:
-    from PIL import ImageDraw
+    import numpy as np
+    from PIL import Image, ImageDraw
 
     width, height = image.size
     draw = ImageDraw.Draw(image)
@@ -93,10 +94,18 @@ def _draw(image: Any, kind: str, coords: list[int], colour: tuple[int, int, int]
         if c1 >= c0 and r1 >= r0:
             draw.rectangle([c0, r0, c1, r1], fill=colour)
         return
-    # PIL's coordinate (x, y) is the centre of pixel (x, y), i.e. continuous coordinate (x + 0.5, y + 0.5)
-    points = [(_to_pixels(coords[i], width) - 0.5, _to_pixels(coords[i + 1], height) - 0.5)
-              for i in range(0, len(coords), 2)]
-    draw.polygon(points, fill=colour)
+    xs = np.arange(width) + 0.5
+    ys = (np.arange(height) + 0.5)[:, None]
+    inside = np.zeros((height, width), dtype=bool)
+    vertices = [(_to_pixels(coords[i], width), _to_pixels(coords[i + 1], height)) for i in range(0, len(coords), 2)]
+    for (x0, y0), (x1, y1) in zip(vertices, vertices[1:] + vertices[:1]):
+        if y0 == y1:
+            continue
+        crosses = (y0 > ys) != (y1 > ys)  # half-open in y, so a vertex is counted once
+        x_at = x0 + (ys - y0) * (x1 - x0) / (y1 - y0)
+        inside ^= crosses & (xs < x_at)  # even-odd rule on pixel centres
+    mask = Image.fromarray(inside.astype(np.uint8) * 255)
+    image.paste(colour, (0, 0, width, height), mask)
 
 
 def synthetic_record(rng: random.Random, image_size: tuple[int, int]) -> tuple[Any, list[dict[str, Any]]]:
