@@ -79,7 +79,8 @@ def _bbox(value: Any, field: str) -> tuple[int, ...]:
 
 def _poly(value: Any, field: str) -> tuple[int, ...]:
     if not isinstance(value, list):
-        raise _RecordProblem(field, f"expected a flat list [x1, y1, x2, y2, ...] or [[x, y], ...], got {_short(value)}")
+        raise _RecordProblem(field, "expected a flat list [x1, y1, x2, y2, ...] or [[x, y], ...], got "
+                                    f"{_short(value)}")
     if value and all(isinstance(p, list) for p in value):
         flat = []
         for i, pair in enumerate(value):
