@@ -13,6 +13,19 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 pip=("$venv/bin/python" -m pip)
 
+# pip -q, minus the local index's "location is ignored" noise; a failed install prints its log and stops.
+quiet_pip() {
+  local log status=0
+  log=$(mktemp)
+  "${pip[@]}" -q "$@" >"$log" 2>&1 || status=$?
+  grep -v "is ignored: it is neither" "$log" >&2 || true
+  rm -f "$log"
+  if [ "$status" -ne 0 ]; then
+    echo "[bootstrap] pip $* failed (exit $status)" >&2
+    exit "$status"
+  fi
+}
+
 # Re-install only when pyproject.toml or the requested extras change.
 key=$(cat "$root/pyproject.toml" "$root/scripts/bootstrap.sh" | sha1sum | cut -c1-12)
 stamp="$venv/.coordexp-installed-${key}-${extras:-base}"
@@ -20,18 +33,13 @@ if [ ! -f "$stamp" ]; then
   if ! command -v nvidia-smi >/dev/null 2>&1 && ! "$venv/bin/python" -c "import torch" >/dev/null 2>&1; then
     # CPU-only machine: take the CPU build of torch first, so resolving `torch>=2.4` never pulls the multi-GB CUDA wheels.
     echo "[bootstrap] installing CPU torch==2.13.0" >&2
-    "${pip[@]}" install -q "torch==2.13.0" 2>&1 | grep -v "is ignored: it is neither" >&2 || true
-    "$venv/bin/python" -c "import torch" || { echo "[bootstrap] torch install failed" >&2; exit 1; }
+    quiet_pip install "torch==2.13.0"
   fi
   spec="$root"
   [ -n "$extras" ] && spec="$root[$extras]"
   echo "[bootstrap] installing coordexp (${extras:-no extras})" >&2
-  set +o pipefail
-  "${pip[@]}" install -q -e "$spec" 2>&1 | grep -v "is ignored: it is neither" >&2
-  status=${PIPESTATUS[0]}
-  set -o pipefail
-  [ "$status" -eq 0 ] || { echo "[bootstrap] pip install failed (exit $status)" >&2; exit "$status"; }
-  rm -f "$venv"/.coordexp-installed-*
+  quiet_pip install -e "$spec"
+  find "$venv" -maxdepth 1 -name ".coordexp-installed-*" ! -name ".coordexp-installed-${key}-*" -delete
   touch "$stamp"
 fi
 echo "$venv/bin/python"
