@@ -60,22 +60,25 @@ class _Rings:
     points: np.ndarray
     starts: np.ndarray
     counts: np.ndarray
+    is_rect: np.ndarray  # bool (n,): a bbox_2d, whose raster is one column range on every row it covers
 
     @classmethod
     def of(cls, objects: Sequence[DetObject]) -> _Rings:
         flat: list[int] = []
-        counts = np.empty(len(objects), dtype=np.int64)
-        for i, obj in enumerate(objects):
-            _check_coords(obj)
+        counts: list[int] = []
+        for obj in objects:
             c = obj.coords
-            if obj.geometry == "bbox_2d":
+            if obj.geometry == "bbox_2d" and len(c) == 4:
                 flat += (c[0], c[1], c[2], c[1], c[2], c[3], c[0], c[3])
-                counts[i] = 4
+                counts.append(4)
             else:
+                _check_coords(obj)
                 flat += c
-                counts[i] = len(c) // 2
+                counts.append(len(c) // 2)
         points = np.clip(np.array(flat, dtype=np.int64).reshape(-1, 2), 0, COORD_MAX)
-        return cls(points=points, starts=np.cumsum(counts) - counts, counts=counts)
+        n = np.array(counts, dtype=np.int64)
+        is_rect = np.array([obj.geometry == "bbox_2d" for obj in objects], dtype=bool)
+        return cls(points=points, starts=np.cumsum(n) - n, counts=n, is_rect=is_rect)
 
     def aabbs(self) -> np.ndarray:
         """``(n, 4)`` as ``x_min, y_min, x_max, y_max``; swapped bbox corners are canonicalised."""
@@ -184,6 +187,11 @@ def _ragged_arange(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return owner, position
 
 
+def _first_col(x: np.ndarray, resolution: int) -> np.ndarray:
+    """First pixel column right of a vertical edge at norm1000 ``x``: centre ``(2c + 1) * 1000 > 2 R x``, exactly."""
+    return np.clip((2 * resolution * x - 1000) // 2000 + 1, 0, resolution)
+
+
 def _rasterize_rings(rings: _Rings, resolution: int, selected: np.ndarray | None = None) -> _RowSpans:
     """Row spans of the rings in ``selected`` (all when None), in that order.
 
@@ -191,20 +199,29 @@ def _rasterize_rings(rings: _Rings, resolution: int, selected: np.ndarray | None
     rule; the half-open edge rule makes every count even), each pair covering the pixel centres between them.
     Vectorised over all edges of all shapes. Integer arithmetic throughout: canvas x = v * R / 1000 and pixel
     centres sit at odd halves, so scaling by 2000 makes every comparison exact (no float ties on a centre).
+    A bbox is an axis-aligned rectangle: its two vertical edges give the same column range on every row, so its
+    spans are written directly instead of being sorted out of crossings.
     """
     if resolution < 1:
         raise ValueError(f"raster resolution must be >= 1, got {resolution}.")
-    edges, owner = rings.edges()
-    aabbs = rings.aabbs()
-    if selected is not None:
-        slot = np.full(len(rings.counts), -1, dtype=np.int64)
-        slot[selected] = np.arange(len(selected))
-        owner = slot[owner]
-        edges, owner, aabbs = edges[owner >= 0], owner[owner >= 0], aabbs[selected]
+    if selected is None:
+        selected = np.arange(len(rings.counts))
+    aabbs = rings.aabbs()[selected]
     n = len(aabbs)
     shape_first, shape_end = _row_range(aabbs[:, 1], aabbs[:, 3], resolution)
-    height = shape_end - shape_first
+    height = np.maximum(shape_end - shape_first, 0)
     base = np.cumsum(height) - height
+    is_rect = rings.is_rect[selected]
+    stride = resolution + 1
+
+    # Polygons: crossings of every edge with the row centres it spans.
+    poly_slots = np.flatnonzero(~is_rect)
+    slot = np.full(len(rings.counts), -1, dtype=np.int64)
+    slot[selected[poly_slots]] = poly_slots
+    edges, owner = rings.edges()
+    owner = slot[owner]
+    keep = owner >= 0
+    edges, owner = edges[keep], owner[keep]
     x0, y0, x1, y1 = edges.T
     # Rows whose centre lies in [y_lo, y_hi): half-open, so a vertex shared by two edges counts once.
     row_first, row_end = _row_range(np.minimum(y0, y1), np.maximum(y0, y1), resolution)
@@ -218,14 +235,31 @@ def _rasterize_rings(rings: _Rings, resolution: int, selected: np.ndarray | None
     sign = np.sign(dy)
     num, dy = num * sign, dy * sign
     first_col = np.clip((num - 1000 * dy) // (2000 * dy) + 1, 0, resolution)
-    stride = resolution + 1
     shape_of = owner[edge_id]
-    events = np.sort((base[shape_of] + rows - shape_first[shape_of]) * stride + first_col, kind="stable")
-    span_row = events[0::2] // stride
-    start = events[0::2] - span_row * stride
-    stop = events[1::2] - span_row * stride
-    nonempty = stop > start
-    span_row, start, stop = span_row[nonempty], start[nonempty], stop[nonempty]
+    events = np.sort((base[shape_of] + rows - shape_first[shape_of]) * stride + first_col)
+    poly_row = events[0::2] // stride
+    poly_start = events[0::2] - poly_row * stride
+    poly_stop = events[1::2] - poly_row * stride
+
+    # Rectangles: one span [left, right) on each of their rows (none when the column range is empty).
+    rect_slots = np.flatnonzero(is_rect)
+    left = _first_col(aabbs[rect_slots, 0], resolution)
+    right = _first_col(aabbs[rect_slots, 2], resolution)
+    rect_height = np.where(right > left, height[rect_slots], 0)
+    rect_of, rect_offset = _ragged_arange(rect_height)
+    rect_row = base[rect_slots][rect_of] + rect_offset
+
+    # Shapes own disjoint global rows, so the two row-sorted span lists merge by counting (no second sort).
+    nonempty = poly_stop > poly_start
+    poly_row, poly_start, poly_stop = poly_row[nonempty], poly_start[nonempty], poly_stop[nonempty]
+    total = len(poly_row) + len(rect_row)
+    span_row = np.empty(total, dtype=np.int64)
+    start = np.empty(total, dtype=np.int64)
+    stop = np.empty(total, dtype=np.int64)
+    at_poly = np.arange(len(poly_row)) + np.searchsorted(rect_row, poly_row)
+    at_rect = np.arange(len(rect_row)) + np.searchsorted(poly_row, rect_row)
+    span_row[at_poly], start[at_poly], stop[at_poly] = poly_row, poly_start, poly_stop
+    span_row[at_rect], start[at_rect], stop[at_rect] = rect_row, left[rect_of], right[rect_of]
     count = np.bincount(span_row, minlength=int(height.sum()))
     span_shape = np.searchsorted(base, span_row, side="right") - 1
     areas = np.bincount(span_shape, weights=stop - start, minlength=n).astype(np.int64)
@@ -249,15 +283,48 @@ def _pair_mask_iou(spans: _RowSpans, left: np.ndarray, right: np.ndarray) -> np.
     lo, ro = left[pair_of_row], right[pair_of_row]
     row_a = spans.base[lo] - spans.first[lo] + canvas_row
     row_b = spans.base[ro] - spans.first[ro] + canvas_row
-    # Every span of row a against every span of row b (almost always 1 x 1).
     count_a, count_b = spans.count[row_a], spans.count[row_b]
-    combo_row, k = _ragged_arange(count_a * count_b)
-    ia = spans.ptr[row_a][combo_row] + k // count_b[combo_row]
-    ib = spans.ptr[row_b][combo_row] + k % count_b[combo_row]
+    if count_a.max(initial=0) <= 1 and count_b.max(initial=0) <= 1:  # convex shapes: at most one span per row
+        both = (count_a * count_b).astype(bool)
+        ia, ib, owner = spans.ptr[row_a][both], spans.ptr[row_b][both], pair_of_row[both]
+    else:  # every span of row a against every span of row b
+        combo_row, k = _ragged_arange(count_a * count_b)
+        ia = spans.ptr[row_a][combo_row] + k // count_b[combo_row]
+        ib = spans.ptr[row_b][combo_row] + k % count_b[combo_row]
+        owner = pair_of_row[combo_row]
     overlap = np.minimum(spans.stop[ia], spans.stop[ib]) - np.maximum(spans.start[ia], spans.start[ib])
-    inter = np.bincount(pair_of_row[combo_row], weights=np.maximum(overlap, 0), minlength=len(left))
+    inter = np.bincount(owner, weights=np.maximum(overlap, 0), minlength=len(left))
     union = spans.areas[left] + spans.areas[right] - inter
     return np.divide(inter, union, out=np.zeros(len(left)), where=union > 0)
+
+
+def _rect_pair_iou(aabbs: np.ndarray, left: np.ndarray, right: np.ndarray, resolution: int) -> np.ndarray:
+    """maskIoU of bbox pairs in closed form: each raster is the product of a row range and a column range."""
+    rows_lo, rows_hi = _row_range(aabbs[:, 1], aabbs[:, 3], resolution)
+    cols_lo, cols_hi = _first_col(aabbs[:, 0], resolution), _first_col(aabbs[:, 2], resolution)
+    area = np.maximum(rows_hi - rows_lo, 0) * np.maximum(cols_hi - cols_lo, 0)
+    inter_rows = np.minimum(rows_hi[left], rows_hi[right]) - np.maximum(rows_lo[left], rows_lo[right])
+    inter_cols = np.minimum(cols_hi[left], cols_hi[right]) - np.maximum(cols_lo[left], cols_lo[right])
+    inter = np.maximum(inter_rows, 0) * np.maximum(inter_cols, 0)
+    union = area[left] + area[right] - inter
+    return np.divide(inter, union, out=np.zeros(len(left)), where=union > 0)
+
+
+def _candidate_mask_iou(
+    rings: _Rings, aabbs: np.ndarray, left: np.ndarray, right: np.ndarray, resolution: int
+) -> np.ndarray:
+    """maskIoU of ring pairs ``(left[i], right[i])``: bbox pairs in closed form, the rest from row spans."""
+    out = np.zeros(len(left))
+    rect_pair = rings.is_rect[left] & rings.is_rect[right]
+    if rect_pair.any():
+        out[rect_pair] = _rect_pair_iou(aabbs, left[rect_pair], right[rect_pair], resolution)
+    if not rect_pair.all():
+        rest = ~rect_pair
+        used, local = np.unique(np.concatenate([left[rest], right[rest]]), return_inverse=True)
+        spans = _rasterize_rings(rings, resolution, used)
+        n_rest = int(rest.sum())
+        out[rest] = _pair_mask_iou(spans, local[:n_rest], local[n_rest:])
+    return out
 
 
 def mask_iou_matrix(pred_masks: np.ndarray, gt_masks: np.ndarray) -> np.ndarray:
@@ -312,11 +379,9 @@ def compute_match_costs(preds: Sequence[DetObject], gts: Sequence[DetObject], cf
     # Shapes whose AABBs share no area share no pixel (half-open raster), so only those pairs are rasterised.
     pred_idx, gt_idx = np.nonzero(candidate & (aabb_iou > 0))
     if len(pred_idx):
-        used_preds, pred_local = np.unique(pred_idx, return_inverse=True)
-        used_gts, gt_local = np.unique(gt_idx, return_inverse=True)
-        used = np.concatenate([used_preds, used_gts + len(preds)])
-        spans = _rasterize_rings(rings, cfg.maskiou_resolution, used)
-        mask_iou[pred_idx, gt_idx] = _pair_mask_iou(spans, pred_local, gt_local + len(used_preds))
+        mask_iou[pred_idx, gt_idx] = _candidate_mask_iou(
+            rings, all_aabbs, pred_idx, gt_idx + len(preds), cfg.maskiou_resolution
+        )
     feasible = candidate & (mask_iou >= cfg.maskiou_gate)
     return MatchCosts(aabb_iou=aabb_iou, candidate=candidate, mask_iou=mask_iou, feasible=feasible)
 

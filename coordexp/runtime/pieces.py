@@ -155,6 +155,16 @@ class PieceTable:
             self._segments[text] = ids
         return ids
 
+    def encode_joined(self, segments: Sequence[str], separator_ids: Sequence[int]) -> tuple[int, ...]:
+        """``segments[0] + sep[0] + segments[1] + ... + segments[-1]`` from cached segment encodings."""
+        cache, ids = self._segments, []
+        for segment, separator in zip(segments, separator_ids):
+            cached = cache.get(segment)
+            ids.extend(cached if cached is not None else self.encode_segment(segment))
+            ids.append(separator)
+        ids.extend(self.encode_segment(segments[-1]))
+        return tuple(ids)
+
     def splits_at_added_tokens(self, added_token_text: str) -> bool:
         """Whether encoding text around ``added_token_text`` equals encoding the pieces on either side separately.
 

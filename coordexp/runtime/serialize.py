@@ -79,6 +79,7 @@ class _Writer:
         self.size = 0  # characters written so far
         self.desc_chars: list[tuple[int, int]] = []
         self.coord_chars: list[tuple[int, int]] = []  # (bin, start)
+        self.coord_ends: list[int] = []  # end character of each coord token
 
     def write(self, s: str) -> None:
         self.parts.append(s)
@@ -103,34 +104,37 @@ class _Writer:
         self.desc_chars.append((start, self.size - 1))
 
     def _geometry(self, obj: DetObject) -> None:
-        self.write(f'"{obj.geometry}": ["')
-        for i, value in enumerate(obj.coords):
-            if i:
-                self.write('", "')
-            self.coord_chars.append((int(value), self.size))
-            self.write(_COORD_TEXT[value])
-        self.write('"]')
+        head = f'"{obj.geometry}": ["'
+        texts = [_COORD_TEXT[value] for value in obj.coords]
+        position = self.size + len(head)
+        coord_chars, coord_ends = self.coord_chars, self.coord_ends
+        for value, text in zip(obj.coords, texts):
+            coord_chars.append((int(value), position))
+            position += len(text)
+            coord_ends.append(position)
+            position += 4  # len('", "')
+        self.write(head + '", "'.join(texts) + '"]')
 
     def render(self, geometries: tuple[str, ...]) -> RenderedAppend:
         text = "".join(self.parts)
-        cuts = sorted({c for span in self.desc_chars for c in span} | {c for _, c in self.coord_chars}
-                      | {c + len(_COORD_TEXT[b]) for b, c in self.coord_chars})
+        coord_starts = [c for _, c in self.coord_chars]
+        coord_ends = self.coord_ends
+        segments = [text[lo:hi] for lo, hi in zip([0, *coord_ends], [*coord_starts, len(text)])]
         if text.isascii():
-            byte_at = {c: c for c in cuts}
+            desc_spans = tuple(self.desc_chars)
+            coord_spans = tuple((b, c, e) for (b, c), e in zip(self.coord_chars, coord_ends))
         else:  # desc values may hold multi-byte characters: convert character offsets to byte offsets
+            cuts = sorted({c for span in self.desc_chars for c in span} | set(coord_starts) | set(coord_ends))
             byte_at, done, size = {}, 0, 0
             for c in cuts:
                 size += len(text[done:c].encode("utf-8"))
                 byte_at[c], done = size, c
-        segments, previous = [], 0
-        for b, c in self.coord_chars:
-            segments.append(text[previous:c])
-            previous = c + len(_COORD_TEXT[b])
-        segments.append(text[previous:])
+            desc_spans = tuple((byte_at[a], byte_at[b]) for a, b in self.desc_chars)
+            coord_spans = tuple((b, byte_at[c], byte_at[e]) for (b, c), e in zip(self.coord_chars, coord_ends))
         return RenderedAppend(
             text=text,
-            desc_spans=tuple((byte_at[a], byte_at[b]) for a, b in self.desc_chars),
-            coord_spans=tuple((b, byte_at[c], byte_at[c] + len(_COORD_TEXT[b])) for b, c in self.coord_chars),
+            desc_spans=desc_spans,
+            coord_spans=coord_spans,
             geometries=geometries,
             segments=tuple(segments),
         )

@@ -108,9 +108,14 @@ def _pair_targets(
                 f"matched pair {pair}: {values.size} coord targets for {n_slots} coord slots of "
                 f"{parse.objects[pair[0]].key}; give one target bin per predicted coord token"
             )
+        out[pair] = values
+    if out:  # one range check over all pairs; the per-pair loop below only runs to name the offending pair
+        every = np.concatenate(list(out.values()))
+        if np.isfinite(every).all() and every.min(initial=0) >= 0 and every.max(initial=0) <= 999:
+            return out
+    for pair, values in out.items():
         if not np.all(np.isfinite(values)) or values.min(initial=0) < 0 or values.max(initial=0) > 999:
             raise ValueError(f"matched pair {pair}: coord targets must be finite bins in [0, 999], got {values.tolist()}")
-        out[pair] = values
     return out
 
 
@@ -139,13 +144,51 @@ def _append_token_layout(
             f"the append text's {expected.size} coord tokens did not encode one id each at their places "
             f"(found {coord_at.size}); check that the coord tokens are added tokens (CoordVocab.from_tokenizer)"
         )
+    spans = np.asarray([(lo, hi) for lo, hi in rendered.desc_spans if hi > lo], dtype=np.int64).reshape(-1, 2)
+    first = np.searchsorted(starts, spans[:, 0], side="right") - 1
+    last = np.searchsorted(starts, spans[:, 1] - 1, side="right") - 1
     desc: list[int] = []
-    for lo, hi in rendered.desc_spans:
-        if hi > lo:
-            first = int(np.searchsorted(starts, lo, side="right")) - 1
-            last = int(np.searchsorted(starts, hi - 1, side="right")) - 1
-            desc.extend(range(first, last + 1))
+    for lo, hi in zip(first.tolist(), last.tolist()):
+        desc.extend(range(lo, hi + 1))
     return coord_at, np.asarray(sorted(set(desc)), dtype=np.int64), starts
+
+
+def _ce_weights(
+    parse: RolloutParse,
+    pairs: list[tuple[int, int]],
+    token_ce: TokenCeConfig,
+    prefix_len: int,
+    append_len: int,
+    coord_at: np.ndarray,
+    desc_at: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted CE positions and float32 weights: matched prefix structure, FN-tail structure (1), FN descs, EOS (1).
+
+    Later groups overwrite earlier ones at a shared position, except FN descs, which only fill free positions.
+    """
+    n = prefix_len + append_len + 1
+    weight = np.full(n, np.nan)
+    struct_weight = float(token_ce.rollout_matched_prefix_struct_weight)
+    if struct_weight > 0:
+        prefix_struct = [pos for p, _ in pairs for pos in parse.objects[p].struct_token_positions]
+        outside = [pos for pos in prefix_struct if not 0 <= pos < n]
+        if outside:
+            raise ValueError(
+                f"ce_positions {sorted(set(outside))[:5]} lie outside the assistant ids [0, {n}); the supervision was "
+                "built for another sequence (prefix/append misalignment)"
+            )
+        weight[prefix_struct] = struct_weight
+    tail_struct = np.ones(append_len, dtype=bool)
+    tail_struct[coord_at] = False
+    tail_struct[desc_at] = False
+    weight[prefix_len + np.flatnonzero(tail_struct)] = 1.0
+    desc_weight = float(token_ce.rollout_fn_desc_weight)
+    if desc_weight > 0:
+        desc_positions = prefix_len + desc_at
+        weight[desc_positions[np.isnan(weight[desc_positions])]] = desc_weight
+    weight[n - 1] = 1.0
+    positions = np.flatnonzero(~np.isnan(weight))
+    return positions, weight[positions].astype(np.float32)
 
 
 def encode_append(rendered: RenderedAppend, tokenizer: Any, vocab: CoordVocab, table: PieceTable) -> tuple[int, ...]:
@@ -156,13 +199,8 @@ def encode_append(rendered: RenderedAppend, tokenizer: Any, vocab: CoordVocab, t
     """
     if not rendered.coord_spans or not table.splits_at_added_tokens(tokenizer.convert_ids_to_tokens(vocab.ids[0])):
         return tuple(int(i) for i in tokenizer.encode(rendered.text, add_special_tokens=False))
-    ids: list[int] = []
     coord_ids = vocab.ids
-    for segment, (value, _, _) in zip(rendered.segments, rendered.coord_spans):
-        ids.extend(table.encode_segment(segment))
-        ids.append(coord_ids[value])
-    ids.extend(table.encode_segment(rendered.segments[-1]))
-    return tuple(ids)
+    return table.encode_joined(rendered.segments, [coord_ids[value] for value, _, _ in rendered.coord_spans])
 
 
 def build_train_target(
@@ -200,24 +238,7 @@ def build_train_target(
 
     prefix_len, append_len = len(parse.prefix_ids), len(append_ids)
     ids = parse.prefix_ids + append_ids + (eos_id,)
-    ce: dict[int, float] = {}
-    struct_weight = float(token_ce.rollout_matched_prefix_struct_weight)
-    if struct_weight > 0:
-        for p, _ in pairs:
-            for pos in parse.objects[p].struct_token_positions:
-                ce[pos] = struct_weight
-    tail_struct = np.ones(append_len, dtype=bool)
-    tail_struct[coord_at] = False
-    tail_struct[desc_at] = False
-    for j in np.flatnonzero(tail_struct).tolist():
-        ce[prefix_len + j] = 1.0
-    desc_weight = float(token_ce.rollout_fn_desc_weight)
-    if desc_weight > 0:
-        for j in desc_at.tolist():
-            if (prefix_len + j) not in ce:
-                ce[prefix_len + j] = desc_weight
-    ce[len(ids) - 1] = 1.0
-    ce_positions = np.asarray(sorted(ce), dtype=np.int64)
+    ce_positions, ce_weights = _ce_weights(parse, pairs, token_ce, prefix_len, append_len, coord_at, desc_at)
 
     coord_positions: list[int] = []
     coord_targets: list[float] = []
@@ -240,7 +261,7 @@ def build_train_target(
 
     supervision = TokenSupervision(
         ce_positions=ce_positions,
-        ce_weights=np.asarray([ce[p] for p in ce_positions.tolist()], dtype=np.float32),
+        ce_weights=ce_weights,
         coord_positions=np.asarray(coord_positions, dtype=np.int64),
         coord_targets=np.asarray(coord_targets, dtype=np.float32),
         bbox_slots=np.asarray(bbox_slots, dtype=np.int64).reshape(-1, 4),
@@ -275,7 +296,12 @@ def check_supervision_in_span(target: TrainTarget) -> None:
             )
     if sup.ce_positions.shape != sup.ce_weights.shape or sup.coord_positions.shape != sup.coord_targets.shape:
         raise ValueError("supervision arrays are misaligned: every position needs exactly one weight/target")
-    overlap = np.intersect1d(sup.ce_positions, sup.coord_positions)
+    if sup.ce_positions.dtype.kind in "iu" and sup.coord_positions.dtype.kind in "iu":  # both lie in [0, n) here
+        text_slot = np.zeros(n, dtype=bool)
+        text_slot[sup.ce_positions] = True
+        overlap = np.unique(sup.coord_positions[text_slot[sup.coord_positions]])
+    else:
+        overlap = np.intersect1d(sup.ce_positions, sup.coord_positions)
     if overlap.size:
         raise ValueError(f"positions {overlap[:5].tolist()} are supervised both as text (CE) and as coord slots")
     if sup.bbox_slots.size and (sup.bbox_slots.min() < 0 or sup.bbox_slots.max() >= sup.coord_positions.size):
