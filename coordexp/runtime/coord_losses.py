@@ -9,7 +9,8 @@ loss, text gate, diagnostics) goes through :func:`coord_vocab_log_mass` so the f
 from __future__ import annotations
 
 import math
-from typing import Optional
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,8 @@ __all__ = [
     "TEXT_GATE_MIN_NON_COORD_MASS",
     "sanitize_logits",
     "gather_fenced_rows",
+    "GatheredRowStats",
+    "gathered_row_stats",
     "check_coord_ids",
     "coord_vocab_log_mass",
     "coord_vocab_log_mass_fenced",
@@ -101,6 +104,193 @@ class _GatherFencedRows(torch.autograd.Function):
 def gather_fenced_rows(flat_logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Rows ``index`` of ``(M, V)`` logits, fenced like :func:`sanitize_logits` (float32), without an extra copy."""
     return _GatherFencedRows.apply(flat_logits, index)
+
+
+# One float32 chunk of gathered rows holds about this many elements (16 MiB), whatever the vocabulary size.
+_CHUNK_ELEMENTS = 1 << 22
+
+
+@dataclass(frozen=True)
+class GatheredRowStats:
+    """What the objective needs from the fenced supervised rows, without keeping the ``(N, V)`` rows."""
+
+    coord: torch.Tensor  # (N, 1000) fenced coord columns in bin order
+    lse: Mapping[float, torch.Tensor]  # temperature -> (N,) logsumexp(fenced row / T) over the full vocabulary
+    label_logit: torch.Tensor  # (L,) fenced logit of labels[i] in row i, for the first L rows
+
+    def log_mass(self, rows: slice, temperature: float) -> torch.Tensor:
+        """Shared-helper coord-vocab log mass of ``rows`` at ``temperature`` (one of the computed ones)."""
+        return coord_vocab_log_mass_fenced(self.coord[rows], self.lse[temperature][rows], temperature)
+
+
+def _consecutive_start(coord_ids: torch.Tensor) -> Optional[int]:
+    """First id when ``coord_ids`` is a consecutive run (columns are then a narrow view), else None."""
+    first = int(coord_ids[0])
+    run = torch.arange(first, first + coord_ids.numel(), device=coord_ids.device)
+    return first if bool((coord_ids == run).all()) else None
+
+
+class _ChunkFencer:
+    """Gathers rows of the flattened logits a chunk at a time into fenced buffers reused across chunks."""
+
+    def __init__(self, logits: torch.Tensor, num: int, chunk_rows: int, dtype: torch.dtype, with_mask: bool):
+        vocab, size = logits.shape[-1], min(chunk_rows, num)
+        self.logits = logits
+        try:
+            self.flat: Optional[torch.Tensor] = logits.view(-1, vocab)
+        except RuntimeError:  # strides that cannot be flattened: gather by (leading...) coordinates instead
+            self.flat = None
+        self.rows = torch.empty((size, vocab), dtype=dtype, device=logits.device)
+        same = logits.dtype == dtype and self.flat is not None
+        self.raw = self.rows if same else torch.empty((size, vocab), dtype=logits.dtype, device=logits.device)
+        self.passed = torch.empty((size, vocab), dtype=torch.bool, device=logits.device) if with_mask else None
+
+    def __call__(self, index: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Fenced ``dtype`` rows ``index`` (a view of the reused buffer) and, with a mask, where the fence passed."""
+        count = index.numel()
+        rows, raw = self.rows[:count], self.raw[:count]
+        if self.flat is not None:
+            torch.index_select(self.flat, 0, index, out=raw)
+        else:
+            raw.copy_(self.logits[torch.unravel_index(index, self.logits.shape[:-1])])
+        passed = None
+        if self.passed is not None:
+            passed = torch.ge(raw, -LOGIT_CLAMP_ABS, out=self.passed[:count])
+            passed.logical_and_(raw <= LOGIT_CLAMP_ABS)
+        if raw is not rows:
+            rows.copy_(raw)
+        return _fence_(rows), passed
+
+
+class _GatheredRowStats(torch.autograd.Function):
+    """Fenced coord columns, label logits and full-vocab logsumexps of gathered rows, computed chunk by chunk.
+
+    Forward never holds more than one chunk of full-vocab rows; it saves the index, the small outputs and a
+    reference to the logits. Backward recomputes each chunk and adds every contribution into one gradient
+    buffer shaped like the logits, zero wherever the fence changed an entry (as :func:`sanitize_logits`).
+    """
+
+    @staticmethod
+    def forward(ctx, logits, index, coord_ids, labels, temperatures, chunk_rows, dtype):  # type: ignore[override]
+        num, num_labels = index.numel(), labels.numel()
+        first = _consecutive_start(coord_ids)
+        coord = torch.empty((num, coord_ids.numel()), dtype=dtype, device=logits.device)
+        label_logit = torch.empty(num_labels, dtype=dtype, device=logits.device)
+        lses = [torch.empty(num, dtype=dtype, device=logits.device) for _ in temperatures]
+        fenced_chunk = _ChunkFencer(logits, num, chunk_rows, dtype, with_mask=False)
+        work_buffer = torch.empty_like(fenced_chunk.rows)
+        for start in range(0, num, chunk_rows):
+            stop = min(start + chunk_rows, num)
+            rows, _ = fenced_chunk(index[start:stop])
+            coord[start:stop] = rows.narrow(1, first, coord_ids.numel()) if first is not None else rows[:, coord_ids]
+            if start < num_labels:
+                own = labels[start : min(stop, num_labels)]
+                label_logit[start : start + own.numel()] = rows[: own.numel()].gather(1, own.unsqueeze(1)).squeeze(1)
+            peak = rows.amax(dim=1, keepdim=True)
+            work = work_buffer[: stop - start]
+            for lse, temperature in zip(lses, temperatures, strict=True):
+                torch.sub(rows, peak, out=work)
+                if temperature != 1.0:
+                    work.div_(temperature)
+                lse[start:stop] = work.exp_().sum(dim=1).log_() + peak.squeeze(1) / temperature
+        ctx.temperatures, ctx.chunk_rows, ctx.dtype, ctx.first = temperatures, chunk_rows, dtype, first
+        ctx.save_for_backward(logits, index, coord_ids, labels, *lses)
+        ctx.set_materialize_grads(False)
+        return (coord, label_logit, *lses)
+
+    @staticmethod
+    def backward(ctx, grad_coord, grad_label, *grad_lses):  # type: ignore[override]
+        logits, index, coord_ids, labels, *lses = ctx.saved_tensors
+        grad_logits = torch.zeros(logits.shape, dtype=logits.dtype, device=logits.device)
+        flat_grad = grad_logits.view(-1, logits.shape[-1])
+        num, num_labels, first = index.numel(), labels.numel(), ctx.first
+        lse_terms = [(t, lse, g) for t, lse, g in zip(ctx.temperatures, lses, grad_lses, strict=True) if g is not None]
+        if grad_label is None:
+            num_labels = 0
+        fenced_chunk = _ChunkFencer(logits, num, ctx.chunk_rows, ctx.dtype, with_mask=True)
+        grad_buffer, work_buffer = torch.empty_like(fenced_chunk.rows), torch.empty_like(fenced_chunk.rows)
+        for start in range(0, num, ctx.chunk_rows):
+            stop = min(start + ctx.chunk_rows, num)
+            rows, passed = fenced_chunk(index[start:stop])
+            grad_rows, work = grad_buffer[: stop - start].zero_(), work_buffer[: stop - start]
+            for temperature, lse, grad_lse in lse_terms:
+                # d logsumexp(x / T) / dx = softmax(x / T) / T
+                torch.div(rows, temperature, out=work)
+                work.sub_(lse[start:stop].unsqueeze(1)).exp_()
+                grad_rows.addcmul_(work, (grad_lse[start:stop] / temperature).unsqueeze(1).to(work.dtype))
+            if grad_coord is not None:
+                if first is not None:
+                    grad_rows.narrow(1, first, coord_ids.numel()).add_(grad_coord[start:stop].to(grad_rows.dtype))
+                else:
+                    grad_rows.index_add_(1, coord_ids, grad_coord[start:stop].to(grad_rows.dtype))
+            if start < num_labels:
+                own = labels[start : min(stop, num_labels)]
+                local = torch.arange(own.numel(), device=own.device)
+                grad_rows.index_put_(
+                    (local, own), grad_label[start : start + own.numel()].to(grad_rows.dtype), accumulate=True
+                )
+            if not bool(passed.all()):
+                grad_rows.mul_(passed)
+            flat_grad.index_add_(0, index[start:stop], grad_rows.to(logits.dtype))
+        return grad_logits, None, None, None, None, None, None
+
+
+def gathered_row_stats(
+    logits: torch.Tensor,
+    index: torch.Tensor,
+    coord_ids: torch.Tensor,
+    temperatures: Sequence[float],
+    labels: Optional[torch.Tensor] = None,
+    *,
+    chunk_rows: Optional[int] = None,
+    compute_dtype: torch.dtype = torch.float32,
+) -> GatheredRowStats:
+    """Per-row statistics of the fenced rows ``index`` of ``logits.view(-1, V)``, never holding ``(N, V)`` at once.
+
+    Values and gradients equal gathering the rows, :func:`sanitize_logits`, then :func:`coord_columns`,
+    :func:`full_vocab_logsumexp` and a label ``gather``; backward adds into one logits-shaped gradient buffer.
+
+    Args:
+        logits: ``(..., V)`` logits (any float dtype); ``index`` addresses its flattened leading dimensions.
+        index: ``(N,)`` LongTensor of rows; repeated rows accumulate their gradients.
+        coord_ids: ``(1000,)`` LongTensor of the coord token ids in bin order.
+        temperatures: softmax temperatures (> 0) whose full-vocab logsumexp is needed.
+        labels: ``(L,)`` token ids whose fenced logit is returned for the first ``L`` rows (None: no labels).
+        chunk_rows: rows fenced at a time (default: about 16 MiB of float32 per chunk).
+        compute_dtype: float32 (the fence contract); float64 only for exact gradient checks.
+    """
+    if logits.ndim < 2:
+        raise ValueError(f"logits must have a vocabulary dimension (..., V) (got shape {tuple(logits.shape)})")
+    vocab = logits.shape[-1]
+    check_coord_ids(coord_ids, vocab)
+    temps = tuple(dict.fromkeys(float(t) for t in temperatures))
+    for temperature in temps:
+        _check_temperature(temperature)
+    index = index.to(device=logits.device, dtype=torch.long)
+    num_rows = logits.numel() // vocab if vocab else 0
+    if index.ndim != 1 or (index.numel() and (int(index.min()) < 0 or int(index.max()) >= num_rows)):
+        raise ValueError(
+            f"index must be a 1-D LongTensor of row numbers in [0, {num_rows}) of the flattened logits "
+            f"(got shape {tuple(index.shape)}); build it with SupervisionBatch"
+        )
+    labels = torch.zeros(0, dtype=torch.long, device=logits.device) if labels is None else labels.to(logits.device)
+    if labels.ndim != 1 or labels.numel() > index.numel():
+        raise ValueError(
+            f"labels must be a 1-D tensor of at most one token id per row (got shape {tuple(labels.shape)} for "
+            f"{index.numel()} rows); the ce rows come first in index"
+        )
+    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= vocab):
+        raise ValueError(
+            f"ce label ids must lie in [0, {vocab}) (got range [{int(labels.min())}, {int(labels.max())}])"
+        )
+    if chunk_rows is None:
+        chunk_rows = max(1, _CHUNK_ELEMENTS // max(vocab, 1))
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1 (got {chunk_rows})")
+    coord, label_logit, *lses = _GatheredRowStats.apply(
+        logits, index, coord_ids.to(logits.device), labels.long(), temps, int(chunk_rows), compute_dtype
+    )
+    return GatheredRowStats(coord=coord, lse=dict(zip(temps, lses, strict=True)), label_logit=label_logit)
 
 
 def sanitize_logits(logits: torch.Tensor) -> torch.Tensor:

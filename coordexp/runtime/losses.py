@@ -19,14 +19,12 @@ import torch
 
 from coordexp.runtime.coord_losses import (
     NUM_COORD_BINS,
+    GatheredRowStats,
     check_coord_ids,
-    coord_columns,
     coord_hard_ce,
     coord_log_probs,
-    coord_vocab_log_mass_fenced,
     expected_bins,
-    full_vocab_logsumexp,
-    gather_fenced_rows,
+    gathered_row_stats,
     gaussian_soft_targets,
     smoothl1_and_ciou,
     soft_ce,
@@ -228,20 +226,22 @@ class ObjectiveResult:
 
 @dataclass(frozen=True)
 class _FencedRows:
-    """Logit rows gathered once at every supervised position (text rows first) and fenced once."""
+    """Statistics of the fenced logit rows at every supervised position (text rows first, then coord slots)."""
 
-    full: torch.Tensor  # float32 (Nce + Nc, V)
-    coord: torch.Tensor  # float32 (Nce + Nc, 1000): the coord columns of ``full``, bin order
+    stats: GatheredRowStats  # label logits for the text rows; lse at every temperature a term needs
     num_ce: int
 
     @property
+    def num_rows(self) -> int:
+        return int(self.stats.coord.shape[0])
+
+    @property
     def coord_slot_coord(self) -> torch.Tensor:
-        return self.coord[self.num_ce :]
+        return self.stats.coord[self.num_ce :]
 
     def log_mass(self, rows: slice, temperature: float) -> torch.Tensor:
         """Shared-helper coord-vocab log mass of ``rows`` (a slice of the text-then-coord layout)."""
-        full_lse = full_vocab_logsumexp(self.full[rows], temperature)
-        return coord_vocab_log_mass_fenced(self.coord[rows], full_lse, temperature)
+        return self.stats.log_mass(rows, temperature)
 
 
 def _coord_term_weights(cfg: CoordRegConfig) -> dict[str, float]:
@@ -258,15 +258,8 @@ def _token_ce(rows: _FencedRows, batch: SupervisionBatch, zero: torch.Tensor) ->
     """``sum(w * ce) / sum(w)``; ce = lse - logit[label] (no full-vocab log-softmax copy is kept)."""
     if rows.num_ce == 0:
         return zero
-    vocab = rows.full.shape[1]
-    labels = batch.ce_labels.to(rows.full.device)
-    if int(labels.max()) >= vocab or int(labels.min()) < 0:
-        raise ValueError(
-            f"ce label ids must lie in [0, {vocab}) (got range [{int(labels.min())}, {int(labels.max())}])"
-        )
-    text = rows.full[: rows.num_ce]
-    ce = torch.logsumexp(text, dim=1) - text.gather(1, labels.unsqueeze(1)).squeeze(1)
-    weights = batch.ce_weights.to(rows.full.device)
+    ce = rows.stats.lse[1.0][: rows.num_ce] - rows.stats.label_logit
+    weights = batch.ce_weights.to(ce.device)
     return (weights * ce).sum() / weights.sum()
 
 
@@ -277,7 +270,7 @@ def _coord_reg(
     weights = _coord_term_weights(cfg)
     active = {name for name, w in weights.items() if w > 0}
     terms: dict[str, torch.Tensor] = {name: zero for name in active}
-    num_coord = rows.full.shape[0] - rows.num_ce
+    num_coord = rows.num_rows - rows.num_ce
     if num_coord:
         log_p = coord_log_probs(rows.coord_slot_coord, cfg.temperature)
         if active & {"soft_ce", "w1"}:
@@ -291,7 +284,7 @@ def _coord_reg(
     if {"gate", "text_gate"} & active:
         # one shared-helper call covers both gates over the rows they need: text rows first, coord-slot rows after
         start = 0 if "text_gate" in active else rows.num_ce
-        stop = rows.full.shape[0] if "gate" in active else rows.num_ce
+        stop = rows.num_rows if "gate" in active else rows.num_ce
         log_mass = rows.log_mass(slice(start, stop), cfg.temperature)
         if "gate" in active and num_coord:
             terms["gate"] = (-log_mass[rows.num_ce - start :]).mean()
@@ -307,7 +300,7 @@ def _bbox_geo(
     rows: _FencedRows, batch: SupervisionBatch, cfg: BboxGeoConfig, zero: torch.Tensor
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """SmoothL1 and 1 - CIoU on the expected box (temperature-1 softmax over the coord bins) of each bbox slot."""
-    device = rows.coord.device
+    device = rows.stats.coord.device
     slots = batch.bbox_slots.to(device)
     if slots.shape[0] == 0:
         smoothl1, one_minus_ciou = zero, zero
@@ -326,18 +319,31 @@ def _coord_diagnostics(rows: _FencedRows, targets: torch.Tensor) -> dict[str, fl
     """Temperature-1 health of the coord distribution; 0.0 where there is no position to average over."""
     out = {"coord_diag/coord_mass": 0.0, "coord_diag/text_coord_mass": 0.0}
     out.update({"coord_diag/entropy": 0.0, "coord_diag/expected_bin_abs_err": 0.0})
-    if rows.full.shape[0] == 0:
+    if rows.num_rows == 0:
         return out
     mass = rows.log_mass(slice(None), 1.0).exp()
     if rows.num_ce:
         out["coord_diag/text_coord_mass"] = mass[: rows.num_ce].mean().item()
-    if rows.full.shape[0] > rows.num_ce:
+    if rows.num_rows > rows.num_ce:
         out["coord_diag/coord_mass"] = mass[rows.num_ce :].mean().item()
         log_p = coord_log_probs(rows.coord_slot_coord, 1.0)
         p = log_p.exp()
         out["coord_diag/entropy"] = (-(p * log_p).sum(dim=1)).mean().item()
         out["coord_diag/expected_bin_abs_err"] = (expected_bins(p) - targets).abs().mean().item()
     return out
+
+
+def _needed_temperatures(pipeline: PipelineConfig) -> list[float]:
+    """Temperatures whose full-vocab logsumexp some enabled term reads (token_ce and coord_diag use 1)."""
+    temperatures = []
+    if pipeline.module("token_ce") is not None or pipeline.module("coord_diag") is not None:
+        temperatures.append(1.0)
+    coord_reg_module = pipeline.module("coord_reg")
+    if coord_reg_module is not None:
+        weights = _coord_term_weights(coord_reg_module.config)
+        if weights["gate"] > 0 or weights["text_gate"] > 0:
+            temperatures.append(coord_reg_module.config.temperature)
+    return temperatures
 
 
 def compute_objective(
@@ -353,8 +359,9 @@ def compute_objective(
 
     ``token_ce`` is ``sum(w * ce) / sum(w)`` over supervised text positions (full vocab, sanitised logits);
     every other term is a plain mean over its positions or boxes. With nothing to average, a term is exactly 0
-    (never NaN) and ``total`` still backpropagates (a zero gradient). Memory: the backward pass holds one fenced
-    float32 copy of the supervised rows, not of the sequence.
+    (never NaN) and ``total`` still backpropagates (a zero gradient). Memory: the supervised rows are fenced a
+    chunk at a time and reduced to per-row statistics (``(N, 1000)`` coord columns, logsumexps, label logits);
+    the only logits-sized tensor is the one gradient buffer of the backward pass.
     """
     if logits.ndim != 3:
         raise ValueError(f"logits must have shape (rows, seq_len, vocab) (got {tuple(logits.shape)})")
@@ -366,12 +373,20 @@ def compute_objective(
         )
     check_coord_ids(coord_ids, vocab)
     device = logits.device
-    flat = logits.reshape(num_rows * seq_len, vocab)
     # A graph-free zero: deriving it from the logits would add a full-size zero gradient to the backward pass.
     zero = torch.zeros((), dtype=torch.float32, device=device)
     index = torch.cat([batch.ce_logit_index, batch.coord_logit_index]).to(device)
-    fenced = gather_fenced_rows(flat, index)
-    rows = _FencedRows(fenced, coord_columns(fenced, coord_ids), int(batch.ce_logit_index.numel()))
+    token_ce_on = pipeline.module("token_ce") is not None
+    rows = _FencedRows(
+        gathered_row_stats(
+            logits,
+            index,
+            coord_ids,
+            _needed_temperatures(pipeline),
+            labels=batch.ce_labels if token_ce_on else None,
+        ),
+        int(batch.ce_logit_index.numel()),
+    )
     targets = batch.coord_targets.to(device)
 
     total = zero
@@ -393,8 +408,8 @@ def compute_objective(
         terms.update({f"bbox_geo/{k}": v for k, v in sub.items()})
         total = total + bbox_geo_module.weight * module_loss
 
-    if fenced.requires_grad and not total.requires_grad:
-        total = total + fenced.sum() * 0.0  # nothing supervised: an exact 0 that still backpropagates
+    if rows.stats.coord.requires_grad and not total.requires_grad:
+        total = total + rows.stats.coord.sum() * 0.0  # nothing supervised: an exact 0 that still backpropagates
     diagnostics = _coord_diagnostics(rows, targets) if pipeline.module("coord_diag") is not None else {}
     counts = {
         "num_ce_tokens": rows.num_ce,
