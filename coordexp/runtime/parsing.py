@@ -10,13 +10,27 @@ value is a dict (or after ``{``), and only its last token may be replaced (fused
 from __future__ import annotations
 
 import re
-from bisect import bisect_right
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal, Mapping, Sequence
 
 import numpy as np
 
+from coordexp.runtime.json_scan import (
+    _LBRACE,
+    _PUNCT,
+    _RBRACE,
+    _STR,
+    _WS_RE,
+    _COMMA,
+    _COLON,
+    _FAST_KEY_RE,
+    _decode_string,
+    _Entry,
+    _Malformed,
+    _Scanner,
+    _Truncated,
+)
 from coordexp.runtime.objects import DetObject
 from coordexp.runtime.pieces import PieceTable
 from coordexp.runtime.tokens import CoordVocab
@@ -36,32 +50,6 @@ _SCHEMA_RANK = {r: i for i, r in enumerate(SCHEMA_REASONS)}
 PrefixFallback = Literal["no_open_brace", "leading_text"]
 
 OBJECT_KEY_RE = re.compile(r"object_([0-9]+)", re.ASCII)
-_COORD_TEXT_RE = re.compile(rb"<\|coord_[0-9]{1,4}\|>")
-_LITERAL_RE = re.compile(rb"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?|true|false|null")
-_STRING = rb'"(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*'
-_LEX_RE = re.compile(
-    rb"[ \t\n\r]*(?:([{}\[\],:])|(" + _STRING + rb'")|([^ \t\n\r{}\[\],:"]+)|(\Z)|("))'
-)
-_OPEN_STRING_TO_END_RE = re.compile(_STRING + rb"(?:\\(?:u[0-9a-fA-F]{0,3})?)?\Z")
-_WS_RE = re.compile(rb"[ \t\n\r]*")
-_PUNCT, _STR, _OTHER, _END, _QUOTE = 1, 2, 3, 4, 5
-_LBRACE, _RBRACE, _LBRACK, _RBRACK, _COMMA, _COLON = b"{}[],:"
-_MAX_DEPTH = 64
-
-# Fast path for the common, well-formed object body (exactly desc + one flat/pair geometry array of coord items);
-# a body it does not match, or whose items are not exactly one coord token each, takes the general path.
-_W = rb"[ \t\n\r]*"
-_ITEM = rb'(?:"<\|coord_[0-9]{1,4}\|>"|<\|coord_[0-9]{1,4}\|>)'
-_FLAT = rb"\[" + _W + _ITEM + rb"(?:" + _W + rb"," + _W + _ITEM + rb")*" + _W + rb"\]"
-_PAIR = rb"\[" + _W + _ITEM + _W + rb"," + _W + _ITEM + _W + rb"\]"
-_PAIRS = rb"\[" + _W + _PAIR + rb"(?:" + _W + rb"," + _W + _PAIR + rb")*" + _W + rb"\]"
-_DESC_FIELD = rb'"desc"' + _W + rb":" + _W + rb"(?P<desc>" + _STRING + rb'")'
-_GEOM_FIELD = rb'"(?P<geom>bbox_2d|poly)"' + _W + rb":" + _W + rb"(?P<arr>" + _FLAT + rb"|" + _PAIRS + rb")"
-_FAST_BODY_RES = (
-    re.compile(rb"\{" + _W + _DESC_FIELD + _W + rb"," + _W + _GEOM_FIELD + _W + rb"\}"),
-    re.compile(rb"\{" + _W + _GEOM_FIELD + _W + rb"," + _W + _DESC_FIELD + _W + rb"\}"),
-)
-_FAST_KEY_RE = re.compile(_W + rb'("object_([0-9]+)")' + _W + rb":" + _W + rb"(?=\{)")
 _USE_FAST_PATH = True  # tests switch it off to prove both paths agree
 
 
@@ -125,259 +113,6 @@ class RolloutParse:
     def n_ambiguous(self) -> int:
         """Objects excluded because their coord slots could not be aligned to tokens (telemetry counts them apart)."""
         return self.dropped_by_reason.get("ambiguous_alignment", 0)
-
-
-class _Truncated(Exception):
-    """The text ended inside a JSON value."""
-
-
-class _Malformed(Exception):
-    """A syntax error: nothing from here on can stay in a prefix that must remain valid JSON."""
-
-
-class _Entry:
-    """A top-level entry while it is being scanned (mutable scratch; becomes a ParsedObject if retained)."""
-
-    __slots__ = ("key", "index", "start", "end", "is_dict", "reasons", "desc", "desc_inner", "geometry",
-                 "shapes", "bins", "coord_toks", "n_slots", "bbox_pairs")
-
-    def __init__(self, key: str, index: int | None, start: int) -> None:
-        self.key, self.index, self.start = key, index, start
-        self.end = -1
-        self.is_dict = False
-        self.reasons: set[str] = set()
-        self.desc: str | None = None
-        self.desc_inner: tuple[int, int] | None = None
-        self.geometry: str | None = None
-        self.shapes: list[int] = []  # per top-level geometry element: 1 scalar, 2 pair, 0 anything else
-        self.bins: list[int] = []
-        self.coord_toks: list[int] = []
-        self.n_slots = 0
-
-
-class _Scanner:
-    def __init__(self, text: bytes, starts: list[int], bins: list[int], coord_cum: list[int], coord_at: list[int]):
-        self.text, self.starts, self.bins = text, starts, bins
-        self.coord_cum, self.coord_at = coord_cum, coord_at  # coord tokens before each token; their positions
-
-    def tok(self, pos: int) -> int:
-        """Index of the token holding byte ``pos``."""
-        return bisect_right(self.starts, pos) - 1
-
-    def fast_body(self, pos: int, entry: _Entry) -> int:
-        """Scan a canonical object body starting at its ``{`` in one regex match; -1 when it does not apply."""
-        text = self.text
-        m = _FAST_BODY_RES[0].match(text, pos) if text[pos + 1 : pos + 8].lstrip()[:2] == b'"d' else None
-        m = m or _FAST_BODY_RES[1].match(text, pos)
-        if m is None:
-            return -1
-        arr_start, arr_end = m.span("arr")
-        n_items = text.count(b"<|", arr_start, arr_end)
-        first, last = self.tok(arr_start), self.tok(arr_end - 1)
-        lo, hi = self.coord_cum[first], self.coord_cum[last + 1]
-        if hi - lo != n_items:
-            return -1  # some item is coord text spelled without its coord token: let the general path judge it
-        toks = self.coord_at[lo:hi]
-        bins = self.bins
-        entry.coord_toks = toks
-        entry.bins = [bins[t] for t in toks]
-        entry.n_slots = n_items
-        paired = text[arr_start + 1 : arr_end].lstrip(b" \t\n\r")[:1] == b"["
-        entry.shapes = [2] * (n_items // 2) if paired else [1] * n_items
-        desc_start, desc_end = m.span("desc")
-        entry.desc = _decode_string(text, desc_start, desc_end)
-        entry.desc_inner = (desc_start + 1, desc_end - 1)
-        entry.geometry = m.group("geom").decode()
-        return m.end()
-
-    # -- lexing ---------------------------------------------------------------------------------------------
-    def lex(self, pos: int) -> tuple[int, int, int]:
-        m = _LEX_RE.match(self.text, pos)
-        kind = m.lastindex
-        start, end = m.span(kind)
-        if kind == _QUOTE:
-            if _OPEN_STRING_TO_END_RE.match(self.text, start):
-                raise _Truncated
-            raise _Malformed
-        if kind == _OTHER and end == len(self.text):
-            raise _Truncated  # a bare value running into the end may still have been growing
-        return kind, start, end
-
-    def fail(self, kind: int) -> None:
-        raise _Truncated if kind == _END else _Malformed
-
-    def expect(self, pos: int, char: int) -> int:
-        kind, start, end = self.lex(pos)
-        if kind != _PUNCT or self.text[start] != char:
-            self.fail(kind)
-        return end
-
-    def coord_bin_at(self, start: int, end: int) -> int:
-        """Bin of the single coord token spanning exactly ``[start, end)``, else -1."""
-        if end <= start:
-            return -1
-        tok = self.tok(start)
-        if self.starts[tok] != start or self.starts[tok + 1] != end:
-            return -1
-        return self.bins[tok]
-
-    def check_bare(self, start: int, end: int) -> None:
-        """A bare (unquoted) value must be a JSON literal or a coord token (CoordJSON); anything else is syntax."""
-        if _LITERAL_RE.fullmatch(self.text, start, end) or _COORD_TEXT_RE.fullmatch(self.text, start, end):
-            return
-        raise _Malformed
-
-    # -- generic values -------------------------------------------------------------------------------------
-    def skip_value(self, lexeme: tuple[int, int, int], depth: int = 0) -> int:
-        kind, start, end = lexeme
-        if kind == _STR:
-            return end
-        if kind == _OTHER:
-            self.check_bare(start, end)
-            return end
-        if kind == _PUNCT and self.text[start] in (_LBRACE, _LBRACK):
-            return self.skip_container(end, self.text[start] == _LBRACE, depth + 1)
-        self.fail(kind)
-
-    def skip_container(self, pos: int, is_dict: bool, depth: int) -> int:
-        if depth > _MAX_DEPTH:
-            raise _Malformed
-        close = _RBRACE if is_dict else _RBRACK
-        kind, start, end = self.lex(pos)
-        if kind == _PUNCT and self.text[start] == close:
-            return end
-        while True:
-            if is_dict:
-                if kind != _STR:
-                    self.fail(kind)
-                kind, start, end = self.lex(self.expect(end, _COLON))
-            pos = self.skip_value((kind, start, end), depth)
-            kind, start, end = self.lex(pos)
-            if kind == _PUNCT and self.text[start] == _COMMA:
-                kind, start, end = self.lex(end)
-                continue
-            if kind == _PUNCT and self.text[start] == close:
-                return end
-            self.fail(kind)
-
-    # -- objects --------------------------------------------------------------------------------------------
-    def object_body(self, pos: int, entry: _Entry) -> int:
-        """Scan ``{...}`` after its ``{``; fills ``entry``; returns the position after the closing ``}``."""
-        text = self.text
-        kind, start, end = self.lex(pos)
-        if kind == _PUNCT and text[start] == _RBRACE:
-            return end
-        while True:
-            if kind != _STR:
-                self.fail(kind)
-            name = _decode_string(text, start, end)
-            value = self.lex(self.expect(end, _COLON))
-            if name == "desc":
-                if entry.desc is not None or entry.desc_inner is not None or "bad_desc_type" in entry.reasons:
-                    entry.reasons.add("duplicate_desc")
-                if value[0] == _STR:
-                    pos = value[2]
-                    entry.desc = _decode_string(text, value[1], value[2])
-                    entry.desc_inner = (value[1] + 1, value[2] - 1)
-                else:
-                    pos = self.skip_value(value)
-                    entry.reasons.add("bad_desc_type")
-            elif name in ("bbox_2d", "poly"):
-                if entry.geometry is not None:
-                    entry.reasons.add("multiple_geometry")
-                entry.geometry = name
-                if value[0] == _PUNCT and text[value[1]] == _LBRACK:
-                    pos = self.geometry_array(value[2], entry)
-                else:
-                    pos = self.skip_value(value)
-                    entry.reasons.add("non_coord_value")
-            else:
-                pos = self.skip_value(value)
-                entry.reasons.add("unknown_key")
-            kind, start, end = self.lex(pos)
-            if kind == _PUNCT and text[start] == _COMMA:
-                kind, start, end = self.lex(end)
-                continue
-            if kind == _PUNCT and text[start] == _RBRACE:
-                return end
-            self.fail(kind)
-
-    def scalar(self, lexeme: tuple[int, int, int], entry: _Entry) -> int:
-        """One coordinate slot: a coord token, bare or quoted; anything else marks the object invalid."""
-        kind, start, end = lexeme
-        if kind == _STR:
-            inner_start, inner_end = start + 1, end - 1
-        elif kind == _OTHER:
-            inner_start, inner_end = start, end
-        else:
-            end = self.skip_value(lexeme)  # raises for non-values; a nested dict is valid JSON but no coordinate
-            entry.reasons.add("non_coord_value")
-            return end
-        entry.n_slots += 1
-        value = self.coord_bin_at(inner_start, inner_end)
-        if value >= 0:
-            entry.bins.append(value)
-            entry.coord_toks.append(self.tok(inner_start))
-        elif _COORD_TEXT_RE.fullmatch(self.text, inner_start, inner_end):
-            entry.reasons.add("ambiguous_alignment")  # coord text that is not exactly one coord token
-        elif kind == _OTHER:
-            self.check_bare(start, end)
-            entry.reasons.add("non_coord_value")
-        else:
-            entry.reasons.add("non_coord_value")
-        return end
-
-    def geometry_array(self, pos: int, entry: _Entry) -> int:
-        text = self.text
-        kind, start, end = self.lex(pos)
-        if kind == _PUNCT and text[start] == _RBRACK:
-            return end
-        while True:
-            if kind == _PUNCT and text[start] == _LBRACK:
-                pos = self.pair(end, entry)
-            else:
-                entry.shapes.append(1 if kind in (_STR, _OTHER) else 0)
-                pos = self.scalar((kind, start, end), entry)
-            kind, start, end = self.lex(pos)
-            if kind == _PUNCT and text[start] == _COMMA:
-                kind, start, end = self.lex(end)
-                continue
-            if kind == _PUNCT and text[start] == _RBRACK:
-                return end
-            self.fail(kind)
-
-    def pair(self, pos: int, entry: _Entry) -> int:
-        """A nested ``[x, y]`` point; anything but exactly two scalars is ``bad_nesting``."""
-        text = self.text
-        count = 0
-        kind, start, end = self.lex(pos)
-        if not (kind == _PUNCT and text[start] == _RBRACK):
-            while True:
-                if kind in (_STR, _OTHER):
-                    self.scalar((kind, start, end), entry)
-                    pos = end
-                else:
-                    pos = self.skip_value((kind, start, end))
-                    entry.reasons.add("bad_nesting")
-                count += 1
-                kind, start, end = self.lex(pos)
-                if kind == _PUNCT and text[start] == _COMMA:
-                    kind, start, end = self.lex(end)
-                    continue
-                if kind == _PUNCT and text[start] == _RBRACK:
-                    break
-                self.fail(kind)
-        entry.shapes.append(2 if count == 2 else 0)
-        return end
-
-
-def _decode_string(text: bytes, start: int, end: int) -> str:
-    raw = text[start + 1 : end - 1]
-    if b"\\" not in raw:
-        return raw.decode("utf-8", "replace")
-    import json
-
-    return json.loads(text[start:end].decode("utf-8", "replace"))
 
 
 def _schema_reason(entry: _Entry) -> str | None:
