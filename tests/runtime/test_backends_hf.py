@@ -21,7 +21,7 @@ from coordexp.runtime.backends import (
     get_backend_class,
     request_seed,
 )
-from coordexp.runtime.backends.hf import HfRolloutBackend, RepeatGuardProcessor
+from coordexp.runtime.backends.hf import HfRolloutBackend, PaddingAwareRepetitionPenalty, RepeatGuardProcessor
 from coordexp.runtime.data import load_records
 from coordexp.runtime.encoding import encode_prompt
 from coordexp.runtime.repeat import RepeatGuard
@@ -105,13 +105,13 @@ def spy(model, monkeypatch):
     return record
 
 
-def greedy_reference(model, tokenizer, request, max_new):
+def greedy_reference(model, tokenizer, request, max_new, **generate_kwargs):
     """Plain one-sample HF greedy decoding, trimmed at <|im_end|> (the independent reference)."""
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     suppress = sorted(set(model.generation_config.suppress_tokens)
                       | {tokenizer.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>")})
     out = model.generate(**request.prompt.model_inputs(), max_new_tokens=max_new, do_sample=False, num_beams=1,
-                         eos_token_id=end, suppress_tokens=suppress)
+                         eos_token_id=end, suppress_tokens=suppress, **generate_kwargs)
     ids = out[0, request.prompt.prompt_len:].tolist()
     return ids[:ids.index(end)] if end in ids else ids
 
@@ -126,6 +126,30 @@ def test_batched_greedy_equals_per_sample_generation(model, tokenizer, requests_
         assert output.text == tokenizer.decode(list(output.response_token_ids), skip_special_tokens=False)
         assert output.finish_reason in ("stop", "length")
         assert (output.finish_reason == "length") == (len(output.response_token_ids) == MAX_NEW)
+
+
+def test_repetition_penalty_matches_hf_and_ignores_left_padding(model, tokenizer, requests_):
+    penalised = DecodingConfig(repetition_penalty=1.8)
+    batched = backend(model, tokenizer, batch=5, decoding=penalised).generate(requests_)
+    plain = backend(model, tokenizer, batch=5).generate(requests_)
+    assert [o.response_token_ids for o in batched] != [o.response_token_ids for o in plain]  # it does act
+    for request, output in zip(requests_, batched):
+        assert list(output.response_token_ids) == greedy_reference(model, tokenizer, request, MAX_NEW,
+                                                                    repetition_penalty=1.8)
+
+
+def test_repetition_penalty_ignores_left_padding_row_by_row():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    ids = torch.tensor([[0, 0, 5, 6], [7, 5, 5, 6]])  # row 0 is left-padded with id 0 (twice)
+    scores = torch.linspace(-3.0, 3.0, 20).reshape(2, 10)
+    penalised = PaddingAwareRepetitionPenalty(2.0, torch.tensor([2, 0]))(ids, scores.clone())
+    hf = RepetitionPenaltyLogitsProcessor(2.0)
+    assert torch.equal(penalised[0:1], hf(ids[0:1, 2:], scores[0:1].clone()))  # id 0 is not penalised
+    assert torch.equal(penalised[1:2], hf(ids[1:2], scores[1:2].clone()))
+    beams = PaddingAwareRepetitionPenalty(2.0, torch.tensor([2, 0]), num_beams=2)
+    assert torch.equal(beams(ids.repeat_interleave(2, 0), scores.repeat_interleave(2, 0)),
+                       penalised.repeat_interleave(2, 0))
 
 
 def test_requests_are_chunked_by_decode_batch_size_in_order(model, tokenizer, requests_, spy):
@@ -225,6 +249,23 @@ def test_guard_processor_forces_eos_on_tripped_rows_in_tracker_and_beam_modes():
         for row in (1, 2):
             assert scores[row, 3] == 0 and torch.isinf(scores[row]).sum() == 7
     assert torch.equal(processor(ids[:, :3], torch.zeros(3, 8)), torch.zeros(3, 8))
+
+
+def test_guard_processor_counts_object_keys_split_across_tokens(tokenizer):
+    from coordexp.runtime.pieces import PieceTable
+
+    pieces = PieceTable.for_tokenizer(tokenizer).pieces
+    one = tokenizer('{"object_1": {"desc": "cat"}', add_special_tokens=False)["input_ids"]
+    two = tokenizer(', "object_2": {"desc', add_special_tokens=False)["input_ids"]
+    assert b'"object_' not in b"".join(pieces[i] for i in one if b"object" in pieces[i])  # split over ids
+    guard = RepeatGuard(enabled=True, max_object_keys=1)
+    ids = torch.tensor([[9] + one + two])
+    for reorder in (False, True):
+        processor = RepeatGuardProcessor(guard, prompt_width=1, eos_token_id=3, pieces=pieces, rows_reorder=reorder)
+        for end in range(2, ids.shape[1] + 1):
+            scores = processor(ids[:, :end], torch.zeros(1, 8))
+            second_opened = end - 1 >= len(one) + len(tokenizer(', "object_', add_special_tokens=False)["input_ids"])
+            assert bool(torch.isinf(scores).any()) == second_opened
 
 
 def test_finish_output_trims_at_the_first_stop_and_names_the_reason():
