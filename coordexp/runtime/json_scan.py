@@ -83,7 +83,8 @@ class _Scanner:
             return -1
         arr_start, arr_end = m.span("arr")
         n_items = text.count(b"<|", arr_start, arr_end)
-        first, last = self.tok(arr_start), self.tok(arr_end - 1)
+        starts = self.starts
+        first, last = bisect_right(starts, arr_start) - 1, bisect_right(starts, arr_end - 1) - 1
         lo, hi = self.coord_cum[first], self.coord_cum[last + 1]
         if hi - lo != n_items:
             return -1  # some item is coord text spelled without its coord token: let the general path judge it

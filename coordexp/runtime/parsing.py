@@ -10,6 +10,7 @@ value is a dict (or after ``{``), and only its last token may be replaced (fused
 from __future__ import annotations
 
 import re
+from bisect import bisect_right
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal, Mapping, Sequence
@@ -304,8 +305,8 @@ def _finish(
     rep_lengths: list[int],
 ) -> ParsedObject:
     """Turn a retained entry into a ParsedObject with its reason and token positions (prefix coordinates)."""
-    tok, starts, coord_cum = scanner.tok, scanner.starts, scanner.coord_cum
-    first, last = tok(entry.start), tok(entry.end - 1)
+    starts, coord_cum = scanner.starts, scanner.coord_cum
+    first, last = bisect_right(starts, entry.start) - 1, bisect_right(starts, entry.end - 1) - 1
     if entry.is_dict:
         if coord_cum[last + 1] - coord_cum[first] != len(entry.coord_toks):
             entry.reasons.add("ambiguous_alignment")  # a coord token outside the geometry slots
@@ -316,9 +317,8 @@ def _finish(
     desc_toks: list[int] = []
     if entry.desc_inner is not None and entry.desc_inner[1] > entry.desc_inner[0]:
         desc_lo, desc_hi = entry.desc_inner
-        desc_toks = list(range(tok(desc_lo), tok(desc_hi - 1) + 1))
-    skip = set(entry.coord_toks).union(desc_toks)
-    struct = [t for t in range(first, last + 1) if t not in skip]
+        desc_toks = list(range(bisect_right(starts, desc_lo) - 1, bisect_right(starts, desc_hi - 1)))
+    struct = sorted(set(range(first, last + 1)).difference(entry.coord_toks, desc_toks))
     end_tok = last + 1
     if replacement and last == n_kept:  # this entry's closing token was re-encoded
         struct = [t for t in struct if t != last]

@@ -8,6 +8,7 @@ ASCII, so the parser scans bytes.
 from __future__ import annotations
 
 import weakref
+from operator import itemgetter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -120,7 +121,7 @@ class PieceTable:
         """The exact decoded bytes of ``ids`` (special tokens included, no cleanup)."""
         pieces = self.pieces
         try:
-            return b"".join([pieces[i] for i in ids])
+            return b"".join(itemgetter(*ids)(pieces)) if len(ids) > 1 else b"".join([pieces[i] for i in ids])
         except IndexError:
             bad = [int(i) for i in ids if not 0 <= int(i) < len(pieces)]
             raise ValueError(f"token ids {bad[:5]} are outside the tokenizer's {len(pieces)} ids") from None
