@@ -11,6 +11,12 @@ the sample run alone (spec decision 8: a packed row's loss equals its segments' 
   segment, from which transformers derives ``cu_seqlens`` and calls the varlen kernel (its documented
   padding-free path for Qwen-VL).
 
+The explicit mask costs ``T * T`` bytes (sdpa) or ``4 * T * T`` (eager, float32): 64 MiB / 256 MiB at T = 8192,
+fine for CPU rows; long GPU rows use flash attention, which needs no mask.
+
+Usage: ``batch = collate_packed(samples, mrope_index_of(model))``, then ``SupervisionSegment(sup, ids,
+*batch.placement(i))`` per sample and ``compute_objective(packed_forward(model, batch), ...)``.
+
 The vision tower already attends within each image only (its ``cu_seqlens`` come from ``image_grid_thw``), so
 concatenating the pixel values of several samples changes no image feature.
 """

@@ -7,6 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from coordexp.runtime.data import load_records
 from coordexp.runtime.encoding import encode_teacher_forced
@@ -93,6 +95,10 @@ def _loss_and_grads(model, batch, forward, workload):
     return result, grads
 
 
+def packed_len(workload) -> list[int]:
+    return [s.total_len for s in workload.samples]
+
+
 def _assert_logits_match(actual: torch.Tensor, expected: torch.Tensor) -> None:
     """Within 1e-5 of the logit scale (max |logit| ~ 12 here): float32 kernels block by sequence length, so
     equal maths differs by ~1e-6 relative; a leak across segments would differ by O(1)."""
@@ -153,6 +159,42 @@ def test_block_causal_mask_is_causal_within_each_block_only():
     assert mask[0, 0].int().tolist() == expected
 
 
+def _text_sample(n: int) -> SimpleNamespace:
+    ids = torch.arange(10, 10 + n)
+    return SimpleNamespace(input_ids=ids, mm_token_type_ids=torch.zeros(n, dtype=torch.long), pixel_values=None,
+                           image_grid_thw=None, prompt_len=1, assistant_start=1)
+
+
+def _text_rope_index(input_ids, mm_token_type_ids, image_grid_thw):
+    return torch.arange(input_ids.shape[0]).expand(3, -1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 12), min_size=1, max_size=6), st.integers(0, 5))
+def test_layout_mask_and_varlen_boundaries_agree_for_any_lengths(lengths, extra):
+    """For any segment lengths (and pad tail): offsets, restarting positions, the 4-D mask, transformers' packed
+    sequence detection and the flash varlen cu_seqlens all describe the same blocks."""
+    from transformers.masking_utils import find_packed_sequence_indices
+    from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
+
+    total = sum(lengths)
+    batch = collate_packed([_text_sample(n) for n in lengths], _text_rope_index, pad_to=total + extra)
+    blocks = [b for b, n in enumerate(lengths + [extra]) for _ in range(n)]
+    assert batch.seq_len == total + extra and batch.num_pad == extra
+    assert batch.block_ids().tolist() == blocks
+    assert batch.text_position_ids[0].tolist() == [j for n in lengths + [extra] for j in range(n)]
+    assert torch.equal(batch.position_ids[:, 0], batch.text_position_ids.expand(3, -1))
+    assert [batch.placement(i) for i in range(len(lengths))] == [(0, o + 1) for o in batch.segment_offsets]
+    mask = block_causal_mask(batch.block_ids())[0, 0]
+    brute = [[k <= q and blocks[k] == blocks[q] for k in range(len(blocks))] for q in range(len(blocks))]
+    assert mask.tolist() == brute
+    (cu_seqlens, _), _ = prepare_fa_kwargs_from_position_ids(batch.text_position_ids)
+    starts = [*batch.segment_offsets] + ([total] if extra else [])
+    assert cu_seqlens.tolist() == [*starts, total + extra]
+    detected = find_packed_sequence_indices(batch.text_position_ids)
+    assert (detected is None and len(starts) == 1) or detected[0].tolist() == blocks
+
+
 @pytest.mark.parametrize("implementation", ["sdpa", "eager"])
 def test_attention_layers_receive_the_block_diagonal_mask(tiny_model_dir, workload, implementation):
     model = _load_model(tiny_model_dir, implementation)
@@ -192,9 +234,6 @@ def test_flash_varlen_boundaries_come_from_the_text_position_row(model, workload
         inferred = model(**{**inputs, "attention_mask": None}).logits
     torch.testing.assert_close(inferred, explicit, rtol=0, atol=1e-6)
 
-
-def packed_len(workload):
-    return [s.total_len for s in workload.samples]
 
 
 # --- logits, loss, gradients -------------------------------------------------------------------------------------
