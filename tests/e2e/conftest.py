@@ -1,0 +1,46 @@
+"""Fixtures of the end-to-end trainer tests: a tiny model and a synthetic dataset, and a config writer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    from coordexp.runtime.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("e2e_model"), family="qwen2_vl", seed=0)
+
+
+@pytest.fixture(scope="session")
+def dataset(tmp_path_factory):
+    from coordexp.runtime.synthetic import write_synthetic_dataset
+
+    return write_synthetic_dataset(tmp_path_factory.mktemp("e2e_data"), n_train=16, n_val=4, seed=3)
+
+
+@pytest.fixture()
+def write_config(tmp_path, tiny_model_dir, dataset):
+    """Write a stage config extending examples/stage2_cpu_hf.yaml with the tiny model, the dataset and overrides."""
+
+    def write(overrides: dict, name: str = "cfg.yaml") -> Path:
+        config = {
+            "extends": str(REPO / "examples" / "stage2_cpu_hf.yaml"),
+            "model": {"path": str(tiny_model_dir), "dtype": "float32", "attn_implementation": "sdpa"},
+            "data": {"train_jsonl": str(dataset.train_jsonl), "val_jsonl": None},
+        }
+        for key, value in overrides.items():
+            if isinstance(value, dict) and isinstance(config.get(key), dict):
+                config[key] = {**config[key], **value}
+            else:
+                config[key] = value
+        path = tmp_path / name
+        path.write_text(yaml.safe_dump(config), encoding="utf-8")
+        return path
+
+    return write
