@@ -186,13 +186,13 @@ class _GatheredRowStats(torch.autograd.Function):
             if start < num_labels:
                 own = labels[start : min(stop, num_labels)]
                 label_logit[start : start + own.numel()] = rows[: own.numel()].gather(1, own.unsqueeze(1)).squeeze(1)
-            peak = rows.amax(dim=1, keepdim=True)
             work = work_buffer[: stop - start]
             for lse, temperature in zip(lses, temperatures, strict=True):
-                torch.sub(rows, peak, out=work)
-                if temperature != 1.0:
-                    work.div_(temperature)
-                lse[start:stop] = work.exp_().sum(dim=1).log_() + peak.squeeze(1) / temperature
+                # torch.logsumexp(rows / T) step by step in one reused buffer (same rounding, no temporaries)
+                scaled = rows if temperature == 1.0 else torch.div(rows, temperature, out=work)
+                peak = scaled.amax(dim=1, keepdim=True)
+                torch.sub(scaled, peak, out=work)
+                lse[start:stop] = work.exp_().sum(dim=1).log_() + peak.squeeze(1)
         ctx.temperatures, ctx.chunk_rows, ctx.dtype, ctx.first = temperatures, chunk_rows, dtype, first
         ctx.save_for_backward(logits, index, coord_ids, labels, *lses)
         ctx.set_materialize_grads(False)
@@ -214,10 +214,11 @@ class _GatheredRowStats(torch.autograd.Function):
             rows, passed = fenced_chunk(index[start:stop])
             grad_rows, work = grad_buffer[: stop - start].zero_(), work_buffer[: stop - start]
             for temperature, lse, grad_lse in lse_terms:
-                # d logsumexp(x / T) / dx = softmax(x / T) / T
-                torch.div(rows, temperature, out=work)
-                work.sub_(lse[start:stop].unsqueeze(1)).exp_()
-                grad_rows.addcmul_(work, (grad_lse[start:stop] / temperature).unsqueeze(1).to(work.dtype))
+                # d logsumexp(x / T) / dx = softmax(x / T) / T, in the rounding order of autograd's own backward
+                scaled = rows if temperature == 1.0 else torch.div(rows, temperature, out=work)
+                torch.sub(scaled, lse[start:stop].unsqueeze(1), out=work).exp_()
+                work.mul_(grad_lse[start:stop].unsqueeze(1).to(work.dtype))
+                grad_rows.add_(work if temperature == 1.0 else work.div_(temperature))
             if grad_coord is not None:
                 if first is not None:
                     grad_rows.narrow(1, first, coord_ids.numel()).add_(grad_coord[start:stop].to(grad_rows.dtype))
@@ -350,11 +351,9 @@ def coord_vocab_log_mass(full_logits: torch.Tensor, coord_ids: torch.Tensor, tem
     """
     if full_logits.ndim != 2:
         raise ValueError(f"full_logits must be 2-D (N, V) gathered rows (got shape {tuple(full_logits.shape)})")
-    check_coord_ids(coord_ids, full_logits.shape[1])
-    fenced = sanitize_logits(full_logits)
-    return coord_vocab_log_mass_fenced(
-        coord_columns(fenced, coord_ids), full_vocab_logsumexp(fenced, temperature), temperature
-    )
+    rows = torch.arange(full_logits.shape[0], device=full_logits.device)
+    # the chunked row statistics: the same fence and gradient as sanitising the rows, without a fenced copy
+    return gathered_row_stats(full_logits, rows, coord_ids, (temperature,)).log_mass(slice(None), temperature)
 
 
 def coord_vocab_log_mass_fenced(

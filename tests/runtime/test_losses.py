@@ -10,13 +10,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import coordexp.runtime.coord_losses as coord_losses_module
+import coordexp.runtime.losses as losses_module
 from coordexp.runtime.coord_losses import (
+    GatheredRowStats,
     coord_columns,
     coord_gate_loss,
     coord_hard_ce,
     coord_log_probs,
     coord_vocab_log_mass,
     gather_fenced_rows,
+    gathered_row_stats,
     gaussian_soft_targets,
     sanitize_logits,
     smoothl1_and_ciou,
@@ -575,3 +579,138 @@ def test_objective_is_invariant_to_where_coord_ids_sit_in_the_vocabulary():
         moved, SupervisionBatch.from_segments([SupervisionSegment(sup, moved_ids, 0, 2)], 16), perm[COORD_IDS], pipe
     )
     assert relabelled.terms == pytest.approx(original.terms, abs=1e-5)
+
+
+# ------------------------------------------------------------------ chunked row statistics (memory: no (N, V) copy)
+
+
+def _reference_row_stats(logits, index, coord_ids, temperatures, labels=None, **_unused) -> GatheredRowStats:
+    """The plain path the chunked node replaces: gather, sanitise, then coord columns, logsumexps and labels."""
+    fenced = sanitize_logits(logits.reshape(-1, logits.shape[-1]).index_select(0, index.to(logits.device)))
+    labels = torch.zeros(0, dtype=torch.long) if labels is None else labels
+    temps = dict.fromkeys(float(t) for t in temperatures)
+    return GatheredRowStats(
+        coord=coord_columns(fenced, coord_ids),
+        lse={t: torch.logsumexp(fenced / t, dim=1) for t in temps},
+        label_logit=fenced[: labels.numel()].gather(1, labels.unsqueeze(1)).squeeze(1),
+    )
+
+
+def _poisoned_logits(shape, seed: int, dtype=torch.float32) -> torch.Tensor:
+    """Random logits with NaN, +/-inf and beyond-fence entries in several rows (some rows entirely bad)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=gen, dtype=torch.float64) * 2
+    # Text ids get a head start so the coord mass stays moderate: near mass 1 the text gate -log(1 - mass)
+    # amplifies float32 rounding ~1/(1 - mass) times, and two exact implementations differ beyond 1e-6.
+    x[..., :NUM_TEXT] += 4.0
+    flat = x.view(-1, shape[-1])
+    flat[1, :40] = float("nan")
+    flat[2, COORD_IDS[:300]] = float("inf")
+    flat[3, :] = float("-inf")
+    flat[4, 7], flat[4, 500], flat[5, 900] = 3e4, -2e4, float("inf")
+    return x.to(dtype)
+
+
+def _stats_outputs(stats: GatheredRowStats) -> list[torch.Tensor]:
+    return [stats.coord, stats.label_logit, *stats.lse.values()]
+
+
+def test_row_stats_gradient_is_exact_by_gradcheck_through_the_fences():
+    logits = _poisoned_logits((2, 4, VOCAB), seed=1, dtype=torch.float64).requires_grad_(True)
+    index = torch.tensor([4, 1, 6, 1, 2, 5, 3])  # repeated row 1; rows 1..5 hit every fence
+    scattered = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))[:1000]
+    for coord_ids in (COORD_IDS, scattered):
+
+        def outputs(x, coord_ids=coord_ids):
+            stats = gathered_row_stats(
+                x, index, coord_ids, (1.0, 0.6), torch.tensor([3, 40, 5]), chunk_rows=3, compute_dtype=torch.float64
+            )
+            return tuple(_stats_outputs(stats))
+
+        # fast mode checks random directional derivatives: the full Jacobian of 8k inputs would take minutes
+        assert torch.autograd.gradcheck(outputs, (logits,), eps=1e-6, atol=1e-6, fast_mode=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_row_stats_match_gather_then_sanitize_in_value_and_gradient(dtype, layout):
+    raw = _poisoned_logits((2, 5, VOCAB), seed=4, dtype=dtype)
+    if layout == "strided":  # a transposed view cannot be flattened: exercises the coordinate gather
+        raw = raw.transpose(0, 1).contiguous().transpose(0, 1)
+    index, labels = torch.tensor([7, 1, 2, 3, 9, 4, 5, 1]), torch.tensor([2, 1000, 17])
+    results = []
+    for build in (gathered_row_stats, _reference_row_stats):
+        logits = raw.detach().clone() if layout == "contiguous" else raw.detach().clone().transpose(0, 1).contiguous()
+        logits = (logits if layout == "contiguous" else logits.transpose(0, 1)).requires_grad_(True)
+        outs = _stats_outputs(build(logits, index, COORD_IDS, (1.0, 2.5), labels, chunk_rows=3))
+        upstream = [torch.randn(o.shape, generator=torch.Generator().manual_seed(i)) for i, o in enumerate(outs)]
+        sum((o * u).sum() for o, u in zip(outs, upstream, strict=True)).backward()
+        results.append(([o.detach() for o in outs], logits.grad))
+    (outs, grad), (ref_outs, ref_grad) = results
+    for out, ref in zip(outs, ref_outs, strict=True):
+        assert out.dtype == torch.float32 and torch.allclose(out, ref, rtol=1e-6, atol=1e-5)
+    assert grad.dtype == dtype and grad.shape == raw.shape
+    assert torch.allclose(grad.float(), ref_grad.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=1e-6)
+    assert torch.isfinite(grad).all() and grad[0, 1, :40].eq(0).all() and grad[0, 3].eq(0).all()
+
+
+def test_row_stats_validate_their_inputs_with_clear_errors():
+    logits = torch.zeros(1, 3, VOCAB)
+    with pytest.raises(ValueError, match="row numbers in"):
+        gathered_row_stats(logits, torch.tensor([3]), COORD_IDS, (1.0,))
+    with pytest.raises(ValueError, match="ce label ids must lie in"):
+        gathered_row_stats(logits, torch.tensor([0]), COORD_IDS, (1.0,), labels=torch.tensor([VOCAB]))
+    with pytest.raises(ValueError, match="at most one token id per row"):
+        gathered_row_stats(logits, torch.tensor([0]), COORD_IDS, (1.0,), labels=torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="temperature"):
+        gathered_row_stats(logits, torch.tensor([0]), COORD_IDS, (float("inf"),))
+
+
+def _objective_and_grad(logits: torch.Tensor, batch: SupervisionBatch, pipe: PipelineConfig):
+    logits = logits.detach().clone().requires_grad_(True)
+    result = compute_objective(logits, batch, COORD_IDS, pipe)
+    result.total.backward()
+    return result, logits.grad
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_objective_and_gradient_equal_the_plain_gather_sanitize_path(monkeypatch, temperature):
+    rng = np.random.default_rng(21)
+    sup, ids = _random_segment(rng, n_assistant=20, n_boxes=3)
+    batch = SupervisionBatch.from_segments([SupervisionSegment(sup, ids, 1, 3)], seq_len=24)
+    logits = _poisoned_logits((2, 24, VOCAB), seed=9)
+    logits[1, 2:10] = logits.view(-1, VOCAB)[1:9]  # the poisoned rows become supervised rows of row 1
+    pipe = make_pipeline(
+        coord_reg={"config": {"coord_ce_weight": 0.5, "text_gate_weight": 0.3, "temperature": temperature}}
+    )
+    monkeypatch.setattr(coord_losses_module, "_CHUNK_ELEMENTS", 5 * VOCAB)  # several chunks per call
+    chunked, chunked_grad = _objective_and_grad(logits, batch, pipe)
+    monkeypatch.setattr(losses_module, "gathered_row_stats", _reference_row_stats)
+    plain, plain_grad = _objective_and_grad(logits, batch, pipe)
+    assert chunked.total.item() == pytest.approx(plain.total.item(), rel=1e-6, abs=1e-6)
+    assert chunked.terms == pytest.approx(plain.terms, rel=1e-6, abs=1e-6)
+    assert chunked.diagnostics == pytest.approx(plain.diagnostics, rel=1e-6, abs=1e-6)
+    assert torch.allclose(chunked_grad, plain_grad, rtol=1e-6, atol=1e-6)
+    assert torch.count_nonzero(chunked_grad) > 0 and torch.isfinite(chunked_grad).all()
+
+
+def test_objective_graph_saves_no_vocab_wide_tensor_but_the_logits_reference():
+    """Autograd keeps only compact per-row tensors alive; the logits themselves are referenced, never copied."""
+    rng = np.random.default_rng(3)
+    sup, ids = _random_segment(rng, n_assistant=30, n_boxes=4)
+    batch = SupervisionBatch.from_segments([SupervisionSegment(sup, ids, 0, 2)], seq_len=34)
+    logits = torch.randn(1, 34, VOCAB, requires_grad=True)
+    saved: list[torch.Tensor] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(tensor)
+        return tensor
+
+    pipe = make_pipeline(coord_reg={"config": {"coord_ce_weight": 1.0, "text_gate_weight": 1.0}})
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        total = compute_objective(logits, batch, COORD_IDS, pipe).total
+    wide = [t for t in saved if t.dim() >= 2 and t.shape[-1] == VOCAB]
+    assert wide and all(t.data_ptr() == logits.data_ptr() and t.shape == logits.shape for t in wide)
+    assert max(t.numel() for t in saved if t.data_ptr() != logits.data_ptr()) <= 34 * 1000
+    total.backward()
+    assert logits.grad.shape == logits.shape and torch.count_nonzero(logits.grad) > 0
