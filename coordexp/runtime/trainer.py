@@ -18,7 +18,13 @@ from transformers import Trainer
 from coordexp.runtime.backends.base import RolloutRequest, request_seed
 from coordexp.runtime.encoding import encode_prompt
 from coordexp.runtime.losses import SupervisionBatch, SupervisionSegment, compute_objective
-from coordexp.runtime.packed_forward import collate_packed, collate_padded, mrope_index_of, packed_forward, padded_forward
+from coordexp.runtime.packed_forward import (
+    collate_packed,
+    collate_padded,
+    mrope_index_of,
+    packed_model_inputs,
+    padded_forward,
+)
 from coordexp.runtime.packing import CarryBuffer
 from coordexp.runtime.rollout_step import HostContext, SampleTarget, build_gt_sample, build_rollout_sample
 from coordexp.runtime.telemetry import RolloutCounters, sum_counters
@@ -141,7 +147,8 @@ class CoordExpTrainer(Trainer):
         encoded = [s.encoded for s in selected]
         if self.buffer is not None:
             batch = collate_packed(encoded, rope, pad_token_id=self._pad_id())
-            logits = packed_forward(model, batch)
+            # Inputs are built from the unwrapped model (its config); the call goes through the wrapper (DDP hooks).
+            logits = model(**packed_model_inputs(unwrapped, batch)).logits
         else:
             batch = collate_padded(encoded, rope, pad_token_id=self._pad_id())
             logits = padded_forward(model, batch)
