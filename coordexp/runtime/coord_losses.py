@@ -1,9 +1,12 @@
 """Coordinate-distribution loss math on gathered logit rows (no batching, no masks).
 
 Every function takes rows ALREADY gathered at supervised positions (``(N, V)`` full-vocab or ``(N, 1000)``
-coord-vocab logits), so callers never materialise a full-vocab softmax over a whole sequence. All math runs in
-float32 after the shared numeric fence :func:`sanitize_logits`; the coord-vocab gate of every consumer (training
-loss, text gate, diagnostics) goes through :func:`coord_vocab_log_mass` so the fences cannot drift apart.
+coord-vocab logits), so callers never materialise a full-vocab softmax over a whole sequence;
+:func:`gathered_row_stats` goes further and reduces the supervised rows of the raw logits, a chunk at a time,
+to the per-row statistics the losses need (no ``(N, V)`` copy at all). All math runs in float32 after the
+shared numeric fence :func:`sanitize_logits`; the coord-vocab gate of every consumer (training loss, text gate,
+diagnostics) goes through :func:`coord_vocab_log_mass_fenced` (via :func:`coord_vocab_log_mass` or
+:meth:`GatheredRowStats.log_mass`) so the fences cannot drift apart.
 """
 
 from __future__ import annotations
@@ -230,8 +233,7 @@ class _GatheredRowStats(torch.autograd.Function):
                 grad_rows.index_put_(
                     (local, own), grad_label[start : start + own.numel()].to(grad_rows.dtype), accumulate=True
                 )
-            if not bool(passed.all()):
-                grad_rows.mul_(passed)
+            grad_rows.mul_(passed)  # unconditional: testing passed.all() would sync a GPU once per chunk
             flat_grad.index_add_(0, index[start:stop], grad_rows.to(logits.dtype))
         return grad_logits, None, None, None, None, None, None
 

@@ -5,8 +5,9 @@ over the supervised positions (or boxes) of the whole micro-batch, pooled across
 depends on where a segment sits in a row, on padding, or on how segments are grouped into rows, so laying out
 the same segments packed or unpacked yields the same loss and the same gradient on each supervised logit.
 
-Coord terms are computed only on logit rows gathered at supervised positions (``index_select`` on the
-flattened logits first), never on a full-vocab log-softmax over the whole sequence.
+Every term reads only per-row statistics of the logit rows at supervised positions (coord columns, full-vocab
+logsumexps, label logits from :func:`gathered_row_stats`, computed a chunk of rows at a time), never a
+full-vocab log-softmax over the whole sequence nor a copy of the supervised rows.
 """
 
 from __future__ import annotations
