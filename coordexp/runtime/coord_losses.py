@@ -17,6 +17,7 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 __all__ = [
     "LOGIT_CLAMP_ABS",
@@ -202,6 +203,7 @@ class _GatheredRowStats(torch.autograd.Function):
         return (coord, label_logit, *lses)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_coord, grad_label, *grad_lses):  # type: ignore[override]
         logits, index, coord_ids, labels, *lses = ctx.saved_tensors
         grad_logits = torch.zeros(logits.shape, dtype=logits.dtype, device=logits.device)
