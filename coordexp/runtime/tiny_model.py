@@ -49,17 +49,23 @@ def _special_ids(tokenizer: Any) -> dict[str, int]:
     return ids
 
 
-def tiny_model_config(tokenizer: Any, family: str = "qwen2_vl"):
-    """The config of the tiny model for ``tokenizer``: hidden 128, 2 layers, 2 heads, 1 KV head, vision depth 1-2."""
+def tiny_model_config(tokenizer: Any, family: str = "qwen2_vl", *, hidden_size: int = _HIDDEN, num_layers: int = 2):
+    """The config of the tiny model for ``tokenizer``: hidden 128, 2 layers, 2 heads, 1 KV head, vision depth 1-2.
+
+    ``hidden_size`` (a multiple of 64: heads of 64 dims) and ``num_layers`` scale the language model up, e.g. for
+    benchmarks where compute, not Python overhead, should dominate.
+    """
     if family not in TINY_FAMILIES:
         raise ValueError(f"unknown tiny model family {family!r}; choose one of {list(TINY_FAMILIES)}")
+    if hidden_size % 64 or hidden_size < 64 or num_layers < 1:
+        raise ValueError(f"hidden_size must be a positive multiple of 64 and num_layers >= 1 (got {hidden_size}, {num_layers})")
     ids = _special_ids(tokenizer)
     text = dict(
         vocab_size=_padded_vocab(len(tokenizer)),
-        hidden_size=_HIDDEN,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=hidden_size // 64,
         num_key_value_heads=1,
         max_position_embeddings=4096,
         initializer_range=TINY_INIT_STD,
@@ -78,14 +84,15 @@ def tiny_model_config(tokenizer: Any, family: str = "qwen2_vl"):
     if family == "qwen2_vl":
         from transformers import Qwen2VLConfig
 
-        vision = dict(depth=1, embed_dim=64, hidden_size=_HIDDEN, num_heads=2, mlp_ratio=2, patch_size=14,
+        vision = dict(depth=1, embed_dim=64, hidden_size=hidden_size, num_heads=2, mlp_ratio=2, patch_size=14,
                       spatial_merge_size=2, temporal_patch_size=2, initializer_range=TINY_INIT_STD)
         return Qwen2VLConfig(text_config=text, vision_config=vision, **shared)
     from transformers import Qwen2_5_VLConfig
 
-    vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=_HIDDEN,
+    vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2,
                   patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
                   fullatt_block_indexes=[1], initializer_range=TINY_INIT_STD)
+    vision["out_hidden_size"] = hidden_size
     return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **shared)
 
 
@@ -127,7 +134,9 @@ def _model_class(family: str):
     return Qwen2_5_VLForConditionalGeneration
 
 
-def build_tiny_model(path: str | Path, *, family: str = "qwen2_vl", seed: int = 0) -> Path:
+def build_tiny_model(
+    path: str | Path, *, family: str = "qwen2_vl", seed: int = 0, hidden_size: int = _HIDDEN, num_layers: int = 2
+) -> Path:
     """Build and save (``save_pretrained``) the tiny tokenizer, processor and randomly initialised model into ``path``.
 
     Deterministic for a given ``(family, seed)``; the global torch RNG state is left as it was. Returns ``path``.
@@ -141,7 +150,7 @@ def build_tiny_model(path: str | Path, *, family: str = "qwen2_vl", seed: int = 
     out.mkdir(parents=True, exist_ok=True)
     build_tiny_tokenizer(out)
     tokenizer = AutoTokenizer.from_pretrained(str(out))
-    config = tiny_model_config(tokenizer, family)
+    config = tiny_model_config(tokenizer, family, hidden_size=hidden_size, num_layers=num_layers)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = _model_class(family)(config).to(torch.float32)

@@ -9,6 +9,7 @@ leftovers at the end of training are dropped (``packing_drop_last: true``, carry
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -69,6 +70,10 @@ class StepStats:
         self.row_tokens = 0
         self.fill_ratios: list[float] = []
         self.counters: list[RolloutCounters] = []
+        self.seconds: dict[str, float] = {}
+
+    def timed(self, stage: str, seconds: float) -> None:
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
 
     def add(self, terms: dict[str, float], trained: int, row: int, fill: float | None, counters: list) -> None:
         self.micro_steps += 1
@@ -122,9 +127,13 @@ class CoordExpTrainer(Trainer):
             RolloutRequest(prompt=p, index=i, seed=request_seed(self.args.seed, self.state.global_step, base + i), record=r)
             for i, (r, p) in enumerate(zip(records, prompts, strict=True))
         ]
+        start = time.perf_counter()
         self.backend.sync_weights(self.accelerator.unwrap_model(self.model))
         outputs = self.backend.generate(requests)
+        generated = time.perf_counter()
         samples = [build_rollout_sample(r, p, o, self.host) for r, p, o in zip(records, prompts, outputs, strict=True)]
+        self.stats.timed("rollout", generated - start)
+        self.stats.timed("host", time.perf_counter() - generated)
         if self.rollout_log_every and self.is_world_process_zero() and self.state.global_step % self.rollout_log_every == 0:
             append_rollout_log(
                 self.args.output_dir, [s.log_entry(r, self.state.global_step, tag) for r, s in zip(records, samples)]
@@ -141,6 +150,7 @@ class CoordExpTrainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         records = list(inputs)
         samples = self.build_samples(records)
+        started = time.perf_counter()
         selected, fill = self._select(samples)
         unwrapped = self.accelerator.unwrap_model(model)
         rope = mrope_index_of(unwrapped)
@@ -157,6 +167,7 @@ class CoordExpTrainer(Trainer):
         ]
         supervision = SupervisionBatch.from_segments(segments, batch.seq_len).to(logits.device)
         result = compute_objective(logits, supervision, self._coord_ids.to(logits.device), self.run.rollout_matching.pipeline)
+        self.stats.timed("forward", time.perf_counter() - started)
         self._micro_step += 1
         self.stats.add(
             dict(result.terms),
@@ -166,6 +177,15 @@ class CoordExpTrainer(Trainer):
             counters=[s.counters for s in samples],
         )
         return (result.total, logits) if return_outputs else result.total
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """The HF step, timed: ``time/backward`` is the step minus the rollout, host and forward time inside it."""
+        before = dict(self.stats.seconds)
+        start = time.perf_counter()
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        inside = sum(self.stats.seconds.get(k, 0.0) - before.get(k, 0.0) for k in ("rollout", "host", "forward"))
+        self.stats.timed("backward", time.perf_counter() - start - inside)
+        return loss
 
     def _pad_id(self) -> int:
         tokenizer = self.host.tokenizer
@@ -188,6 +208,10 @@ class CoordExpTrainer(Trainer):
         micro = max(sums[len(keys)], 1.0)
         logs = {f"loss/{k}": v / micro for k, v in zip(keys, sums[: len(keys)])}
         logs["tokens/trained"] = sums[len(keys) + 1]
+        logs.update({f"time/{k}_s": v for k, v in sorted(stats.seconds.items())})  # this rank's wall time per stage
+        compute = stats.seconds.get("forward", 0.0) + stats.seconds.get("backward", 0.0)
+        if compute > 0:
+            logs["tokens/trained_per_s"] = stats.trained_tokens / compute  # this rank, forward + backward only
         if self.buffer is not None and sums[len(keys) + 2] > 0:
             logs["packing/fill_ratio"] = sums[len(keys) + 1] / (micro * self.run.rollout_matching.packing.packing_length)
             logs["packing/buffered"] = float(len(self.buffer))
