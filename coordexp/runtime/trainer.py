@@ -204,7 +204,10 @@ class CoordExpTrainer(Trainer):
         stats = self.stats
         keys = sorted(stats.terms)
         # Every rank runs the same modules, so every rank has the same term keys in the same order.
-        sums = self._reduced([stats.terms[k] for k in keys] + [stats.micro_steps, stats.trained_tokens, stats.row_tokens])
+        buffered = len(self.buffer) if self.buffer is not None else 0
+        sums = self._reduced(
+            [stats.terms[k] for k in keys] + [stats.micro_steps, stats.trained_tokens, stats.row_tokens, buffered]
+        )
         micro = max(sums[len(keys)], 1.0)
         logs = {f"loss/{k}": v / micro for k, v in zip(keys, sums[: len(keys)])}
         logs["tokens/trained"] = sums[len(keys) + 1]
@@ -214,7 +217,7 @@ class CoordExpTrainer(Trainer):
             logs["tokens/trained_per_s"] = stats.trained_tokens / compute  # this rank, forward + backward only
         if self.buffer is not None and sums[len(keys) + 2] > 0:
             logs["packing/fill_ratio"] = sums[len(keys) + 1] / (micro * self.run.rollout_matching.packing.packing_length)
-            logs["packing/buffered"] = float(len(self.buffer))
+            logs["packing/buffered"] = sums[len(keys) + 3]  # carried segments, all ranks
         if self.stage2:
             counters = sum_counters(stats.counters) if stats.counters else RolloutCounters()
             if self.args.world_size > 1 and torch.distributed.is_initialized():
