@@ -1,0 +1,179 @@
+"""The engine a rollout server drives (:class:`RolloutEngine`), and :class:`HfEngine`, its transformers version.
+
+The server calls every engine method from ONE worker thread, in arrival order (FIFO), so an engine needs no locks
+and a weight update queued before an ``/infer/`` is applied before it. The vLLM engine
+(``coordexp.runtime.vllm_engine``) implements the same protocol.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
+
+from coordexp.runtime.backends.base import RolloutOutput, RolloutRequest
+from coordexp.schema.rollout import DecodingConfig, RepeatTerminateConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from coordexp.schema.contract import RunContract
+
+__all__ = ["GenerationParams", "RolloutEngine", "EngineError", "HfEngine"]
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """The sampling of one ``/infer/`` call, resolved against the config (request values win, config fills the
+    rest). Sampling seeds are per request (:attr:`RolloutRequest.seed`, always >= 1 from the server)."""
+
+    max_new_tokens: int
+    decoding: DecodingConfig
+
+
+class EngineError(RuntimeError):
+    """The engine cannot do what was asked (e.g. an unknown weight name, no LoRA support); the text says why."""
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What ``coordexp serve-rollout`` needs from an inference engine.
+
+    - ``engine_type``: reported by ``POST /get_engine_type/`` (``"LLMEngine"`` for vLLM, ``"HfEngine"``).
+    - ``world_size``: ``tp * dp``, reported by ``GET /get_world_size/`` (the client's request-capacity weight).
+    - ``device``: where received weights are placed (``cuda:k`` -> NCCL weight sync, ``cpu`` -> gloo).
+    - ``supports_adapter``: whether :meth:`load_adapter` works (``enable_lora`` in ``/get_engine_type/``).
+    - ``repeat_terminate``: the config subtree installed at construction (active iff ``enabled``); an engine that
+      cannot activate an enabled guard must raise in its constructor, never run without it.
+    """
+
+    engine_type: str
+    world_size: int
+    device: "torch.device"
+    supports_adapter: bool
+    repeat_terminate: RepeatTerminateConfig
+
+    def generate(self, requests: Sequence[RolloutRequest], params: GenerationParams) -> list[RolloutOutput]:
+        """One output per request, in order; ``prompt_token_ids`` equal ``request.prompt.input_ids`` and
+        ``response_token_ids`` have the stop token stripped (use :func:`~coordexp.runtime.backends.finish_output`)."""
+        ...
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]]) -> None:
+        """Copy full HF-named weights (a subset is fine: one bucket at a time) into the model; unknown names or
+        wrong shapes raise :class:`EngineError` and nothing of that call is half-applied where avoidable."""
+        ...
+
+    def load_adapter(self, lora_int_id: int, peft_config: Mapping[str, Any],
+                     named_tensors: Iterable[tuple[str, "torch.Tensor"]]) -> None:
+        """Install a LoRA adapter (PEFT state-dict names) used by later ``generate`` calls."""
+        ...
+
+    def reset_caches(self) -> bool:
+        """Drop prefix/KV caches that hold activations of old weights; returns success."""
+        ...
+
+    def close(self) -> None:
+        """Release the model and its memory."""
+        ...
+
+
+class HfEngine:
+    """A rollout engine on transformers ``generate`` with its OWN copy of the model (not the learner's).
+
+    Generation is :class:`~coordexp.runtime.backends.hf.HfRolloutBackend` (the same decoding, repeat guard and
+    stop trimming as the HF rollout backend), one backend per distinct :class:`GenerationParams`.
+    """
+
+    engine_type = "HfEngine"
+    world_size = 1
+    supports_adapter = False
+
+    def __init__(self, model: Any, tokenizer: Any, *, decode_batch_size: int,
+                 repeat_terminate: RepeatTerminateConfig):
+        from coordexp.runtime.repeat import RepeatGuard
+
+        self._model = model
+        self._tokenizer = tokenizer
+        self.decode_batch_size = int(decode_batch_size)
+        self.repeat_terminate = repeat_terminate
+        self._guard = RepeatGuard.from_config(repeat_terminate)  # raises on an unusable subtree: start-up fails
+        self._backends: dict[GenerationParams, Any] = {}
+        self.weights_loaded = 0  # tensors copied in by load_weights (tests and logs read it)
+
+    @classmethod
+    def from_contract(cls, run: "RunContract", *, model: Any = None, processor: Any = None) -> "HfEngine":
+        """Load the config's model (``launch.load_policy``) unless given; decoding knobs come per call."""
+        if model is None or processor is None:
+            from coordexp.runtime.launch import load_policy
+
+            model, processor = load_policy(run)
+        model.eval()
+        model.requires_grad_(False)
+        rollout = run.rollout_matching
+        return cls(model, processor.tokenizer, decode_batch_size=rollout.decode_batch_size,
+                   repeat_terminate=rollout.repeat_terminate)
+
+    @property
+    def device(self) -> "torch.device":
+        return next(self._require_model().parameters()).device
+
+    @property
+    def model(self) -> Any:
+        return self._require_model()
+
+    def _require_model(self) -> Any:
+        if self._model is None:
+            raise EngineError("this engine was closed; restart the server")
+        return self._model
+
+    def _backend(self, params: GenerationParams) -> Any:
+        backend = self._backends.get(params)
+        if backend is None:
+            from coordexp.runtime.backends.hf import HfRolloutBackend
+
+            backend = HfRolloutBackend(self._require_model(), self._tokenizer,
+                                       decode_batch_size=self.decode_batch_size,
+                                       max_new_tokens=params.max_new_tokens, decoding=params.decoding,
+                                       repeat_terminate=self._guard)
+            self._backends[params] = backend
+        return backend
+
+    def generate(self, requests: Sequence[RolloutRequest], params: GenerationParams) -> list[RolloutOutput]:
+        if not requests:
+            return []
+        try:
+            return self._backend(params).generate(requests)
+        except ValueError as exc:  # unsupported decoding combination (e.g. beam sampling)
+            raise EngineError(str(exc)) from None
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]]) -> None:
+        import torch
+
+        state = self._require_model().state_dict()
+        pairs = list(named_tensors)
+        unknown = [name for name, _ in pairs if name not in state]
+        if unknown:
+            shown = ", ".join(unknown[:5]) + (f" (+{len(unknown) - 5} more)" if len(unknown) > 5 else "")
+            raise EngineError(f"{len(unknown)} weight name(s) are not parameters of the served model: {shown}; send "
+                              "HF checkpoint names of the same architecture (LoRA merged, PEFT prefixes stripped)")
+        wrong = [(n, tuple(t.shape), tuple(state[n].shape)) for n, t in pairs if tuple(t.shape) != tuple(state[n].shape)]
+        if wrong:
+            name, got, want = wrong[0]
+            raise EngineError(f"{len(wrong)} weight(s) have the wrong shape, e.g. {name}: got {list(got)}, the served "
+                              f"model has {list(want)}; the learner and the server must hold the same model")
+        with torch.no_grad():
+            for name, tensor in pairs:
+                state[name].copy_(tensor)
+        self.weights_loaded += len(pairs)
+
+    def load_adapter(self, lora_int_id: int, peft_config: Mapping[str, Any],
+                     named_tensors: Iterable[tuple[str, "torch.Tensor"]]) -> None:
+        raise EngineError("the HF rollout engine serves merged weights only (no LoRA adapters); use "
+                          "rollout_matching.vllm.sync.mode: full (or fallback_to_full: true), or serve with "
+                          "--engine vllm and vllm.enable_lora: true")
+
+    def reset_caches(self) -> bool:
+        return True  # generate() keeps no cache across calls
+
+    def close(self) -> None:
+        self._backends.clear()
+        self._model = None
