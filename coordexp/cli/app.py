@@ -1,4 +1,5 @@
-"""``coordexp`` command line: ``validate``, ``schema``, ``migrate`` (and ``demo``, the embedded default job).
+"""``coordexp`` command line: ``validate``, ``schema``, ``migrate``; ``train``, ``show-rollouts`` and ``demo`` (the
+embedded default job) live in :mod:`coordexp.cli.train` and :mod:`coordexp.cli.demo`.
 
 Module-level imports stay light (typer, rich, the schema package): ``validate`` and ``schema`` must never pay
 for torch/transformers/vllm. Commands that need the runtime import it inside their bodies.
@@ -18,6 +19,8 @@ from rich.console import Console
 from rich.markup import escape
 
 from coordexp.cli.assets import register as _register_assets
+from coordexp.cli.demo import register as _register_demo
+from coordexp.cli.train import register as _register_train
 
 __all__ = ["app", "main", "EXIT_OK", "EXIT_INTERNAL", "EXIT_INVALID"]
 
@@ -25,7 +28,7 @@ EXIT_OK, EXIT_INTERNAL, EXIT_INVALID = 0, 1, 2
 
 app = typer.Typer(
     name="coordexp",
-    help="Rollout-matching SFT for coordinate-token detectors: check, inspect and migrate configs.",
+    help="Rollout-matching SFT for coordinate-token detectors: check and migrate configs, train, inspect rollouts.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -174,48 +177,9 @@ def migrate(
     raise typer.Exit(EXIT_INVALID if migration.unresolved else EXIT_OK)
 
 
-EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"
-
-
-@app.command()
-def demo(
-    examples_dir: Annotated[
-        Path, typer.Option("--examples-dir", help="Directory of example configs to check.")
-    ] = EXAMPLES_DIR,
-) -> None:
-    """Embedded default job: validate every example config and print a summary of its resolved contract.
-
-    (The trainer issue replaces this with the CPU training demo.)
-    """
-    from coordexp.schema.contract import build_contract
-    from coordexp.schema.loader import validate_config_file
-
-    paths = sorted(examples_dir.glob("*.yaml"))
-    if not paths:
-        _err.print(f"[red]✗[/red] no *.yaml under {escape(str(examples_dir))}. [dim]Pass --examples-dir.[/dim]")
-        raise typer.Exit(EXIT_INVALID)
-    failed = 0
-    for path in paths:
-        report = validate_config_file(path)
-        if not report.ok:
-            failed += 1
-            _out.print(f"[red]✗[/red] {escape(path.name)}: {len(report.errors)} problem(s)")
-            for issue in report.errors:
-                _out.print("  [red]•[/red] " + _issue_line(issue, report.path))
-            continue
-        c = build_contract(report.config)
-        rm = c.rollout_matching
-        backend = rm.rollout_backend + (f"/{rm.vllm_mode}" if rm.vllm_mode else "")
-        _out.print(
-            f"[green]✓[/green] {escape(path.name)}: {c.trainer_variant}, backend {backend}, "
-            f"sync {rm.vllm.sync_mode}, decode_batch_size {rm.decode_batch_size}, "
-            f"packing_length {rm.packing.packing_length}, modules "
-            f"{[m.name for m in (*rm.pipeline.objective, *rm.pipeline.diagnostics) if m.runs_on_rollout_channel]}"
-        )
-    raise typer.Exit(EXIT_INVALID if failed else EXIT_OK)
-
-
 _register_assets(app)
+_register_train(app)
+_register_demo(app)
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -1,0 +1,129 @@
+"""``coordexp demo``: the README's main job, a CPU run of stage 1 then stage 2 on a tiny model and synthetic shapes.
+
+The orchestration lives in :mod:`coordexp.runtime.demo`; this module is the command-line glue and the summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+__all__ = ["register", "demo", "EXAMPLES_DIR"]
+
+EXIT_OK, EXIT_INTERNAL, EXIT_INVALID = 0, 1, 2
+EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"
+_out = Console(highlight=False, soft_wrap=True)
+_err = Console(stderr=True, highlight=False, soft_wrap=True)
+QUICK_STEPS = {"stage1": 4, "stage2": 2, "eval_records": 4, "eval_every": 2}
+
+
+def _pct(value: Optional[float]) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def _num(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+def demo(
+    stage1: Annotated[Path, typer.Option("--stage1", help="Stage-1 config.")] = EXAMPLES_DIR / "demo_stage1.yaml",
+    stage2: Annotated[Path, typer.Option("--stage2", help="Stage-2 config (model.path = stage 1's output_dir).")] = (
+        EXAMPLES_DIR / "demo_stage2.yaml"
+    ),
+    quick: Annotated[
+        bool, typer.Option("--quick", help="Smoke run: a few steps per stage (also COORDEXP_DEMO_QUICK=1).")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")] = False,
+) -> None:
+    """Build the tiny model and data (reused when present), train stage 1 until rollouts parse, then stage 2 from
+    that checkpoint; print before/after rollout health and the paths of rollout PNGs."""
+    from coordexp.cli.app import _issue_line
+    from coordexp.schema.loader import validate_config_file
+
+    for path in (stage1, stage2):
+        report = validate_config_file(path)
+        if not report.ok:
+            _err.print(f"[red]✗[/red] {escape(str(path))}: {len(report.errors)} problem(s)")
+            for issue in report.errors:
+                _err.print("  [red]•[/red] " + _issue_line(issue, report.path))
+            raise typer.Exit(EXIT_INVALID)
+
+    from coordexp.cli.train import _one_line, _user_error_types
+    from coordexp.runtime.demo import DemoPlan, result_to_dict, run_demo
+    from coordexp.runtime.progress import ProgressCallback
+
+    quick = quick or os.environ.get("COORDEXP_DEMO_QUICK") == "1"
+    plan = DemoPlan(
+        stage1_config=stage1,
+        stage2_config=stage2,
+        **(
+            dict(
+                stage1_max_steps=QUICK_STEPS["stage1"],
+                stage2_max_steps=QUICK_STEPS["stage2"],
+                eval_records=QUICK_STEPS["eval_records"],
+                stage1_eval_every=QUICK_STEPS["eval_every"],
+            )
+            if quick
+            else {}
+        ),
+    )
+    console = _err if as_json else _out
+
+    def log(message: str) -> None:
+        console.print(f"[cyan]demo[/cyan] {escape(message)}")
+
+    started = time.monotonic()
+    try:
+        result = run_demo(
+            plan, callbacks_for=lambda stage: [ProgressCallback(console, title=stage)], log=log
+        )
+    except _user_error_types() as exc:
+        _err.print(f"[red]✗[/red] {escape(type(exc).__name__)}: {escape(_one_line(exc))}")
+        raise typer.Exit(EXIT_INVALID) from None
+    total = time.monotonic() - started
+    summary = result_to_dict(result)
+    summary["seconds"]["total"] = total
+    if as_json:
+        sys.stdout.write(json.dumps(summary, indent=2) + "\n")
+        raise typer.Exit(EXIT_OK)
+    _print_summary(result, total)
+
+
+def _print_summary(result: Any, total: float) -> None:
+    from rich.table import Table
+
+    table = Table(title="stage 2: before vs after (val rollouts)")
+    table.add_column("")
+    table.add_column("before stage 2", justify="right")
+    table.add_column("after stage 2", justify="right")
+    b, a = result.before, result.after
+    table.add_row("parse valid rate", _pct(b.parse_valid_rate), _pct(a.parse_valid_rate))
+    table.add_row("match rate", _pct(b.match_rate), _pct(a.match_rate))
+    table.add_row("stage-2 loss on val", _num(b.loss), _num(a.loss))
+    table.add_row("valid objects / GT", f"{b.counters.pred_valid} / {b.counters.gt_objects}",
+                  f"{a.counters.pred_valid} / {a.counters.gt_objects}")
+    table.add_row("FN appended", str(b.counters.fn_appended), str(a.counters.fn_appended))
+    table.add_row("truncated rollouts", f"{b.counters.truncated_rollouts}/{b.counters.samples}",
+                  f"{a.counters.truncated_rollouts}/{a.counters.samples}")
+    _out.print(table)
+    reached = "reached" if result.stage1_reached_target else "did not reach"
+    _out.print(f"stage 1: {result.stage1_steps} steps ({reached} the parse target) -> {escape(str(result.stage1_dir))}")
+    _out.print(f"stage 2: {result.stage2_steps} steps -> {escape(str(result.stage2_dir))}")
+    times = ", ".join(f"{name} {seconds:.0f}s" for name, seconds in result.seconds.items())
+    _out.print(f"time: {total:.0f}s ({times})")
+    _out.print("rollout PNGs (GT green, matched blue, FP red, FN orange):")
+    for path in result.pngs:
+        _out.print(f"  {escape(str(path))}")
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``demo`` to ``app``."""
+    app.command("demo")(demo)
