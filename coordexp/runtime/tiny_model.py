@@ -120,8 +120,17 @@ def make_processor(family: str, tokenizer: Any, image_processor: Any):
         from transformers import Qwen2_5_VLProcessor as processor_class
     else:
         raise ValueError(f"unknown tiny model family {family!r}; choose one of {list(TINY_FAMILIES)}")
+    extra = {}
+    from transformers.utils import is_torchvision_available
+
+    if is_torchvision_available():  # transformers 5 then requires the video processor too
+        from transformers import Qwen2VLVideoProcessor
+
+        extra["video_processor"] = Qwen2VLVideoProcessor(
+            size=dict(image_processor.size), patch_size=image_processor.patch_size,
+            temporal_patch_size=image_processor.temporal_patch_size, merge_size=image_processor.merge_size)
     return processor_class(image_processor=image_processor, tokenizer=tokenizer,
-                           chat_template=tokenizer.chat_template)
+                           chat_template=tokenizer.chat_template, **extra)
 
 
 def _model_class(family: str):
