@@ -29,10 +29,12 @@ from coordexp.runtime.encoding import IMAGE_PAD_TOKEN, EncodingError, _load_imag
 from coordexp.runtime.repeat import RepeatGuard
 from coordexp.runtime.vllm_repeat import GUARD_ENV, ProcessorSettings, constructed_count, encode_settings
 
+from coordexp.schema.rollout import RepeatTerminateConfig
+
 if TYPE_CHECKING:
     import torch
 
-    from coordexp.schema.contract import VllmContract
+    from coordexp.schema.contract import RunContract, VllmContract
     from coordexp.schema.rollout import DecodingConfig
 
 __all__ = ["VllmUnavailableError", "EngineSettings", "AdapterHandle", "VllmEngine", "import_vllm",
@@ -96,19 +98,23 @@ class EngineSettings:
     min_pixels: int | None = None
     max_pixels: int | None = None
     max_images_per_prompt: int = 1
-    repeat_guard: RepeatGuard = RepeatGuard()
+    repeat_terminate: RepeatTerminateConfig = RepeatTerminateConfig()
     kv_cache_memory_bytes: int | None = None  # CPU: the KV budget in bytes (None: CPU_KV_CACHE_BYTES)
+
+    @property
+    def repeat_guard(self) -> RepeatGuard:
+        return RepeatGuard.from_config(self.repeat_terminate)
 
     @classmethod
     def from_contract(cls, vllm: "VllmContract", *, model_path: str, dtype: str, seed: int,
-                      repeat_guard: RepeatGuard, min_pixels: int | None = None, max_pixels: int | None = None,
+                      repeat_terminate: RepeatTerminateConfig, min_pixels: int | None = None, max_pixels: int | None = None,
                       **overrides: Any) -> "EngineSettings":
         settings = cls(
             model_path=str(model_path), dtype=dtype, tensor_parallel_size=vllm.tensor_parallel_size,
             gpu_memory_utilization=vllm.gpu_memory_utilization, max_model_len=vllm.max_model_len,
             max_num_seqs=vllm.max_num_seqs, enable_prefix_caching=vllm.enable_prefix_caching,
             enforce_eager=vllm.enforce_eager, enable_lora=vllm.enable_lora, seed=seed,
-            min_pixels=min_pixels, max_pixels=max_pixels, repeat_guard=repeat_guard)
+            min_pixels=min_pixels, max_pixels=max_pixels, repeat_terminate=repeat_terminate)
         return replace(settings, **overrides)
 
     def engine_kwargs(self, device: str) -> dict[str, Any]:
@@ -154,9 +160,8 @@ def check_tensor_parallel(size: int, device: str, count: int) -> None:
 
 @dataclass(frozen=True)
 class AdapterHandle:
-    """A LoRA adapter loaded into the engine (``request`` is vLLM's LoRARequest)."""
+    """The LoRA adapter rollouts use (``request`` is vLLM's LoRARequest for the folder at ``path``)."""
 
-    name: str
     int_id: int
     path: str
     request: Any
@@ -176,10 +181,10 @@ def collapse_image_pads(input_ids: Sequence[int], pad_id: int) -> list[int]:
 class VllmEngine:
     """A started vLLM engine plus the tokenizer facts rollouts need; see the module docstring."""
 
-    engine_type = "vllm"
+    engine_type = "LLMEngine"  # what /get_engine_type/ reports for vLLM (TRL's convention)
 
     def __init__(self, llm: Any, settings: EngineSettings, tokenizer: Any, device: str):
-        self.llm, self.settings, self.tokenizer, self.device = llm, settings, tokenizer, device
+        self.llm, self.settings, self.tokenizer, self.device_kind = llm, settings, tokenizer, device
         self.end_of_turn_id = int(tokenizer.convert_tokens_to_ids(END_OF_TURN_TOKEN))
         self.image_pad_id = int(tokenizer.convert_tokens_to_ids(IMAGE_PAD_TOKEN))
         stop = {self.end_of_turn_id}
@@ -187,9 +192,12 @@ class VllmEngine:
             stop.add(int(tokenizer.eos_token_id))
         self.stop_ids = frozenset(stop)
         self._adapter_serial = 0
+        self.adapter: AdapterHandle | None = None  # the adapter later generate() calls use
+        self.guard = settings.repeat_guard
+        self.repeat_terminate = settings.repeat_terminate
         self._adapter_dir = tempfile.TemporaryDirectory(prefix="coordexp-lora-") if settings.enable_lora else None
         self.pieces = None
-        if settings.repeat_guard.active and settings.repeat_guard.max_object_keys:
+        if self.guard.active and self.guard.max_object_keys:
             from coordexp.runtime.pieces import PieceTable
 
             self.pieces = PieceTable.for_tokenizer(tokenizer).pieces
@@ -212,7 +220,8 @@ class VllmEngine:
         if end_of_turn is None or end_of_turn == tokenizer.unk_token_id:
             raise ValueError(f"{settings.model_path}: the tokenizer has no {END_OF_TURN_TOKEN} token; rollouts stop "
                              "at the end of the assistant turn, so use a Qwen chat tokenizer")
-        os.environ[GUARD_ENV] = encode_settings(ProcessorSettings(settings.repeat_guard, int(end_of_turn)))
+        os.environ[GUARD_ENV] = encode_settings(ProcessorSettings(settings.repeat_guard, int(end_of_turn)))  # raises
+        # on an unusable subtree, before anything starts
         vllm = import_vllm("vllm")
         from coordexp.runtime.vllm_repeat import PROCESSOR_QUALNAME, processor_class
 
@@ -240,9 +249,29 @@ class VllmEngine:
         engine.start_seconds = time.perf_counter() - started
         return engine
 
+    @classmethod
+    def from_contract(cls, run: "RunContract", **overrides: Any) -> "VllmEngine":
+        """Start the engine of a run (``serve-rollout --engine vllm``): its model, dtype, seed, template pixel
+        budget, ``rollout_matching.vllm`` settings and repeat guard; ``overrides`` are EngineSettings fields."""
+        settings = EngineSettings.from_contract(
+            run.rollout_matching.vllm, model_path=run.model.path, dtype=run.model.dtype, seed=run.seed,
+            repeat_terminate=run.rollout_matching.repeat_terminate, min_pixels=run.template.min_pixels,
+            max_pixels=run.template.max_pixels, **overrides)
+        return cls.start(settings)
+
     @property
     def world_size(self) -> int:
         return self.settings.tensor_parallel_size
+
+    @property
+    def supports_adapter(self) -> bool:
+        return self.settings.enable_lora
+
+    @property
+    def device(self) -> "torch.device":
+        import torch
+
+        return torch.device("cuda", torch.cuda.current_device()) if self.device_kind == "cuda" else torch.device("cpu")
 
     def close(self) -> None:
         """Shut the engine core down (its memory is released); the engine is unusable afterwards."""
@@ -290,12 +319,18 @@ class VllmEngine:
             entry["multi_modal_data"] = {"image": images if len(images) > 1 else images[0]}
         return entry
 
-    def generate(self, requests: Sequence[RolloutRequest], *, decoding: "DecodingConfig", max_new_tokens: int,
-                 adapter: AdapterHandle | None = None) -> list[RolloutOutput]:
-        """Roll out ``requests`` in one engine call (vLLM batches them); outputs in request order."""
+    def generate(self, requests: Sequence[RolloutRequest], params: Any = None, *,
+                 decoding: "DecodingConfig | None" = None, max_new_tokens: int | None = None) -> list[RolloutOutput]:
+        """Roll out ``requests`` in one engine call (vLLM batches them), with the current adapter if any; outputs
+        in request order. ``params`` is the server's GenerationParams (or pass ``decoding`` and ``max_new_tokens``)."""
+        if params is not None:
+            decoding, max_new_tokens = params.decoding, params.max_new_tokens
+        if decoding is None or max_new_tokens is None:
+            raise TypeError("VllmEngine.generate needs params=GenerationParams(...) or decoding= and max_new_tokens=")
         if not requests:
             return []
         llm = self._live()
+        adapter = self.adapter
         prompts = [self.vllm_prompt(r) for r in requests]
         params = [self.sampling_params(decoding, max_new_tokens, r.seed) for r in requests]
         results = llm.generate(prompts, params, use_tqdm=False,
@@ -312,7 +347,7 @@ class VllmEngine:
                     "the template's pixel budget (EngineSettings.min_pixels/max_pixels = template.min_pixels/"
                     "max_pixels) and the checkpoint's processor")
             outputs.append(finish_output(got, result.outputs[0].token_ids, stop_ids=self.stop_ids,
-                                         decode=self._decode, guard=self.settings.repeat_guard, pieces=self.pieces))
+                                         decode=self._decode, guard=self.guard, pieces=self.pieces))
         return outputs
 
     def _decode(self, ids: list[int]) -> str:
@@ -337,18 +372,19 @@ class VllmEngine:
 
     push_weights = load_weights
 
-    def reset_caches(self) -> None:
-        """Reset the prefix and encoder caches (required after every weight push)."""
+    def reset_caches(self) -> bool:
+        """Reset the prefix and encoder caches (required after every weight push); whether both resets held."""
         llm = self._live()
-        llm.reset_prefix_cache()
+        prefix_ok = llm.reset_prefix_cache()
         llm.llm_engine.reset_encoder_cache()
+        return prefix_ok is not False
 
-    def load_adapter(self, tensors: Mapping[str, "torch.Tensor"], config: Mapping[str, Any],
-                     name: str = "policy") -> AdapterHandle:
-        """Make a PEFT LoRA adapter (its state dict and ``adapter_config`` dict) the one rollouts use next.
+    def load_adapter(self, lora_int_id: int, peft_config: Mapping[str, Any],
+                     named_tensors: Iterable[tuple[str, "torch.Tensor"]]) -> AdapterHandle:
+        """Make a PEFT LoRA adapter (PEFT state-dict names, ``adapter_config`` dict) the one rollouts use next.
 
-        vLLM loads adapters from a folder only, so the adapter is written to a private temp folder; each push gets
-        a new id, the previous adapter is removed and the caches are reset.
+        vLLM loads adapters from a folder only, so the adapter is written to a private temp folder and loaded in
+        place under ``lora_int_id`` (a reused id replaces the old weights); the caches are reset.
         """
         if self._adapter_dir is None:
             raise ValueError("adapter sync needs an engine started with enable_lora (rollout_matching.vllm."
@@ -358,20 +394,29 @@ class VllmEngine:
         from safetensors.torch import save_file
 
         vllm_lora = import_vllm("vllm.lora.request")
+        llm = self._live()
         started = time.perf_counter()
         self._adapter_serial += 1
-        folder = Path(self._adapter_dir.name) / f"{name}-{self._adapter_serial}"
+        folder = Path(self._adapter_dir.name) / f"adapter-{self._adapter_serial}"
         folder.mkdir(parents=True)
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
+        save_file({k: v.detach().contiguous().cpu() for k, v in named_tensors},
                   str(folder / "adapter_model.safetensors"))
-        (folder / "adapter_config.json").write_text(json.dumps(dict(config), default=_json_default))
-        llm = self._live()
-        if self._adapter_serial > 1:
-            llm.llm_engine.remove_lora(self._adapter_serial - 1)
-        request = vllm_lora.LoRARequest(name, self._adapter_serial, str(folder))
+        (folder / "adapter_config.json").write_text(json.dumps(dict(peft_config), default=_json_default))
+        previous = self.adapter
+        if previous is not None and previous.int_id != int(lora_int_id):
+            llm.llm_engine.remove_lora(previous.int_id)
+        request = vllm_lora.LoRARequest(f"adapter-{int(lora_int_id)}", int(lora_int_id), str(folder),
+                                        load_inplace=True)
         self.reset_caches()
+        self.adapter = AdapterHandle(int(lora_int_id), str(folder), request)
         self.last_push_seconds = time.perf_counter() - started
-        return AdapterHandle(name, self._adapter_serial, str(folder), request)
+        return self.adapter
+
+    def clear_adapter(self) -> None:
+        """Roll out with the base weights again (full sync after an adapter fallback)."""
+        if self.adapter is not None:
+            self._live().llm_engine.remove_lora(self.adapter.int_id)
+            self.adapter = None
 
 
 def _json_default(value: Any) -> Any:
