@@ -118,3 +118,53 @@ def stub():
 def timer():
     start = time.monotonic()
     return lambda: time.monotonic() - start
+
+
+REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    from coordexp.runtime.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("client_model"), family="qwen2_vl", seed=0)
+
+
+@pytest.fixture(scope="session")
+def dataset(tmp_path_factory):
+    from coordexp.runtime.synthetic import write_synthetic_dataset
+
+    return write_synthetic_dataset(tmp_path_factory.mktemp("client_data"), n_train=8, n_val=2, seed=3)
+
+
+def server_rollout(servers: list[tuple[str, int]], **extra) -> dict:
+    """A rollout_matching override for vLLM server mode with the given (base_url, group_port) servers."""
+    server = {"servers": [{"base_url": u, "group_port": p} for u, p in servers], "timeout_s": 5.0,
+              "infer_timeout_s": None}
+    server.update(extra.pop("server", {}))
+    return {"rollout_backend": "vllm", "vllm": {"mode": "server", "sync": {"mode": "full", "fallback_to_full": True},
+                                                "server": server, **extra.pop("vllm", {})}, **extra}
+
+
+@pytest.fixture()
+def write_config(tmp_path, tiny_model_dir, dataset):
+    """Write a config extending examples/stage2_cpu_hf.yaml with the tiny model, the dataset and overrides."""
+    import yaml
+
+    def write(overrides: dict, name: str = "cfg.yaml"):
+        config = {
+            "extends": str(REPO / "examples" / "stage2_cpu_hf.yaml"),
+            "model": {"path": str(tiny_model_dir), "dtype": "float32", "attn_implementation": "sdpa"},
+            "data": {"train_jsonl": str(dataset.train_jsonl), "val_jsonl": None},
+            "training": {"output_dir": str(tmp_path / "run")},
+        }
+        for key, value in overrides.items():
+            if isinstance(value, dict) and isinstance(config.get(key), dict):
+                config[key] = {**config[key], **value}
+            else:
+                config[key] = value
+        path = tmp_path / name
+        path.write_text(yaml.safe_dump(config), encoding="utf-8")
+        return path
+
+    return write
