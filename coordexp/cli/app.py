@@ -21,6 +21,7 @@ from rich.markup import escape
 from coordexp.cli.assets import register as _register_assets
 from coordexp.cli.demo import register as _register_demo
 from coordexp.cli.preflight import register as _register_preflight
+from coordexp.cli.serve import register as _register_serve
 from coordexp.cli.train import register as _register_train
 
 __all__ = ["app", "main", "EXIT_OK", "EXIT_INTERNAL", "EXIT_INVALID"]
@@ -181,6 +182,7 @@ def migrate(
 _register_assets(app)
 _register_train(app)
 _register_demo(app)
+_register_serve(app)
 _register_preflight(app)
 
 

@@ -1,0 +1,350 @@
+"""The rollout server's FastAPI app: the ms-swift v3.10 endpoints over a :class:`RolloutEngine`.
+
+Every engine and weight-sync operation runs on ONE worker thread, first in first out: the event loop only parses,
+queues and answers, so ``GET /health/`` answers while an ``/infer/`` runs, and a weight update acknowledged before
+an ``/infer/`` is applied before it (MS310's ordering). Weight-sync endpoints acknowledge first and execute in the
+queue (swift clients broadcast right after the reply); anything that can be checked before the broadcast
+(metadata, a missing communicator, no LoRA support) is a 4xx instead, so the client never blocks on a receive that
+will not happen. A failure after the acknowledgement is reported to the sender by the transport and listed by
+``GET /coordexp/sync_status/``; it is never only logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import tempfile
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from fastapi import FastAPI, HTTPException
+from fastapi.responses import JSONResponse
+
+from coordexp.runtime.backends.base import RolloutOutput, RolloutRequest
+from coordexp.runtime.server import protocol as p
+from coordexp.runtime.server.engine import EngineError, GenerationParams, RolloutEngine
+from coordexp.runtime.server.inputs import InferInputError, request_to_record
+from coordexp.runtime.weight_sync import DEFAULT_TIMEOUT_S, WeightSyncError, WeightSyncReceiver
+from coordexp.schema.rollout import DecodingConfig
+from coordexp.schema.template import TemplateConfig
+
+__all__ = ["create_app", "RolloutService", "END_OF_TURN_TOKEN"]
+
+log = logging.getLogger("coordexp.serve")
+END_OF_TURN_TOKEN = "<|im_end|>"
+_SEED_MASK = 0x7FFFFFFF
+_RECENT_OPS = 16
+RECEIVERS = 1  # this server process is the only weight-sync receiver (the engine fans weights out itself)
+
+
+class RolloutService:
+    """The server state: engine, encoder inputs, the FIFO worker, the weight-sync receiver and its status."""
+
+    def __init__(self, engine: RolloutEngine, processor: Any, template: TemplateConfig, *,
+                 image_root: str | Path | None, defaults: GenerationParams, model_name: str = "coordexp",
+                 sync_timeout_s: float = DEFAULT_TIMEOUT_S, bind_host: str | None = None):
+        self.engine, self.processor, self.template = engine, processor, template
+        self.image_root = Path(image_root).resolve() if image_root is not None else None
+        if self.image_root is not None and not self.image_root.is_dir():
+            raise ValueError(f"--image-root {image_root} is not a directory")
+        self.defaults, self.model_name = defaults, model_name
+        self.sync_timeout_s, self.bind_host = float(sync_timeout_s), bind_host
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="coordexp-engine")
+        self.receiver: WeightSyncReceiver | None = None
+        self.communicator = "closed"
+        self._lock = threading.Lock()
+        self._seq = 0
+        self.pending = self.completed = self.failed = self.weights_version = 0
+        self.last_error: str | None = None
+        self.recent: deque[p.SyncOpRecord] = deque(maxlen=_RECENT_OPS)
+        self._requests = 0
+        self._unseeded = random.Random(0)  # like vLLM's engine seed 0: unseeded calls still reproduce per process
+        tokenizer = processor.tokenizer
+        self._stop_strings = {END_OF_TURN_TOKEN, tokenizer.eos_token or END_OF_TURN_TOKEN}
+
+    # ------------------------------------------------------------------------------------------ queue
+
+    def run(self, fn: Callable[[], Any]) -> "Future[Any]":
+        return self.worker.submit(fn)
+
+    def queue_sync_op(self, op: str, fn: Callable[[], None]) -> None:
+        """Acknowledge-then-execute: ``fn`` runs in FIFO order; its outcome lands in the sync status."""
+        with self._lock:
+            self.pending += 1
+            seq, self._seq = self._seq, self._seq + 1
+
+        def task() -> None:
+            started = time.perf_counter()
+            error: str | None = None
+            try:
+                fn()
+            except WeightSyncError as exc:
+                error = str(exc)
+                self.communicator = "broken" if self.receiver is not None else self.communicator
+            except Exception as exc:  # noqa: BLE001 - every failure is reported, with its type
+                error = f"{type(exc).__name__}: {exc}"
+            with self._lock:
+                self.pending -= 1
+                self.completed += error is None
+                self.failed += error is not None
+                if error is not None:
+                    self.last_error = f"{op} #{seq}: {error}"
+                    log.error("weight-sync %s #%d failed: %s", op, seq, error)
+                self.recent.append(p.SyncOpRecord(seq=seq, op=op, ok=error is None, error=error,
+                                                  seconds=round(time.perf_counter() - started, 4)))
+
+        self.worker.submit(task)
+
+    def status(self) -> p.SyncStatusResponse:
+        receiver = self.receiver
+        with self._lock:
+            return p.SyncStatusResponse(
+                communicator=self.communicator, world_size=receiver.world_size if receiver else None,
+                client_rank=(receiver.world_size - 1) if receiver and receiver.world_size else None,
+                backend=receiver.backend if receiver else None, pending=self.pending, completed=self.completed,
+                failed=self.failed, weights_version=self.weights_version, last_error=self.last_error,
+                recent=list(self.recent))
+
+    # ------------------------------------------------------------------------------------------ weight sync
+
+    def init_communicator(self, body: p.InitCommunicatorRequest) -> p.InitCommunicatorResponse:
+        world_size = RECEIVERS + 1
+        if body.world_size != world_size:
+            raise HTTPException(400, f"world_size {body.world_size} does not match this server's weight-sync group: "
+                                     f"{RECEIVERS} receiver + the learner = {world_size} (learner rank "
+                                     f"{world_size - 1}); send world_size: {world_size}")
+        device = self.engine.device
+        backend = body.backend or ("nccl" if getattr(device, "type", "cpu") == "cuda" else "gloo")
+        if backend == "nccl" and getattr(device, "type", "cpu") != "cuda":
+            raise HTTPException(400, "backend 'nccl' needs a CUDA engine; this engine runs on CPU: use 'gloo'")
+        receiver = WeightSyncReceiver(timeout_s=body.timeout_s or self.sync_timeout_s, backend=backend,
+                                      device=device if backend == "nccl" else "cpu")
+        previous, self.receiver, self.communicator = self.receiver, receiver, "initializing"
+        local = self.bind_host if self.bind_host not in (None, "", "0.0.0.0", "::") else None
+
+        def connect() -> None:
+            if previous is not None:
+                previous.close()  # a reconnecting learner replaces the old group (MS310 would hang instead)
+            try:
+                receiver.init(body.host, body.port, world_size, local_address=local)
+            except Exception:
+                self.communicator = "broken"
+                raise
+            if self.receiver is receiver:
+                self.communicator = "ready"
+
+        self.queue_sync_op("init_communicator", connect)
+        return p.InitCommunicatorResponse(world_size=world_size, client_rank=world_size - 1, backend=backend)
+
+    def _require_communicator(self) -> WeightSyncReceiver:
+        if self.receiver is None or self.communicator in ("closed", "broken"):
+            state = self.communicator
+            raise HTTPException(409, f"no usable weight-sync communicator (state: {state}); POST /init_communicator/ "
+                                     "and join the group first" + (f" (last error: {self.last_error})"
+                                                                   if self.last_error else ""))
+        return self.receiver
+
+    def queue_receive(self, op: str, metadatas: Sequence[p.FlattenedTensorMetadata],
+                      apply: Callable[[list], None]) -> None:
+        receiver = self._require_communicator()
+
+        def receive() -> None:
+            error = receiver.receive(metadatas, apply)
+            if error is not None:
+                raise EngineError(error)
+            with self._lock:
+                self.weights_version += 1
+
+        self.queue_sync_op(op, receive)
+
+    def close_communicator(self) -> None:
+        receiver, self.receiver, self.communicator = self.receiver, None, "closed"
+        if receiver is not None:
+            self.queue_sync_op("close_communicator", receiver.close)
+
+    # ------------------------------------------------------------------------------------------ inference
+
+    def generation_params(self, config: p.RequestConfig) -> GenerationParams:
+        unsupported = [(name, bad) for name, bad in (
+            ("stream", config.stream), ("logprobs", config.logprobs), ("top_logprobs", config.top_logprobs),
+            ("presence_penalty", config.presence_penalty != 0), ("frequency_penalty", config.frequency_penalty != 0),
+            ("best_of", config.best_of not in (None, 1, config.n))) if bad]
+        if unsupported:
+            raise InferInputError(f"request_config sets {', '.join(n for n, _ in unsupported)}, which this server "
+                                  "does not support; leave them at their defaults")
+        extra_stops = sorted(set(config.stop) - self._stop_strings)
+        if extra_stops:
+            raise InferInputError(f"request_config.stop {extra_stops}: the server stops at {END_OF_TURN_TOKEN} only "
+                                  "(other stop strings would cut JSON rollouts); drop them")
+        base = self.defaults.decoding
+        decoding = {
+            "temperature": base.temperature if config.temperature is None else config.temperature,
+            "top_p": base.top_p if config.top_p is None else config.top_p,
+            "top_k": base.top_k if config.top_k is None else (-1 if config.top_k <= 0 else config.top_k),
+            "num_beams": config.num_beams if config.num_beams > 1 else base.num_beams,
+            "repetition_penalty": base.repetition_penalty if config.repetition_penalty is None
+            else config.repetition_penalty,
+        }
+        try:
+            resolved = DecodingConfig.model_validate(decoding)
+        except ValueError as exc:
+            raise InferInputError(f"request_config: {exc}") from None
+        max_new = self.defaults.max_new_tokens if config.max_tokens is None else config.max_tokens
+        return GenerationParams(max_new_tokens=int(max_new), decoding=resolved)
+
+    def seeds(self, count: int, n: int, seed: int | None) -> list[int]:
+        """Request j, choice k: ``seed + j*n + k`` (MS310's per-request ``seed + j`` when n = 1), in 1..2**31-1;
+        an unset seed (None or 0, as in MS310) draws from the server's own seeded RNG."""
+        if seed:
+            return [((seed + i) & _SEED_MASK) or 1 for i in range(count * n)]
+        return [self._unseeded.randint(1, _SEED_MASK) for _ in range(count * n)]
+
+    def infer(self, body: p.InferRequestBody) -> list[dict[str, Any]]:
+        """Runs on the worker: encode with the trainer's encoder, generate, shape MS310 replies."""
+        from coordexp.runtime.encoding import EncodingError, encode_prompt
+
+        config = body.request_config
+        params = self.generation_params(config)
+        n = config.n
+        seeds = self.seeds(len(body.infer_requests), n, config.seed)
+        requests: list[RolloutRequest] = []
+        with tempfile.TemporaryDirectory(prefix="coordexp-infer-") as scratch:
+            for j, item in enumerate(body.infer_requests):
+                record, template = request_to_record(item, j, self.template, self.image_root, Path(scratch))
+                try:
+                    prompt = encode_prompt(self.processor, record, template)
+                except EncodingError as exc:
+                    raise InferInputError(str(exc)) from None
+                requests.extend(RolloutRequest(prompt=prompt, index=j * n + k, seed=seeds[j * n + k], record=record)
+                                for k in range(n))
+        outputs = self.engine.generate(requests, params) if requests else []
+        if len(outputs) != len(requests):
+            raise EngineError(f"the engine returned {len(outputs)} outputs for {len(requests)} requests")
+        return [self._reply(outputs[j * n:(j + 1) * n], config.return_details)
+                for j in range(len(body.infer_requests))]
+
+    def _reply(self, outputs: Sequence[RolloutOutput], details: bool) -> dict[str, Any]:
+        with self._lock:
+            self._requests += 1
+            request_id = str(self._requests)
+        prompt_ids = list(outputs[0].prompt_token_ids)
+        choices = [p.ChatCompletionChoice(
+            index=k, message=p.ResponseMessage(content=out.text),
+            finish_reason="length" if out.finish_reason == "length" else "stop",
+            token_ids=list(out.response_token_ids) if details else None) for k, out in enumerate(outputs)]
+        completion = sum(len(out.response_token_ids) for out in outputs)
+        reasons = [out.finish_reason for out in outputs]
+        triggered = int("repeat" in reasons)
+        response = p.ChatCompletionResponse(
+            model=self.model_name, id=request_id, created=int(time.time()), choices=choices,
+            usage=p.UsageInfo(prompt_tokens=len(prompt_ids), completion_tokens=completion,
+                              total_tokens=len(prompt_ids) + completion),
+            prompt_token_ids=prompt_ids if details else None)
+        item = p.RolloutResponseItem(response=response, rollout_infos={"repeat_terminate_triggered": triggered},
+                                     coordexp=p.CoordexpInferInfo(repeat_terminate_triggered=triggered,
+                                                                  finish_reasons=reasons))
+        return item.model_dump(mode="json")
+
+    def shutdown(self) -> None:
+        """Stop taking work, drop queued operations, leave the group, free the engine."""
+        self.worker.shutdown(wait=True, cancel_futures=True)
+        if self.receiver is not None:
+            self.receiver.close()
+        self.engine.close()
+
+
+def create_app(engine: RolloutEngine, processor: Any, template: TemplateConfig, *, image_root: str | Path | None,
+               defaults: GenerationParams | None = None, model_name: str = "coordexp",
+               sync_timeout_s: float = DEFAULT_TIMEOUT_S, bind_host: str | None = None) -> FastAPI:
+    """The app for ``engine``. ``defaults``: sampling where a request leaves it unset (the config's decoding and
+    max_new_tokens; greedy, 256 tokens if None). ``image_root``: the only directory local image paths may name
+    (None: no local files, base64 only)."""
+    service = RolloutService(engine, processor, template, image_root=image_root,
+                             defaults=defaults or GenerationParams(256, DecodingConfig()), model_name=model_name,
+                             sync_timeout_s=sync_timeout_s, bind_host=bind_host)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        await asyncio.get_running_loop().run_in_executor(None, service.shutdown)
+
+    app = FastAPI(title="coordexp rollout server", lifespan=lifespan)
+    app.state.service = service
+
+    async def on_worker(fn: Callable[[], Any]) -> Any:
+        return await asyncio.wrap_future(service.run(fn))
+
+    @app.get("/health/")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/get_world_size/")
+    async def get_world_size() -> dict:
+        return {"world_size": int(engine.world_size)}
+
+    @app.post("/get_engine_type/")
+    async def get_engine_type() -> dict:
+        return p.EngineTypeResponse(engine_type=engine.engine_type, enable_lora=bool(engine.supports_adapter)
+                                    ).model_dump()
+
+    @app.post("/infer/")
+    async def infer(body: p.InferRequestBody) -> JSONResponse:
+        try:
+            return JSONResponse(await on_worker(lambda: service.infer(body)))
+        except (InferInputError, EngineError) as exc:
+            raise HTTPException(400, f"/infer/: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - answer 500 with the reason, log the traceback
+            log.exception("/infer/ failed")
+            raise HTTPException(500, f"/infer/ failed: {type(exc).__name__}: {exc}") from None
+
+    @app.post("/init_communicator/")
+    async def init_communicator(body: p.InitCommunicatorRequest) -> dict:
+        return service.init_communicator(body).model_dump()
+
+    @app.post("/update_named_param/")
+    async def update_named_param(body: p.UpdateWeightsRequest) -> dict:
+        try:
+            numel = 1
+            for size in body.shape:
+                numel *= int(size)
+            entry = p.FlattenedTensorMetadata(name=body.name, shape=tuple(body.shape), dtype=body.dtype,
+                                              start_idx=0, end_idx=numel, numel=numel)
+        except ValueError as exc:
+            raise HTTPException(400, f"/update_named_param/: {exc}") from None
+        service.queue_receive("update_named_param", [entry], engine.load_weights)
+        return {"message": p.MESSAGE_UPDATE_NAMED}
+
+    @app.post("/update_flattened_params/")
+    async def update_flattened_params(body: p.UpdateFlattenedParamsRequest) -> dict:
+        service.queue_receive("update_flattened_params", body.metadatas, engine.load_weights)
+        return {"message": p.MESSAGE_UPDATE_FLATTENED}
+
+    @app.post("/update_adapter_flattened_param/")
+    async def update_adapter(body: p.UpdateFlattenedAdapterRequest) -> dict:
+        if not engine.supports_adapter:
+            raise HTTPException(400, f"this {engine.engine_type} engine has no LoRA support (enable_lora: false); "
+                                     "sync full merged weights instead (/update_flattened_params/)")
+        service.queue_receive("update_adapter_flattened_param", body.metadatas,
+                              lambda named: engine.load_adapter(body.lora_int_id, body.peft_config, named))
+        return {"message": p.MESSAGE_UPDATE_ADAPTER}
+
+    @app.post("/reset_prefix_cache/")
+    async def reset_prefix_cache() -> dict:
+        return {"message": p.reset_prefix_cache_message(await on_worker(engine.reset_caches))}
+
+    @app.post("/close_communicator/")
+    async def close_communicator() -> dict:
+        service.close_communicator()
+        return {"message": p.MESSAGE_CLOSE}
+
+    @app.get("/coordexp/sync_status/")
+    async def sync_status() -> dict:
+        return service.status().model_dump(mode="json")
+
+    return app

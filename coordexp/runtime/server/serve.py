@@ -1,0 +1,128 @@
+"""Run the rollout server: build the engine of a config, bind the port explicitly, serve with uvicorn.
+
+- Loopback (``127.0.0.1``) by default; another host is an explicit choice.
+- The socket is bound BEFORE the model loads: a busy port is an immediate :class:`ServeError` naming the port
+  (ms-swift silently moves to the next free port, and the learner then talks to nothing). ``port=0`` asks the
+  OS for a free port; the ready line printed on stdout names the real one.
+- SIGINT/SIGTERM shut down gracefully: in-flight requests finish (bounded), queued work is dropped, the weight-sync
+  group is left and the engine released.
+"""
+
+from __future__ import annotations
+
+import errno
+import importlib
+import importlib.util
+import logging
+import socket
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from coordexp.runtime.server.engine import GenerationParams, RolloutEngine
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from coordexp.schema.contract import RunContract
+
+__all__ = ["ServeError", "READY_PREFIX", "bind_socket", "resolve_engine_kind", "build_engine", "build_app", "serve"]
+
+READY_PREFIX = "coordexp rollout server ready on "
+EngineKind = Literal["vllm", "hf"]
+log = logging.getLogger("coordexp.serve")
+
+
+class ServeError(RuntimeError):
+    """The server cannot start (busy port, unusable engine, ...); the text says why and what to do."""
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on exactly ``(host, port)``; a busy port raises :class:`ServeError`."""
+    if not 0 <= port <= 65535:
+        raise ServeError(f"--port {port} is not a TCP port (0..65535; 0 picks a free one)")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ServeError(f"--host {host!r} cannot be resolved ({exc}); use 127.0.0.1 or an address of this "
+                         "machine") from None
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT only; a live listener still conflicts
+    try:
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ServeError(f"port {port} on {host} is already in use; stop the process holding it or choose "
+                             "another --port (the server never moves to another port silently: the learner's "
+                             "servers[].base_url must name the real one)") from None
+        raise ServeError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.setblocking(False)
+    return sock
+
+
+def resolve_engine_kind(requested: EngineKind | None) -> EngineKind:
+    """``requested``, or vLLM when it and coordexp's vLLM engine are installed, else HF."""
+    if requested is not None:
+        return requested
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    has_wrapper = importlib.util.find_spec("coordexp.runtime.vllm_engine") is not None
+    return "vllm" if has_vllm and has_wrapper else "hf"
+
+
+def build_engine(run: "RunContract", kind: EngineKind) -> RolloutEngine:
+    """The engine of the config's model, with its ``repeat_terminate`` subtree installed (config first: an
+    enabled guard that cannot be activated fails here, at start-up)."""
+    if kind == "hf":
+        from coordexp.runtime.server.engine import HfEngine
+
+        return HfEngine.from_contract(run)
+    try:
+        module = importlib.import_module("coordexp.runtime.vllm_engine")
+    except ModuleNotFoundError as exc:
+        raise ServeError(f"--engine vllm needs {exc.name!r}, which is not installed; install vLLM or serve with "
+                         "--engine hf") from None
+    factory = getattr(module, "create_server_engine", None)
+    if factory is None:
+        engine_class = getattr(module, "VllmEngine", None)
+        factory = getattr(engine_class, "from_contract", None)
+    if factory is None:
+        raise ServeError("coordexp.runtime.vllm_engine defines no create_server_engine(run) / VllmEngine.from_contract;"
+                         " the installation is inconsistent: serve with --engine hf")
+    engine = factory(run)
+    if not isinstance(engine, RolloutEngine):
+        raise ServeError(f"the vLLM engine factory returned {type(engine).__name__}, which does not implement the "
+                         "RolloutEngine protocol")
+    return engine
+
+
+def build_app(run: "RunContract", engine: RolloutEngine, *, image_root: str | Path | None,
+              bind_host: str | None = None) -> "FastAPI":
+    """The app of ``run``: the config's template, decoding and max_new_tokens as request defaults."""
+    from coordexp.runtime.encoding import load_processor
+    from coordexp.runtime.server.app import create_app
+
+    rollout = run.rollout_matching
+    defaults = GenerationParams(max_new_tokens=rollout.max_new_tokens, decoding=rollout.decoding)
+    return create_app(engine, load_processor(run.model.path), run.template, image_root=image_root,
+                      defaults=defaults, model_name=Path(run.model.path).name or run.model.path,
+                      sync_timeout_s=rollout.vllm.timeout_s, bind_host=bind_host)
+
+
+def serve(app: Any, sock: socket.socket, *, log_level: str = "info", graceful_timeout_s: float = 10.0) -> None:
+    """Serve ``app`` on the already-bound ``sock`` until SIGINT/SIGTERM; prints the ready line first."""
+    import uvicorn
+
+    host, port = sock.getsockname()[:2]
+    config = uvicorn.Config(app, log_level=log_level, lifespan="on", access_log=False,
+                            timeout_graceful_shutdown=graceful_timeout_s)
+    server = uvicorn.Server(config)
+    shown = f"[{host}]" if ":" in host else host
+    print(f"{READY_PREFIX}http://{shown}:{port}", flush=True)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    sys.stdout.flush()
