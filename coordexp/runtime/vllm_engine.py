@@ -215,6 +215,11 @@ class VllmEngine:
         if device == "cpu":
             for key, value in CPU_ENVIRONMENT.items():
                 os.environ.setdefault(key, value)
+        # In-process by default (colocate: weights go to the worker without serialization); an explicit
+        # VLLM_ENABLE_V1_MULTIPROCESSING=1 gets the multiprocess engine, whose weight push ships a callable.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
+            os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         tokenizer = AutoTokenizer.from_pretrained(settings.model_path)
         end_of_turn = tokenizer.convert_tokens_to_ids(END_OF_TURN_TOKEN)
         if end_of_turn is None or end_of_turn == tokenizer.unk_token_id:

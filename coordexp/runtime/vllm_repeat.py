@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 from coordexp.runtime.repeat import RepeatGuard, RepeatTracker
 
-__all__ = ["GUARD_ENV", "ProcessorSettings", "RowTrackers", "encode_settings", "decode_settings",
+__all__ = ["GUARD_ENV", "PROCESSOR_QUALNAME", "ProcessorSettings", "RowTrackers", "encode_settings", "decode_settings",
            "CoordexpLogitsProcessor", "processor_class", "constructed_count"]
 
 GUARD_ENV = "COORDEXP_VLLM_LOGITS_PROCESSOR"

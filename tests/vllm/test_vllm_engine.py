@@ -199,3 +199,14 @@ def test_stage2_trains_three_steps_with_colocated_vllm_rollouts(write_run_config
     assert backend.pushes == 4  # the last optimizer step
     expected = hf_rollouts(trainer.model, processor, rollout_requests)
     assert [o.response_token_ids for o in after] == [o.response_token_ids for o in expected]
+
+
+def test_engine_implements_the_rollout_server_protocol(engine, model_dir, processor, rollout_requests):
+    from coordexp.runtime.server.engine import GenerationParams, RolloutEngine
+
+    assert isinstance(engine, RolloutEngine)
+    assert (engine.engine_type, engine.world_size, engine.supports_adapter) == ("LLMEngine", 1, True)
+    assert engine.repeat_terminate == GUARD and engine.reset_caches() is True
+    served = engine.generate(rollout_requests[:2], GenerationParams(max_new_tokens=MAX_NEW, decoding=GREEDY))
+    hf = hf_rollouts(load_hf_model(model_dir), processor, rollout_requests[:2])
+    assert [o.response_token_ids for o in served] == [o.response_token_ids for o in hf]
