@@ -15,7 +15,6 @@ import importlib
 import importlib.util
 import logging
 import socket
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -116,13 +115,18 @@ def serve(app: Any, sock: socket.socket, *, log_level: str = "info", graceful_ti
     import uvicorn
 
     host, port = sock.getsockname()[:2]
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()  # a signal means "stop cleanly": exit 0, do not re-raise it afterwards
+
     config = uvicorn.Config(app, log_level=log_level, lifespan="on", access_log=False,
                             timeout_graceful_shutdown=graceful_timeout_s)
-    server = uvicorn.Server(config)
+    server = _Server(config)
     shown = f"[{host}]" if ":" in host else host
     print(f"{READY_PREFIX}http://{shown}:{port}", flush=True)
     try:
         server.run(sockets=[sock])
     finally:
         sock.close()
-    sys.stdout.flush()
+    print("coordexp rollout server stopped", flush=True)

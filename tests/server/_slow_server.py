@@ -1,0 +1,54 @@
+"""A real uvicorn rollout server whose engine sleeps in generate (for the health-during-inference test).
+
+Usage: python _slow_server.py MODEL_DIR IMAGE_ROOT DELAY_S; prints the ready line with the port it bound.
+Each output's ids are (request index, seed % 100000), so the client can check order and seeds.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from coordexp.runtime.backends.base import RolloutOutput
+from coordexp.runtime.encoding import load_processor
+from coordexp.runtime.server.app import create_app
+from coordexp.runtime.server.serve import bind_socket, serve
+from coordexp.schema.rollout import RepeatTerminateConfig
+from coordexp.schema.template import TemplateConfig
+
+
+class SlowEngine:
+    engine_type = "SlowEngine"
+    world_size = 2
+    supports_adapter = False
+    device = torch.device("cpu")
+    repeat_terminate = RepeatTerminateConfig()
+
+    def __init__(self, delay_s: float):
+        self.delay_s = delay_s
+
+    def generate(self, requests, params):
+        time.sleep(self.delay_s)
+        return [RolloutOutput(tuple(r.prompt.input_ids.tolist()), (r.index, r.seed % 100000), f"r{r.index}", "stop")
+                for r in requests]
+
+    def load_weights(self, named_tensors):
+        list(named_tensors)
+
+    def load_adapter(self, lora_int_id, peft_config, named_tensors):
+        raise NotImplementedError
+
+    def reset_caches(self):
+        return True
+
+    def close(self):
+        pass
+
+
+if __name__ == "__main__":
+    model_dir, image_root, delay = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    template = TemplateConfig(max_pixels=12544, min_pixels=3136)
+    app = create_app(SlowEngine(delay), load_processor(model_dir), template, image_root=image_root)
+    serve(app, bind_socket("127.0.0.1", 0), log_level="warning")

@@ -1,0 +1,298 @@
+"""The rollout server: in process (FastAPI TestClient, HF engine on the tiny model) and as real uvicorn processes
+on loopback (health during a slow infer, the CLI with a weight push, busy port, graceful shutdown)."""
+
+from __future__ import annotations
+
+import base64
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from coordexp.runtime.backends.base import RolloutRequest
+from coordexp.runtime.backends.hf import HfRolloutBackend
+from coordexp.runtime.encoding import build_messages, encode_prompt
+from coordexp.runtime.server import protocol as p
+from coordexp.runtime.server.serve import READY_PREFIX
+from coordexp.runtime.weight_sync import RemoteApplyError, WeightSyncSender
+from coordexp.schema.rollout import DecodingConfig
+
+HERE = Path(__file__).parent
+MAX_TOKENS = 10
+
+
+def wire_request(record, template, image=str) -> dict:
+    """What a client sends for ``record``: the trainer's messages with each image as a string."""
+    system, user = build_messages(record, template)
+    items = [{"type": "image", "image": image(path)} for path in record.image_paths] + [user["content"][-1]]
+    return {"messages": [system, {"role": "user", "content": items}]}
+
+
+def infer_body(requests, **config) -> dict:
+    return {"infer_requests": requests, "request_config": {"max_tokens": MAX_TOKENS, "temperature": 0.0,
+                                                          "return_details": True, **config},
+            "metrics": None, "template": None, "use_tqdm": None, "adapter_request": None}
+
+
+def learner_outputs(model, processor, run, records):
+    """Greedy rollouts of ``model`` through the trainer's own HF backend."""
+    backend = HfRolloutBackend(model, processor.tokenizer, decode_batch_size=2, max_new_tokens=MAX_TOKENS,
+                               decoding=DecodingConfig(), repeat_terminate=run.rollout_matching.repeat_terminate)
+    prompts = [encode_prompt(processor, r, run.template) for r in records]
+    return backend.generate([RolloutRequest(prompt=q, index=k, seed=1) for k, q in enumerate(prompts)]), prompts
+
+
+def load_model(path):
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa")
+
+
+# ------------------------------------------------------------------------------------------------ in process
+
+
+@pytest.fixture(scope="module")
+def client(run_contract, processor, tiny_model_dir, dataset):
+    from fastapi.testclient import TestClient
+
+    from coordexp.runtime.server.app import create_app
+    from coordexp.runtime.server.engine import GenerationParams, HfEngine
+
+    engine = HfEngine.from_contract(run_contract, model=load_model(tiny_model_dir), processor=processor)
+    app = create_app(engine, processor, run_contract.template, image_root=dataset.root,
+                     defaults=GenerationParams(run_contract.rollout_matching.max_new_tokens, DecodingConfig()))
+    with TestClient(app) as test_client:
+        yield test_client
+
+
+def test_info_endpoints(client):
+    assert client.get("/health/").json() == {"status": "ok"}
+    assert client.get("/get_world_size/").json() == {"world_size": 1}
+    assert client.post("/get_engine_type/").json() == {"engine_type": "HfEngine", "enable_multi_turn": False,
+                                                       "use_gym_env": False, "enable_lora": False}
+    assert client.get("/coordexp/sync_status/").json()["communicator"] == "closed"
+
+
+def test_infer_matches_the_learner_prompt_ids_and_greedy_rollouts(client, run_contract, processor, records,
+                                                                   tiny_model_dir):
+    chosen = [records[2], records[0], records[1]]
+    reply = client.post("/infer/", json=infer_body([wire_request(r, run_contract.template) for r in chosen]))
+    assert reply.status_code == 200, reply.text
+    items = p.parse_infer_response(reply.json(), expected=3)
+    expected, prompts = learner_outputs(load_model(tiny_model_dir), processor, run_contract, chosen)
+    for item, prompt, want in zip(items, prompts, expected):
+        got = p.item_to_rollout_output(item)
+        assert list(got.prompt_token_ids) == prompt.input_ids.tolist()  # the trainer's encode_prompt, exactly
+        assert got.response_token_ids == want.response_token_ids
+        assert got.text == want.text and got.finish_reason == want.finish_reason
+        assert item.response.usage.prompt_tokens == prompt.prompt_len
+    assert len({i.response.id for i in items}) == 3
+
+
+def test_base64_image_equals_the_path_and_tag_form_equals_inline(client, run_contract, records):
+    record = records[3]
+    by_path = wire_request(record, run_contract.template)
+    data = base64.b64encode(record.image_paths[0].read_bytes()).decode()
+    by_data_uri = wire_request(record, run_contract.template, image=lambda _: f"data:image/png;base64,{data}")
+    system, user = by_path["messages"]
+    by_tag = {"messages": [system, {"role": "user", "content": "<image>" + user["content"][-1]["text"]}],
+              "images": [data]}
+    reply = client.post("/infer/", json=infer_body([by_path, by_data_uri, by_tag]))
+    assert reply.status_code == 200, reply.text
+    outs = [p.item_to_rollout_output(i) for i in p.parse_infer_response(reply.json(), expected=3)]
+    assert outs[0] == outs[1] == outs[2]
+
+
+@pytest.mark.parametrize("image, status, needle", [
+    ("/etc/hostname", 400, "outside the allowed image root"),
+    ("../../../../etc/passwd", 400, "outside the allowed image root"),
+    ("https://example.com/cat.png", 400, "not fetched"),
+    ("images/missing.png", 400, "not found under the allowed image root"),
+])
+def test_image_root_is_enforced(client, run_contract, records, image, status, needle):
+    reply = client.post("/infer/", json=infer_body([wire_request(records[0], run_contract.template,
+                                                                 image=lambda _: image)]))
+    assert reply.status_code == status and needle in reply.json()["detail"]
+
+
+def test_relative_path_under_the_root_is_served(client, run_contract, records, dataset):
+    relative = records[0].image_paths[0].relative_to(dataset.root)
+    reply = client.post("/infer/", json=infer_body([wire_request(records[0], run_contract.template,
+                                                                 image=lambda _: str(relative))]))
+    assert reply.status_code == 200, reply.text
+
+
+@pytest.mark.parametrize("config, needle", [
+    ({"logprobs": True}, "logprobs"),
+    ({"stop": ["}"]}, "stop"),
+    ({"top_p": 2.0}, "top_p"),
+])
+def test_unsupported_request_config_is_a_400_with_the_reason(client, run_contract, records, config, needle):
+    reply = client.post("/infer/", json=infer_body([wire_request(records[0], run_contract.template)], **config))
+    assert reply.status_code in (400, 422) and needle in reply.text
+
+
+def test_non_detection_message_shapes_are_rejected(client, run_contract, records):
+    request = wire_request(records[0], run_contract.template)
+    request["messages"].append({"role": "user", "content": "and again"})
+    reply = client.post("/infer/", json=infer_body([request]))
+    assert reply.status_code == 400 and "ONE user message" in reply.json()["detail"]
+
+
+def test_empty_infer_answers_an_empty_list(client):
+    assert client.post("/infer/", json=infer_body([])).json() == []
+
+
+def test_weight_endpoints_refuse_before_any_broadcast(client):
+    metadatas = [{"name": "x", "shape": [2], "dtype": "torch.float32", "start_idx": 0, "end_idx": 2, "numel": 2}]
+    reply = client.post("/update_flattened_params/", json={"metadatas": metadatas})
+    assert reply.status_code == 409 and "/init_communicator/" in reply.json()["detail"]
+    reply = client.post("/update_adapter_flattened_param/",
+                        json={"lora_int_id": 1, "peft_config": {"r": 8}, "metadatas": metadatas})
+    assert reply.status_code == 400 and "no LoRA support" in reply.json()["detail"]
+    reply = client.post("/init_communicator/", json={"host": "0.0.0.0", "port": 51216, "world_size": 4})
+    assert reply.status_code == 400 and "send world_size: 2" in reply.json()["detail"]
+    assert client.post("/reset_prefix_cache/").json() == {"message": p.reset_prefix_cache_message(True)}
+    assert client.post("/close_communicator/").json() == {"message": p.MESSAGE_CLOSE}
+
+
+# ------------------------------------------------------------------------------------------------ real processes
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _start(args: list[str], timeout_s: float = 120.0) -> tuple[subprocess.Popen, str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    deadline = time.monotonic() + timeout_s
+    seen = []
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if line.startswith(READY_PREFIX):
+            threading.Thread(target=process.stdout.read, daemon=True).start()  # keep draining the pipe
+            return process, line[len(READY_PREFIX):].strip()
+    process.kill()
+    raise AssertionError("the server did not become ready:\n" + "".join(seen))
+
+
+def _stop(process: subprocess.Popen) -> int:
+    process.send_signal(signal.SIGTERM)
+    try:
+        return process.wait(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+@pytest.mark.slow
+def test_health_answers_during_a_slow_infer_and_order_is_kept(tiny_model_dir, dataset, records, run_contract):
+    process, url = _start([sys.executable, str(HERE / "_slow_server.py"), str(tiny_model_dir), str(dataset.root), "3"])
+    try:
+        body = infer_body([wire_request(r, run_contract.template) for r in records], seed=500)
+        result: dict = {}
+
+        def call() -> None:
+            result["reply"] = httpx.post(f"{url}/infer/", json=body, timeout=60)
+
+        worker = threading.Thread(target=call)
+        worker.start()
+        time.sleep(0.8)  # the infer is now sleeping inside the engine
+        started = time.monotonic()
+        assert httpx.get(f"{url}/health/", timeout=5).json() == {"status": "ok"}
+        assert time.monotonic() - started < 1.0 and worker.is_alive()
+        assert httpx.get(f"{url}/get_world_size/", timeout=5).json() == {"world_size": 2}
+        worker.join(timeout=60)
+        items = p.parse_infer_response(result["reply"].json(), expected=len(records))
+        # one item per request, in order; request j sampled with seed 500 + j (MS310's per-request offset)
+        assert [i.response.choices[0].token_ids for i in items] == [[j, 500 + j] for j in range(len(records))]
+        assert _stop(process) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+@pytest.mark.slow
+def test_cli_server_weight_push_changes_outputs_to_the_learners(server_config, tiny_model_dir, dataset, records,
+                                                                run_contract, processor):
+    process, url = _start([sys.executable, "-m", "coordexp.cli.app", "serve-rollout", str(server_config),
+                           "--port", "0", "--engine", "hf", "--image-root", str(dataset.root),
+                           "--log-level", "warning"])
+    try:
+        chosen = records[:2]
+        body = infer_body([wire_request(r, run_contract.template) for r in chosen])
+
+        def served() -> list:
+            reply = httpx.post(f"{url}/infer/", json=body, timeout=120)
+            assert reply.status_code == 200, reply.text
+            return [p.item_to_rollout_output(i).response_token_ids for i in p.parse_infer_response(reply.json())]
+
+        before = served()
+        learner = load_model(tiny_model_dir)
+        generator = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for param in learner.parameters():
+                param.add_(torch.randn(param.shape, generator=generator) * 0.5)
+        expected = [o.response_token_ids for o in learner_outputs(learner, processor, run_contract, chosen)[0]]
+        assert expected != before  # the push must be visible
+
+        group_port = _free_port()
+        reply = httpx.post(f"{url}/init_communicator/", timeout=10,
+                           json={"host": "127.0.0.1", "port": group_port, "world_size": 2, "backend": "gloo",
+                                 "timeout_s": 30})
+        assert reply.json() == {"message": p.MESSAGE_INIT, "world_size": 2, "client_rank": 1, "backend": "gloo"}
+        sender = WeightSyncSender(timeout_s=30, backend="gloo")
+        sender.init("127.0.0.1", group_port, 2)
+
+        def announce(metadatas) -> None:
+            answer = httpx.post(f"{url}/update_flattened_params/", timeout=10,
+                                json={"metadatas": [m.model_dump(mode="json") for m in metadatas]})
+            answer.raise_for_status()
+            assert answer.json() == {"message": p.MESSAGE_UPDATE_FLATTENED}
+
+        report = sender.send_full(learner.state_dict().items(), announce=announce, bucket_mb=1)
+        assert report.buckets > 1
+        httpx.post(f"{url}/reset_prefix_cache/", timeout=30).raise_for_status()
+        assert served() == expected
+
+        with pytest.raises(RemoteApplyError, match="not.a.weight"):
+            sender.send_full([("not.a.weight", torch.ones(3))], announce=announce)
+        status = p.SyncStatusResponse.model_validate(httpx.get(f"{url}/coordexp/sync_status/", timeout=10).json())
+        assert status.communicator == "ready" and status.failed == 1 and status.pending == 0
+        assert status.weights_version == report.buckets and "not.a.weight" in status.last_error
+        assert served() == expected  # a refused bucket changes nothing
+
+        assert httpx.post(f"{url}/close_communicator/", timeout=10).json() == {"message": p.MESSAGE_CLOSE}
+        sender.close()
+        assert _stop(process) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+@pytest.mark.slow
+def test_busy_port_is_an_error_not_a_silent_move(server_config):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(1)
+        port = holder.getsockname()[1]
+        started = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "coordexp.cli.app", "serve-rollout", str(server_config),
+                               "--port", str(port), "--engine", "hf"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert f"port {port} on 127.0.0.1 is already in use" in " ".join(done.stderr.split())
+    assert time.monotonic() - started < 30
