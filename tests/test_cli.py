@@ -173,13 +173,3 @@ def test_internal_errors_exit_1_without_traceback(monkeypatch, capsys, stage2_co
     assert info.value.code == 1
     err = capsys.readouterr().err
     assert "internal error" in err and "simulated bug" in err and "Traceback" not in err
-
-
-def test_demo_checks_every_example(tmp_path, stage2_config, write_yaml):
-    result = _run("demo")
-    assert result.exit_code == 0 and result.output.count("✓") == len(EXAMPLES)
-    assert "stage2_cpu_hf.yaml: stage2_rollout_aligned, backend hf" in result.output
-    stage2_config["training"]["zz"] = 1
-    write_yaml(stage2_config, "bad/x.yaml")
-    assert _run("demo", "--examples-dir", str(tmp_path / "bad")).exit_code == 2
-    assert _run("demo", "--examples-dir", str(tmp_path / "empty")).exit_code == 2

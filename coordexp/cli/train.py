@@ -75,24 +75,6 @@ def resolve_resume(resume: Optional[str], output_dir: str) -> Optional[str]:
     return resume
 
 
-def _train_quietly(run: Any, *, resume_from: Optional[str], callbacks: list, rollout_log_every: int) -> Any:
-    """:func:`coordexp.runtime.launch.run_training` without HF's ``PrinterCallback`` (raw log dicts on stdout would
-    break ``--json`` and duplicate the progress display)."""
-    from transformers.trainer_callback import PrinterCallback
-
-    from coordexp.runtime.launch import TrainOutcome, build_trainer
-
-    trainer = build_trainer(run, callbacks=callbacks, rollout_log_every=rollout_log_every)
-    trainer.remove_callback(PrinterCallback)
-    try:
-        trainer.train(resume_from_checkpoint=resume_from)
-        trainer.save_model()
-    finally:
-        if trainer.backend is not None:
-            trainer.backend.close()
-    return TrainOutcome(Path(run.training.output_dir), trainer.state.global_step, tuple(trainer.state.log_history))
-
-
 def _summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     def pct(value: Any) -> str:
         return "-" if value is None else f"{100 * float(value):.1f}%"
@@ -143,11 +125,14 @@ def train(
     progress = ProgressCallback(_err if as_json else None, title=f"{run.trainer_variant}: {config.name}")
     user_errors = _user_error_types()
     try:
-        outcome = _train_quietly(
+        from coordexp.runtime.launch import run_training
+
+        outcome = run_training(
             run,
             resume_from=resume_from,
             callbacks=[progress],
             rollout_log_every=run.training.logging_steps,
+            print_logs=False,
         )
     except user_errors as exc:
         _fail(f"{type(exc).__name__}: {_one_line(exc)}", "Fix the config or data named above and re-run")

@@ -132,7 +132,9 @@ def build_trainer(
     host = HostContext.create(processor, rollout, run.template)
     backend = None
     if run.trainer_variant == "stage2_rollout_aligned" or val is not None:
-        backend = create_backend(backend_name_for(rollout), rollout, model=model, tokenizer=processor.tokenizer)
+        name = backend_name_for(rollout)
+        options = {} if name == "hf" else {"template": run.template}  # vLLM/server encode prompts themselves
+        backend = create_backend(name, rollout, model=model, tokenizer=processor.tokenizer, **options)
     return CoordExpTrainer(
         model=model,
         args=training_arguments(run, **(args_overrides or {})),
@@ -154,10 +156,19 @@ class TrainOutcome:
 
 
 def run_training(
-    run: "RunContract", *, resume_from: str | None = None, callbacks: Sequence[Any] = (), rollout_log_every: int = 0
+    run: "RunContract",
+    *,
+    resume_from: str | None = None,
+    callbacks: Sequence[Any] = (),
+    rollout_log_every: int = 0,
+    print_logs: bool = True,
 ) -> TrainOutcome:
     """Train, save the final model (with its processor) to ``training.output_dir`` and return the log history."""
+    from transformers.trainer_callback import PrinterCallback
+
     trainer = build_trainer(run, callbacks=callbacks, rollout_log_every=rollout_log_every)
+    if not print_logs:
+        trainer.remove_callback(PrinterCallback)  # raw log dicts on stdout; the CLI shows its own progress
     try:
         trainer.train(resume_from_checkpoint=resume_from)
         trainer.save_model()
