@@ -127,6 +127,9 @@ class CoordExpTrainer(Trainer):
             RolloutRequest(prompt=p, index=i, seed=request_seed(self.args.seed, self.state.global_step, base + i), record=r)
             for i, (r, p) in enumerate(zip(records, prompts, strict=True))
         ]
+        set_step = getattr(self.backend, "set_step", None)  # optional hook: the step for the backend's errors
+        if callable(set_step):
+            set_step(self.state.global_step)
         start = time.perf_counter()
         self.backend.sync_weights(self.accelerator.unwrap_model(self.model))
         outputs = self.backend.generate(requests)

@@ -149,7 +149,8 @@ def test_rank0_push_failure_ends_both_ranks_with_the_same_error(tmp_path, write_
     assert errors[0]["type"] == errors[1]["type"] == "WeightSyncError"
     assert errors[0]["message"] == errors[1]["message"]
     message = errors[0]["message"]
-    assert message.startswith("weight sync on learner rank 0 failed (raised on every rank)")
+    # The trainer's set_step hook names the optimizer step the run stopped at (the first push, step 0).
+    assert message.startswith("weight sync on learner rank 0 failed (training global step 0) (raised on every rank)")
     assert "not parameters of the served model" in message and "layers.1." in message
     for rank in (0, 1):  # each rank printed it on its own line of torchrun's combined stderr
         assert f"[rank {rank}] WeightSyncError: {message.splitlines()[0]}" in stderr

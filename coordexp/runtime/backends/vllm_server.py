@@ -126,6 +126,7 @@ class VllmServerBackend(RolloutBackend):
         self._pusher = weight_pusher
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.clients)), thread_name_prefix="rollout-server")
         self.rollout_step = 0
+        self.global_step: int | None = None
         self.fallback_events: list[str] = []
         self._pushed_version: tuple | None = None
         self._closed = False
@@ -149,6 +150,14 @@ class VllmServerBackend(RolloutBackend):
         return cls(clients, decode_batch_size=rollout.decode_batch_size, max_new_tokens=rollout.max_new_tokens,
                    decoding=rollout.decoding, template=template, sync_mode=vllm.sync_mode,
                    fallback_to_full=vllm.fallback_to_full, timeout_s=vllm.timeout_s, **options)
+
+    def set_step(self, global_step: int) -> None:
+        """The trainer's optimizer step, named in error messages so a failure points at the step to resume from
+        (seeds already arrive with the requests)."""
+        self.global_step = int(global_step)
+
+    def _at_step(self) -> str:
+        return f" (training global step {self.global_step})" if self.global_step is not None else ""
 
     def server_list(self) -> list[str]:
         return [f"{c.base_url} (group_port {c.group_port})" for c in self.clients]
@@ -200,7 +209,7 @@ class VllmServerBackend(RolloutBackend):
                 failure = exc
         raise RolloutServerError(
             f"rollout step {self.rollout_step}: server {client.base_url} failed twice on /infer/ for {len(bodies)} "
-            f"request(s) (seed {seed}): {failure}. Check that server's log; if it died, restart it "
+            f"request(s) (seed {seed}){self._at_step()}: {failure}. Check that server's log; if it died, restart it "
             "(coordexp serve-rollout / swift rollout) and resume from the last checkpoint") from failure
 
     # -- weight sync ------------------------------------------------------------------------------------------
@@ -221,7 +230,8 @@ class VllmServerBackend(RolloutBackend):
         dist.broadcast_object_list(outcome, src=0)
         dist.barrier()
         if outcome[0] is not None:
-            raise WeightSyncError(f"weight sync on learner rank 0 failed (raised on every rank): {outcome[0]}")
+            raise WeightSyncError(f"weight sync on learner rank 0 failed{self._at_step()} (raised on every rank): "
+                                  f"{outcome[0]}")
 
     def _push_if_changed(self, model: Any) -> None:
         version = _parameter_version(model)
