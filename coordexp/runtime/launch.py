@@ -133,7 +133,11 @@ def build_trainer(
     backend = None
     if run.trainer_variant == "stage2_rollout_aligned" or val is not None:
         name = backend_name_for(rollout)
-        options = {} if name == "hf" else {"template": run.template}  # vLLM/server encode prompts themselves
+        options: dict[str, Any] = {}
+        if name != "hf":
+            options["template"] = run.template  # vLLM and servers encode prompts themselves: same pixel budget
+        if name == "vllm_colocate":
+            options.update(model_path=run.model.path, dtype=run.model.dtype, seed=run.seed)
         backend = create_backend(name, rollout, model=model, tokenizer=processor.tokenizer, **options)
     return CoordExpTrainer(
         model=model,

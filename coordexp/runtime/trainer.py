@@ -116,6 +116,14 @@ class CoordExpTrainer(Trainer):
         self._micro_step = 0
         self._coord_ids = torch.tensor(host.vocab.ids, dtype=torch.long)
 
+    def create_optimizer(self, model=None):
+        """The HF optimizer; a backend that offloads around rollouts (vLLM colocate) also gets a handle on it."""
+        optimizer = super().create_optimizer(model)
+        attach = getattr(self.backend, "attach_optimizer", None)
+        if attach is not None and self.run.rollout_matching.offload_active:
+            attach(optimizer)
+        return optimizer
+
     # -- one micro-step ---------------------------------------------------------------------------------------
     def build_samples(self, records: Sequence["DetectionRecord"], *, tag: str = "train") -> list[SampleTarget]:
         """Per-sample targets for ``records``: rollouts through the backend (stage 2) or the GT serialization."""
