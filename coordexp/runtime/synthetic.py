@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["COLOURS", "SyntheticDataset", "write_synthetic_dataset", "synthetic_record"]
+__all__ = ["COLOURS", "SHAPES", "SyntheticDataset", "write_synthetic_dataset", "synthetic_record"]
 
 COLOURS: dict[str, tuple[int, int, int]] = {
     "red": (220, 40, 40),
@@ -24,10 +24,10 @@ COLOURS: dict[str, tuple[int, int, int]] = {
     "purple": (150, 60, 200),
     "white": (245, 245, 245),
 }
-_SHAPES = ("rectangle", "triangle", "pentagon", "hexagon")
+SHAPES: tuple[str, ...] = ("rectangle", "triangle", "pentagon", "hexagon")
 _VERTICES = {"triangle": 3, "pentagon": 5, "hexagon": 6}
 _GRID = 3
-_MAX_OBJECTS = 8
+_MAX_OBJECTS = 8  # at most one shape per grid cell, and one cell stays empty
 
 
 @dataclass(frozen=True)
@@ -108,18 +108,40 @@ def _draw(image: Any, kind: str, coords: list[int], colour: tuple[int, int, int]
     image.paste(colour, (0, 0, width, height), mask)
 
 
-def synthetic_record(rng: random.Random, image_size: tuple[int, int]) -> tuple[Any, list[dict[str, Any]]]:
-    """One image and its objects (norm1000 ints), sorted top-to-bottom then left-to-right."""
+def _check_layout(min_objects: int, max_objects: int, shapes: tuple[str, ...]) -> None:
+    if not 0 <= min_objects <= max_objects <= _MAX_OBJECTS:
+        raise ValueError(
+            f"need 0 <= min_objects <= max_objects <= {_MAX_OBJECTS} (one shape per cell of a {_GRID}x{_GRID} grid), "
+            f"got min_objects={min_objects}, max_objects={max_objects}"
+        )
+    unknown = [s for s in shapes if s not in SHAPES]
+    if not shapes or unknown:
+        raise ValueError(f"shapes must be a non-empty subset of {list(SHAPES)}; got {list(shapes)}")
+
+
+def synthetic_record(
+    rng: random.Random,
+    image_size: tuple[int, int],
+    *,
+    min_objects: int = 0,
+    max_objects: int = _MAX_OBJECTS,
+    shapes: tuple[str, ...] = SHAPES,
+) -> tuple[Any, list[dict[str, Any]]]:
+    """One image and its objects (norm1000 ints), sorted top-to-bottom then left-to-right.
+
+    The object count is uniform in ``[min_objects, max_objects]`` and each kind uniform over ``shapes``.
+    """
     from PIL import Image
 
+    _check_layout(min_objects, max_objects, tuple(shapes))
     width, height = image_size
     grey = rng.randint(20, 70)
     image = Image.new("RGB", (width, height), (grey, grey, grey))
-    n_objects = rng.randint(0, _MAX_OBJECTS)
+    n_objects = rng.randint(min_objects, max_objects)
     objects = []
     for cell in rng.sample(_cells(), n_objects):
         colour_name = rng.choice(sorted(COLOURS))
-        kind = rng.choice(_SHAPES)
+        kind = rng.choice(tuple(shapes))
         if kind == "rectangle":
             coords = _rectangle(rng, cell)
             entry = {"desc": f"{colour_name} {kind}", "bbox_2d": coords}
@@ -139,13 +161,20 @@ def write_synthetic_dataset(
     n_val: int,
     seed: int,
     image_size: tuple[int, int] = (112, 112),
+    min_objects: int = 0,
+    max_objects: int = _MAX_OBJECTS,
+    shapes: tuple[str, ...] = SHAPES,
 ) -> SyntheticDataset:
-    """Write ``train.jsonl``, ``val.jsonl`` and ``images/*.png`` under ``directory``; same seed -> same bytes.
+    """Write ``train.jsonl``, ``val.jsonl`` and ``images/*.png`` under ``directory``; same arguments -> same bytes.
 
-    Each image's content depends only on ``(seed, split, index)``, so growing ``n_train`` keeps existing images.
+    Each image's content depends only on ``(seed, split, index)`` and the layout arguments, so growing ``n_train``
+    keeps existing images. ``min_objects``/``max_objects``/``shapes`` narrow the task (the CPU demo uses fewer,
+    simpler shapes so a tiny model learns the format in minutes).
     """
     if n_train < 1 or n_val < 0:
         raise ValueError(f"need n_train >= 1 and n_val >= 0, got n_train={n_train}, n_val={n_val}")
+    shapes = tuple(shapes)
+    _check_layout(min_objects, max_objects, shapes)
     width, height = image_size
     if width < 28 or height < 28:
         raise ValueError(f"image_size {image_size} is too small; use at least 28 x 28 pixels")
@@ -157,7 +186,9 @@ def write_synthetic_dataset(
         lines = []
         for index in range(count):
             rng = random.Random(f"coordexp-synthetic:{seed}:{split}:{index}")
-            image, objects = synthetic_record(rng, (width, height))
+            image, objects = synthetic_record(
+                rng, (width, height), min_objects=min_objects, max_objects=max_objects, shapes=shapes
+            )
             name = f"{split}_{index:05d}.png"
             image.save(image_dir / name, format="PNG", optimize=False)
             record = {"images": [f"images/{name}"], "width": width, "height": height, "objects": objects}

@@ -9,10 +9,12 @@ every image, which would make image-wiring and parity tests meaningless.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from coordexp.runtime.tiny import QWEN_SPECIAL_TOKENS, build_tiny_tokenizer
+from coordexp.runtime.tokens import CoordVocab
 
 __all__ = [
     "TINY_FAMILIES",
@@ -20,6 +22,8 @@ __all__ = [
     "TINY_MAX_PIXELS",
     "TINY_INIT_STD",
     "build_tiny_model",
+    "smooth_coord_init_",
+    "coord_fourier_features",
     "tiny_model_config",
     "tiny_image_processor",
     "make_processor",
@@ -49,16 +53,26 @@ def _special_ids(tokenizer: Any) -> dict[str, int]:
     return ids
 
 
-def tiny_model_config(tokenizer: Any, family: str = "qwen2_vl", *, hidden_size: int = _HIDDEN, num_layers: int = 2):
+def tiny_model_config(
+    tokenizer: Any,
+    family: str = "qwen2_vl",
+    *,
+    hidden_size: int = _HIDDEN,
+    num_layers: int = 2,
+    init_std: float = TINY_INIT_STD,
+):
     """The config of the tiny model for ``tokenizer``: hidden 128, 2 layers, 2 heads, 1 KV head, vision depth 1-2.
 
     ``hidden_size`` (a multiple of 64: heads of 64 dims) and ``num_layers`` scale the language model up, e.g. for
-    benchmarks where compute, not Python overhead, should dominate.
+    benchmarks where compute, not Python overhead, should dominate. ``init_std`` is the weight init std of both
+    towers: 0.2 keeps random outputs image-dependent (tests); the standard 0.02 trains much better (the demo).
     """
     if family not in TINY_FAMILIES:
         raise ValueError(f"unknown tiny model family {family!r}; choose one of {list(TINY_FAMILIES)}")
     if hidden_size % 64 or hidden_size < 64 or num_layers < 1:
         raise ValueError(f"hidden_size must be a positive multiple of 64 and num_layers >= 1 (got {hidden_size}, {num_layers})")
+    if not init_std > 0:
+        raise ValueError(f"init_std must be > 0 (got {init_std}); 0.02 is the usual value, 0.2 the tests' default")
     ids = _special_ids(tokenizer)
     text = dict(
         vocab_size=_padded_vocab(len(tokenizer)),
@@ -68,7 +82,7 @@ def tiny_model_config(tokenizer: Any, family: str = "qwen2_vl", *, hidden_size: 
         num_attention_heads=hidden_size // 64,
         num_key_value_heads=1,
         max_position_embeddings=4096,
-        initializer_range=TINY_INIT_STD,
+        initializer_range=init_std,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12]},
         bos_token_id=ids["<|endoftext|>"],
         eos_token_id=ids["<|im_end|>"],
@@ -85,13 +99,13 @@ def tiny_model_config(tokenizer: Any, family: str = "qwen2_vl", *, hidden_size: 
         from transformers import Qwen2VLConfig
 
         vision = dict(depth=1, embed_dim=64, hidden_size=hidden_size, num_heads=2, mlp_ratio=2, patch_size=14,
-                      spatial_merge_size=2, temporal_patch_size=2, initializer_range=TINY_INIT_STD)
+                      spatial_merge_size=2, temporal_patch_size=2, initializer_range=init_std)
         return Qwen2VLConfig(text_config=text, vision_config=vision, **shared)
     from transformers import Qwen2_5_VLConfig
 
     vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2,
                   patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
-                  fullatt_block_indexes=[1], initializer_range=TINY_INIT_STD)
+                  fullatt_block_indexes=[1], initializer_range=init_std)
     vision["out_hidden_size"] = hidden_size
     return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **shared)
 
@@ -144,11 +158,19 @@ def _model_class(family: str):
 
 
 def build_tiny_model(
-    path: str | Path, *, family: str = "qwen2_vl", seed: int = 0, hidden_size: int = _HIDDEN, num_layers: int = 2
+    path: str | Path,
+    *,
+    family: str = "qwen2_vl",
+    seed: int = 0,
+    hidden_size: int = _HIDDEN,
+    num_layers: int = 2,
+    init_std: float = TINY_INIT_STD,
+    smooth_coord_embeddings: bool = False,
 ) -> Path:
     """Build and save (``save_pretrained``) the tiny tokenizer, processor and randomly initialised model into ``path``.
 
-    Deterministic for a given ``(family, seed)``; the global torch RNG state is left as it was. Returns ``path``.
+    ``smooth_coord_embeddings`` starts the coord-token rows as described in :func:`smooth_coord_init_`. Deterministic
+    for given arguments; the global torch RNG state is left as it was. Returns ``path``.
     """
     import torch
     from transformers import AutoTokenizer
@@ -159,10 +181,12 @@ def build_tiny_model(
     out.mkdir(parents=True, exist_ok=True)
     build_tiny_tokenizer(out)
     tokenizer = AutoTokenizer.from_pretrained(str(out))
-    config = tiny_model_config(tokenizer, family, hidden_size=hidden_size, num_layers=num_layers)
+    config = tiny_model_config(tokenizer, family, hidden_size=hidden_size, num_layers=num_layers, init_std=init_std)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = _model_class(family)(config).to(torch.float32)
+        if smooth_coord_embeddings:
+            smooth_coord_init_(model, CoordVocab.from_tokenizer(tokenizer).ids, init_std)
     model.generation_config.eos_token_id = config.text_config.eos_token_id
     model.generation_config.pad_token_id = config.text_config.pad_token_id
     model.generation_config.do_sample = False
@@ -171,6 +195,41 @@ def build_tiny_model(
     model.save_pretrained(str(out))
     save_processor(out, family, tokenizer, tiny_image_processor())
     return out
+
+
+def coord_fourier_features(num_bins: int, dim: int):
+    """``(num_bins, dim)`` cos/sin features of the bin position, frequencies geometric from 1/2 to 64 cycles.
+
+    Every pair has unit norm, so the elementwise RMS is ``1/sqrt(2)``; nearby bins get nearby rows.
+    """
+    import torch
+
+    if dim % 2 or dim < 2:
+        raise ValueError(f"coord feature dim must be even and >= 2, got {dim}")
+    position = torch.arange(num_bins, dtype=torch.float64)[:, None] / max(1, num_bins - 1)
+    cycles = torch.logspace(math.log10(0.5), math.log10(64.0), dim // 2, dtype=torch.float64)[None, :]
+    angle = 2 * math.pi * position * cycles
+    return torch.cat([torch.cos(angle), torch.sin(angle)], dim=1)
+
+
+def smooth_coord_init_(model: Any, coord_ids: Sequence[int], init_std: float) -> None:
+    """Re-initialise the coord-token rows of the input embedding and LM head in place: a shared random vector (so
+    "this is a coordinate" is one direction the model can learn once) plus Fourier features of the bin index (so
+    bin k and k+1 start alike), each with elementwise RMS ``init_std``.
+
+    Why: a random row per bin gives 1000 unrelated tokens that a tiny model sees a few times each; a pre-trained
+    checkpoint's number tokens carry this structure already. Used by the CPU demo's model, never by the tests' one.
+    """
+    import torch
+
+    ids = torch.as_tensor(list(coord_ids), dtype=torch.long)
+    generator = torch.Generator().manual_seed(len(ids))
+    with torch.no_grad():
+        for matrix in (model.get_input_embeddings().weight, model.get_output_embeddings().weight):
+            dim = matrix.shape[1]
+            features = coord_fourier_features(len(ids), dim).to(matrix.dtype) * (init_std * math.sqrt(2.0))
+            shared = torch.randn(dim, generator=generator, dtype=torch.float64).to(matrix.dtype) * init_std
+            matrix[ids] = shared[None, :] + features
 
 
 def save_processor(path: Path, family: str, tokenizer: Any, image_processor: Any) -> None:
