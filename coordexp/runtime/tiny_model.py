@@ -60,19 +60,23 @@ def tiny_model_config(
     hidden_size: int = _HIDDEN,
     num_layers: int = 2,
     init_std: float = TINY_INIT_STD,
+    vision_init_std: float | None = None,
 ):
     """The config of the tiny model for ``tokenizer``: hidden 128, 2 layers, 2 heads, 1 KV head, vision depth 1-2.
 
     ``hidden_size`` (a multiple of 64: heads of 64 dims) and ``num_layers`` scale the language model up, e.g. for
     benchmarks where compute, not Python overhead, should dominate. ``init_std`` is the weight init std of both
-    towers: 0.2 keeps random outputs image-dependent (tests); the standard 0.02 trains much better (the demo).
+    towers (``vision_init_std``, when given, overrides it for the vision tower): 0.2 keeps random outputs
+    image-dependent (tests); the standard 0.02 trains the language model much better (the demo).
     """
     if family not in TINY_FAMILIES:
         raise ValueError(f"unknown tiny model family {family!r}; choose one of {list(TINY_FAMILIES)}")
     if hidden_size % 64 or hidden_size < 64 or num_layers < 1:
         raise ValueError(f"hidden_size must be a positive multiple of 64 and num_layers >= 1 (got {hidden_size}, {num_layers})")
-    if not init_std > 0:
-        raise ValueError(f"init_std must be > 0 (got {init_std}); 0.02 is the usual value, 0.2 the tests' default")
+    vision_std = init_std if vision_init_std is None else vision_init_std
+    if not (init_std > 0 and vision_std > 0):
+        raise ValueError(f"init stds must be > 0 (got init_std={init_std}, vision_init_std={vision_init_std}); "
+                         "0.02 is the usual value, 0.2 the tests' default")
     ids = _special_ids(tokenizer)
     text = dict(
         vocab_size=_padded_vocab(len(tokenizer)),
@@ -99,13 +103,13 @@ def tiny_model_config(
         from transformers import Qwen2VLConfig
 
         vision = dict(depth=1, embed_dim=64, hidden_size=hidden_size, num_heads=2, mlp_ratio=2, patch_size=14,
-                      spatial_merge_size=2, temporal_patch_size=2, initializer_range=init_std)
+                      spatial_merge_size=2, temporal_patch_size=2, initializer_range=vision_std)
         return Qwen2VLConfig(text_config=text, vision_config=vision, **shared)
     from transformers import Qwen2_5_VLConfig
 
     vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2,
                   patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
-                  fullatt_block_indexes=[1], initializer_range=init_std)
+                  fullatt_block_indexes=[1], initializer_range=vision_std)
     vision["out_hidden_size"] = hidden_size
     return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **shared)
 
@@ -165,6 +169,7 @@ def build_tiny_model(
     hidden_size: int = _HIDDEN,
     num_layers: int = 2,
     init_std: float = TINY_INIT_STD,
+    vision_init_std: float | None = None,
     smooth_coord_embeddings: bool = False,
 ) -> Path:
     """Build and save (``save_pretrained``) the tiny tokenizer, processor and randomly initialised model into ``path``.
@@ -181,7 +186,8 @@ def build_tiny_model(
     out.mkdir(parents=True, exist_ok=True)
     build_tiny_tokenizer(out)
     tokenizer = AutoTokenizer.from_pretrained(str(out))
-    config = tiny_model_config(tokenizer, family, hidden_size=hidden_size, num_layers=num_layers, init_std=init_std)
+    config = tiny_model_config(tokenizer, family, hidden_size=hidden_size, num_layers=num_layers, init_std=init_std,
+                               vision_init_std=vision_init_std)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = _model_class(family)(config).to(torch.float32)

@@ -100,3 +100,39 @@ def test_rejects_bad_sizes(tmp_path):
         write_synthetic_dataset(tmp_path, n_train=0, n_val=1, seed=0)
     with pytest.raises(ValueError, match="too small"):
         write_synthetic_dataset(tmp_path, n_train=1, n_val=0, seed=0, image_size=(20, 20))
+
+
+def test_layout_parameters_narrow_counts_and_shapes(tmp_path):
+    dataset = write_synthetic_dataset(tmp_path, n_train=24, n_val=2, seed=0, min_objects=1, max_objects=3,
+                                      shapes=("rectangle", "triangle"))
+    counts, kinds = [], set()
+    for path in (dataset.train_jsonl, dataset.val_jsonl):
+        for line in path.read_text().splitlines():
+            objects = json.loads(line)["objects"]
+            counts.append(len(objects))
+            kinds |= {obj["desc"].split()[1] for obj in objects}
+    assert min(counts) >= 1 and max(counts) <= 3 and len(set(counts)) == 3  # 26 draws cover 1, 2 and 3
+    assert kinds == {"rectangle", "triangle"}
+
+
+def test_default_layout_arguments_change_nothing(tmp_path):
+    from coordexp.runtime.synthetic import SHAPES
+
+    plain = write_synthetic_dataset(tmp_path / "plain", n_train=5, n_val=1, seed=2)
+    explicit = write_synthetic_dataset(tmp_path / "explicit", n_train=5, n_val=1, seed=2, min_objects=0,
+                                       max_objects=8, shapes=SHAPES)
+    assert _digest(plain.root) == _digest(explicit.root)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"min_objects": 3, "max_objects": 2}, "min_objects <= max_objects"),
+        ({"max_objects": 9}, "max_objects <= 8"),
+        ({"shapes": ("circle",)}, "non-empty subset"),
+        ({"shapes": ()}, "non-empty subset"),
+    ],
+)
+def test_rejects_bad_layouts(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        write_synthetic_dataset(tmp_path, n_train=1, n_val=0, seed=0, **kwargs)

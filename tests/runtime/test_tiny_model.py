@@ -194,3 +194,56 @@ def test_expand_vocab_adds_coord_tokens_and_grows_embeddings(tmp_path, tiny_mode
     assert torch.equal(new[: len(tokenizer)], old[: len(tokenizer)])  # existing rows untouched
     assert torch.allclose(new[vocab.id_of(500)], old[: len(tokenizer)].mean(dim=0), atol=1e-6)
     assert expand_checkpoint_vocab(tmp_path / "expanded", tmp_path / "again") == 0  # idempotent
+
+
+def test_init_std_parameters_set_both_towers(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from coordexp.runtime.tiny_model import tiny_model_config
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    default = tiny_model_config(tokenizer)
+    assert default.text_config.initializer_range == default.vision_config.initializer_range == TINY_INIT_STD
+    split = tiny_model_config(tokenizer, init_std=0.02, vision_init_std=0.3)
+    assert (split.text_config.initializer_range, split.vision_config.initializer_range) == (0.02, 0.3)
+    both = tiny_model_config(tokenizer, "qwen2_5_vl", init_std=0.05)
+    assert both.text_config.initializer_range == both.vision_config.initializer_range == 0.05
+    with pytest.raises(ValueError, match="init stds must be > 0"):
+        tiny_model_config(tokenizer, init_std=0.0)
+
+
+def test_coord_fourier_features_are_unit_pairs_and_smooth():
+    from coordexp.runtime.tiny_model import coord_fourier_features
+
+    features = coord_fourier_features(1000, 16)
+    assert features.shape == (1000, 16)
+    pair_norms = features[:, :8] ** 2 + features[:, 8:] ** 2
+    assert torch.allclose(pair_norms, torch.ones_like(pair_norms))
+    distance = lambda a, b: (features[a] - features[b]).norm().item()  # noqa: E731
+    assert distance(500, 501) < 0.2 * distance(500, 700)
+    assert distance(0, 1) < distance(0, 5) < distance(0, 50)
+    with pytest.raises(ValueError, match="even"):
+        coord_fourier_features(1000, 15)
+
+
+def test_demo_style_build_has_small_init_and_smooth_coord_rows(tmp_path):
+    """init_std 0.02 for the language model, 0.2 for vision; coord rows share a direction and vary smoothly."""
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    path = build_tiny_model(tmp_path / "demo", init_std=0.02, vision_init_std=0.2, smooth_coord_embeddings=True)
+    model = AutoModelForImageTextToText.from_pretrained(str(path))
+    ids = torch.tensor(CoordVocab.from_tokenizer(AutoTokenizer.from_pretrained(str(path))).ids)
+    embeddings = model.get_input_embeddings().weight.detach()
+    text_rows = torch.ones(len(embeddings), dtype=torch.bool)
+    text_rows[ids] = False
+    assert 0.015 < embeddings[text_rows].std().item() < 0.025
+    patch = model.model.visual.patch_embed.proj.weight.detach()
+    assert 0.15 < patch.std().item() < 0.25
+    for matrix in (embeddings, model.get_output_embeddings().weight.detach()):
+        rows = matrix[ids]
+        assert 0.015 < rows.pow(2).mean().sqrt().item() / 2**0.5 < 0.025  # shared + features, each RMS 0.02
+        cosine = torch.nn.functional.cosine_similarity
+        near = cosine(rows[300:301], rows[301:302]).item()
+        far = cosine(rows[300:301], rows[800:801]).item()
+        assert near > 0.95 and near > far
+        assert cosine(rows[0:1], rows[999:1000]).item() > 0.2  # the shared direction: all coords alike in part
