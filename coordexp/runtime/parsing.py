@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from bisect import bisect_right
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, Literal, Mapping, Sequence
 
@@ -79,6 +79,9 @@ class ParsedObject:
         if not self.valid or self.geometry is None or self.desc is None:
             raise ValueError(f"{self.key} is invalid ({self.drop_reason}); only valid objects become DetObjects")
         return DetObject(desc=self.desc, geometry=self.geometry, coords=self.coords)
+
+
+_PARSED_FIELDS = frozenset(f.name for f in fields(ParsedObject))
 
 
 @dataclass(frozen=True)
@@ -318,7 +321,9 @@ def _finish(
     if entry.desc_inner is not None and entry.desc_inner[1] > entry.desc_inner[0]:
         desc_lo, desc_hi = entry.desc_inner
         desc_toks = list(range(bisect_right(starts, desc_lo) - 1, bisect_right(starts, desc_hi - 1)))
-    struct = sorted(set(range(first, last + 1)).difference(entry.coord_toks, desc_toks))
+    excluded = set(entry.coord_toks)
+    excluded.update(desc_toks)
+    struct = [t for t in range(first, last + 1) if t not in excluded]
     end_tok = last + 1
     if replacement and last == n_kept:  # this entry's closing token was re-encoded
         struct = [t for t in struct if t != last]
@@ -329,20 +334,29 @@ def _finish(
             (desc_toks if lo < desc_hi and hi > desc_lo else struct).append(n_kept + j)
             offset = hi
         end_tok = n_kept + len(replacement)
-    valid = reason is None
-    return ParsedObject(
+    return _parsed_object(
         key=entry.key,
         index=entry.index,
         desc=entry.desc,
         geometry=entry.geometry if entry.is_dict else None,
         coords=tuple(entry.bins),
         coord_token_indices=tuple(entry.coord_toks),
-        valid=valid,
+        valid=reason is None,
         drop_reason=reason,
         token_span=(first, end_tok),
         struct_token_positions=tuple(struct),
         desc_token_positions=tuple(desc_toks),
     )
+
+
+def _parsed_object(**values: Any) -> ParsedObject:
+    """A ParsedObject equal to ``ParsedObject(**values)``, built ~5x faster (one dict update instead of one
+    ``object.__setattr__`` per frozen field); it runs once per entry of every rollout. Fields are all required."""
+    if values.keys() != _PARSED_FIELDS:
+        raise TypeError(f"ParsedObject fields mismatch: got {sorted(values)}, expected {sorted(_PARSED_FIELDS)}")
+    obj = object.__new__(ParsedObject)
+    obj.__dict__.update(values)
+    return obj
 
 
 def _fallback_parse(ids, table, stopped, fallback, dropped, *, truncated: bool) -> RolloutParse:

@@ -376,3 +376,18 @@ def test_piece_table_is_cached_per_tokenizer(tiny_tokenizer, piece_table):
 
 def test_loads_coord_json_accepts_bare_tokens():
     assert loads_coord_json('{"a": [' + C(1) + ', "' + C(2) + '"]}') == {"a": [C(1), C(2)]}
+
+
+def test_fast_parsed_object_construction_equals_the_dataclass_constructor():
+    from coordexp.runtime.parsing import ParsedObject, _parsed_object
+
+    values = dict(
+        key="object_3", index=3, desc="cat", geometry="poly", coords=(1, 2, 3, 4, 5, 6), coord_token_indices=(4, 6, 8, 10, 12, 14),
+        valid=True, drop_reason=None, token_span=(0, 16), struct_token_positions=(0, 1, 5), desc_token_positions=(2, 3),
+    )
+    fast, slow = _parsed_object(**values), ParsedObject(**values)
+    assert fast == slow and hash(fast) == hash(slow) and repr(fast) == repr(slow) and type(fast) is ParsedObject
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.valid = False
+    with pytest.raises(TypeError, match="fields mismatch"):
+        _parsed_object(**{k: v for k, v in values.items() if k != "desc"})
