@@ -177,15 +177,22 @@ def pair_coord_targets(
     ot_keys: list[tuple[int, int]] = []
     pred_sets: list[tuple[int, ...]] = []
     gt_sets: list[tuple[int, ...]] = []
+    box_keys: list[tuple[int, int]] = []
+    box_coords: list[tuple[int, ...]] = []
     for pi, gi in pairs:
         pred, gt = preds[pi], gts[gi]
-        pred_flat, gt_flat = _flat_points(pred, "predicted"), _flat_points(gt, "ground-truth")
-        if pred.geometry == "bbox_2d" and gt.geometry == "bbox_2d":
-            targets[(pi, gi)] = np.array([min(max(v, 0), 999) for v in gt.coords], dtype=np.float64)
-        else:
-            ot_keys.append((pi, gi))
-            pred_sets.append(pred_flat)
-            gt_sets.append(gt_flat)
+        pc, gc = pred.coords, gt.coords
+        if pred.geometry == "bbox_2d" and gt.geometry == "bbox_2d" and len(pc) == 4 and len(gc) == 4:
+            box_keys.append((pi, gi))
+            box_coords.append(gc)
+            continue
+        # Raises for malformed shapes (two bboxes of 4 coords each took the branch above).
+        pred_sets.append(_flat_points(pred, "predicted"))
+        gt_sets.append(_flat_points(gt, "ground-truth"))
+        ot_keys.append((pi, gi))
+    if box_keys:  # the GT bins, clamped; rows of one array (one conversion for all box pairs)
+        boxes = np.clip(np.array(box_coords, dtype=np.float64), 0.0, COORD_MAX)
+        targets.update(zip(box_keys, boxes))
     if not ot_keys:
         return targets
     pred_pts, n_rows = _padded(pred_sets)

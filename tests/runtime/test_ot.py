@@ -163,6 +163,19 @@ def test_malformed_objects_fail_with_the_role_and_the_fix():
     with pytest.raises(ValueError, match=r"ground-truth bbox_2d 'box' has 5 coords"):
         barycentric_targets(poly(1, 2, 3, 4, 5, 6), DetObject("box", "bbox_2d", (1, 2, 3, 4, 5)), OtConfig())
 
+    with pytest.raises(ValueError, match=r"ground-truth bbox_2d 'box' has 3 coords"):  # box<->box pairs are checked too
+        pair_coord_targets([box(1, 1, 2, 2)], [DetObject("box", "bbox_2d", (1, 2, 3))], [(0, 0)], OtConfig())
+
+
+def test_box_pairs_among_poly_pairs_keep_pair_order_and_take_the_clamped_gt_bins():
+    preds = [box(0, 0, 5, 5), poly(0, 0, 9, 0, 0, 9), box(7, 7, 9, 9)]
+    gts = [box(-3, 2, 1004, 9), poly(0, 0, 9, 0, 0, 9), box(1, 2, 3, 4)]
+    targets = pair_coord_targets(preds, gts, [(2, 2), (1, 1), (0, 0)], OtConfig())
+    assert list(targets) == [(2, 2), (0, 0), (1, 1)]  # box pairs in pair order, then the OT batch
+    np.testing.assert_array_equal(targets[(2, 2)], [1.0, 2.0, 3.0, 4.0])
+    np.testing.assert_array_equal(targets[(0, 0)], [0.0, 2.0, 999.0, 9.0])
+    assert targets[(0, 0)].dtype == np.float64 and targets[(0, 0)].shape == (4,)
+
 
 coord = st.integers(0, 999)
 objects = st.one_of(
