@@ -110,20 +110,84 @@ def test_demo_refuses_to_clear_a_directory_it_did_not_create(tmp_path):
     assert sorted(p.name for p in mine.iterdir()) == [RUN_MARKER]
 
 
-def test_ensure_assets_reuses_matching_data_and_rebuilds_on_size_change(tmp_path):
-    from coordexp.runtime.demo import DemoPlan, ensure_assets
+@pytest.fixture
+def fake_model_builds(monkeypatch):
+    """Record ``build_tiny_model`` calls instead of building (the quick demo test builds a real one)."""
+    import coordexp.runtime.tiny_model as tiny_model
+
+    calls: list[dict] = []
+
+    def fake_build(path, **kwargs):
+        calls.append(kwargs)
+        Path(path).mkdir(parents=True, exist_ok=True)
+        (Path(path) / "config.json").write_text("{}")
+        return Path(path)
+
+    monkeypatch.setattr(tiny_model, "build_tiny_model", fake_build)
+    return calls
+
+
+def test_ensure_assets_reuses_what_its_manifest_matches_and_rebuilds_on_change(tmp_path, fake_model_builds):
+    from dataclasses import replace
+
+    from coordexp.runtime.demo import ASSET_MANIFEST, DemoPlan, ensure_assets
     from coordexp.schema.contract import load_contract
 
     stage1, stage2 = _configs(tmp_path)
     run = load_contract(stage1)
-    (tmp_path / "assets" / "model").mkdir(parents=True)
-    (tmp_path / "assets" / "model" / "config.json").write_text("{}")  # pretend the model exists: never rebuilt
+    plan = DemoPlan(stage1, stage2, n_train=3, n_val=1)
     messages: list[str] = []
-    ensure_assets(run, DemoPlan(stage1, stage2, n_train=3, n_val=1), messages.append)
-    ensure_assets(run, DemoPlan(stage1, stage2, n_train=3, n_val=1), messages.append)
-    ensure_assets(run, DemoPlan(stage1, stage2, n_train=5, n_val=1), messages.append)
-    assert [m.split()[0] for m in messages] == ["reusing", "writing", "reusing", "reusing", "reusing", "writing"]
-    assert len((tmp_path / "assets" / "data" / "train.jsonl").read_text().splitlines()) == 5
+    ensure_assets(run, plan, messages.append)
+    ensure_assets(run, plan, messages.append)
+    ensure_assets(run, replace(plan, n_train=5), messages.append)
+    ensure_assets(run, replace(plan, n_train=5, init_std=0.05), messages.append)
+    assert [m.split()[0] for m in messages] == [
+        "building", "writing", "reusing", "reusing", "reusing", "writing", "building", "reusing"]
+    assert fake_model_builds == [
+        {"seed": 0, "init_std": 0.02, "vision_init_std": 0.2, "smooth_coord_embeddings": True},
+        {"seed": 0, "init_std": 0.05, "vision_init_std": 0.2, "smooth_coord_embeddings": True},
+    ]
+    data = tmp_path / "assets" / "data"
+    assert len((data / "train.jsonl").read_text().splitlines()) == 5
+    assert json.loads((data / ASSET_MANIFEST).read_text())["n_train"] == 5
+    for line in (data / "train.jsonl").read_text().splitlines():  # the plan's layout: 1-4 rectangles/triangles
+        objects = json.loads(line)["objects"]
+        assert 1 <= len(objects) <= 4 and {o["desc"].split()[1] for o in objects} <= {"rectangle", "triangle"}
+
+
+@pytest.mark.parametrize(("occupy", "key"), [("assets/model/config.json", "model.path"),
+                                              ("assets/data/train.jsonl", "data.train_jsonl")])
+def test_ensure_assets_refuses_to_overwrite_what_it_did_not_build(tmp_path, fake_model_builds, occupy, key):
+    from coordexp.runtime.demo import DemoPlan, ensure_assets
+    from coordexp.runtime.launch import LaunchError
+    from coordexp.schema.contract import load_contract
+
+    stage1, stage2 = _configs(tmp_path)
+    if key == "data.train_jsonl":  # get past the model: let the demo build it first
+        ensure_assets(load_contract(stage1), DemoPlan(stage1, stage2, n_train=1, n_val=1), lambda _: None)
+        (tmp_path / "assets" / "data" / "coordexp-demo-build.json").unlink()
+    foreign = tmp_path / occupy
+    foreign.parent.mkdir(parents=True, exist_ok=True)
+    foreign.write_text("precious\n")
+    with pytest.raises(LaunchError, match=f"did not build.*{key}"):
+        ensure_assets(load_contract(stage1), DemoPlan(stage1, stage2, n_train=1, n_val=1), lambda _: None)
+    assert foreign.read_text() == "precious\n"
+
+
+def test_ensure_assets_rebuilds_an_unmarked_model_inside_a_coordexp_tree(tmp_path, fake_model_builds):
+    """Older demo versions left .coordexp/ assets without a manifest; .coordexp/ is the demo's own scratch space."""
+    from coordexp.runtime.demo import DemoPlan, ensure_assets
+    from coordexp.schema.contract import load_contract
+
+    stage1, stage2 = _configs(tmp_path)
+    data = yaml.safe_load(stage1.read_text())
+    data["model"]["path"] = "./.coordexp/tiny-model"
+    _write(stage1, data)
+    (tmp_path / ".coordexp" / "tiny-model").mkdir(parents=True)
+    (tmp_path / ".coordexp" / "tiny-model" / "config.json").write_text("{}")
+    messages: list[str] = []
+    ensure_assets(load_contract(stage1), DemoPlan(stage1, stage2, n_train=1, n_val=1), messages.append)
+    assert messages[0].startswith("building tiny model") and len(fake_model_builds) == 1
 
 
 def test_demo_rejects_a_stage2_that_does_not_start_from_stage1(tmp_path):

@@ -22,7 +22,7 @@ EXIT_OK, EXIT_INTERNAL, EXIT_INVALID = 0, 1, 2
 EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"
 _out = Console(highlight=False, soft_wrap=True)
 _err = Console(stderr=True, highlight=False, soft_wrap=True)
-QUICK_STEPS = {"stage1": 4, "stage2": 2, "eval_records": 4, "eval_every": 2}
+QUICK_STEPS = {"stage1": 4, "stage2": 2, "eval_records": 4, "eval_every": 2, "n_train": 16}
 
 
 def _pct(value: Optional[float]) -> str:
@@ -70,6 +70,7 @@ def demo(
                 stage2_max_steps=QUICK_STEPS["stage2"],
                 eval_records=QUICK_STEPS["eval_records"],
                 stage1_eval_every=QUICK_STEPS["eval_every"],
+                n_train=QUICK_STEPS["n_train"],
             )
             if quick
             else {}
