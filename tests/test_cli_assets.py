@@ -32,8 +32,9 @@ def test_make_tiny_model_writes_a_loadable_checkpoint(cli_tiny_model):
     from coordexp.runtime.encoding import load_processor
     from coordexp.runtime.tokens import CoordVocab
 
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "preprocessor_config.json"):
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
         assert (cli_tiny_model / name).is_file(), name
+    assert any((cli_tiny_model / n).is_file() for n in ("processor_config.json", "preprocessor_config.json"))
     assert AutoConfig.from_pretrained(str(cli_tiny_model)).model_type == "qwen2_vl"
     assert len(CoordVocab.from_tokenizer(load_processor(cli_tiny_model).tokenizer)) == 1000
 
