@@ -67,22 +67,17 @@ class StepStats:
         self.micro_steps = 0
         self.terms: dict[str, float] = {}
         self.trained_tokens = 0
-        self.row_tokens = 0
-        self.fill_ratios: list[float] = []
         self.counters: list[RolloutCounters] = []
         self.seconds: dict[str, float] = {}
 
     def timed(self, stage: str, seconds: float) -> None:
         self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
 
-    def add(self, terms: dict[str, float], trained: int, row: int, fill: float | None, counters: list) -> None:
+    def add(self, terms: dict[str, float], trained: int, counters: list) -> None:
         self.micro_steps += 1
         for key, value in terms.items():
             self.terms[key] = self.terms.get(key, 0.0) + float(value)
         self.trained_tokens += trained
-        self.row_tokens += row
-        if fill is not None:
-            self.fill_ratios.append(fill)
         self.counters.extend(c for c in counters if c is not None)
 
 
@@ -151,18 +146,18 @@ class CoordExpTrainer(Trainer):
             )
         return samples
 
-    def _select(self, samples: list[SampleTarget]) -> tuple[list[SampleTarget], float | None]:
+    def _select(self, samples: list[SampleTarget]) -> list[SampleTarget]:
+        """Unpacked: all of this micro-step's samples. Packed: add them to the carry buffer, take one selection."""
         if self.buffer is None:
-            return samples, None
+            return samples
         self.buffer.add_many([(s, s.length) for s in samples])
-        selection = self.buffer.pop_packed()
-        return list(selection.items), selection.fill_ratio
+        return list(self.buffer.pop_packed().items)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         records = list(inputs)
         samples = self.build_samples(records)
         started = time.perf_counter()
-        selected, fill = self._select(samples)
+        selected = self._select(samples)
         unwrapped = self.accelerator.unwrap_model(model)
         rope = mrope_index_of(unwrapped)
         encoded = [s.encoded for s in selected]
@@ -183,8 +178,6 @@ class CoordExpTrainer(Trainer):
         self.stats.add(
             dict(result.terms),
             trained=batch.num_real_tokens,
-            row=int(batch.input_ids.numel()),
-            fill=fill,
             counters=[s.counters for s in samples],
         )
         return (result.total, logits) if return_outputs else result.total
@@ -217,7 +210,7 @@ class CoordExpTrainer(Trainer):
         # Every rank runs the same modules, so every rank has the same term keys in the same order.
         buffered = len(self.buffer) if self.buffer is not None else 0
         sums = self._reduced(
-            [stats.terms[k] for k in keys] + [stats.micro_steps, stats.trained_tokens, stats.row_tokens, buffered]
+            [stats.terms[k] for k in keys] + [stats.micro_steps, stats.trained_tokens, buffered]
         )
         micro = max(sums[len(keys)], 1.0)
         logs = {f"loss/{k}": v / micro for k, v in zip(keys, sums[: len(keys)])}
@@ -226,9 +219,10 @@ class CoordExpTrainer(Trainer):
         compute = stats.seconds.get("forward", 0.0) + stats.seconds.get("backward", 0.0)
         if compute > 0:
             logs["tokens/trained_per_s"] = stats.trained_tokens / compute  # this rank, forward + backward only
-        if self.buffer is not None and sums[len(keys) + 2] > 0:
+        if self.buffer is not None and stats.micro_steps:
+            # trained tokens over the row capacity of every packed forward (all ranks)
             logs["packing/fill_ratio"] = sums[len(keys) + 1] / (micro * self.run.rollout_matching.packing.packing_length)
-            logs["packing/buffered"] = sums[len(keys) + 3]  # carried segments, all ranks
+            logs["packing/buffered"] = sums[len(keys) + 2]  # carried segments, all ranks
         if self.stage2:
             counters = sum_counters(stats.counters) if stats.counters else RolloutCounters()
             if self.args.world_size > 1 and torch.distributed.is_initialized():
