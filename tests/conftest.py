@@ -73,3 +73,12 @@ def write_yaml(tmp_path: Path) -> Callable[..., Path]:
         return path
 
     return _write
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """The tiny Qwen2-VL checkpoint (model, tokenizer with coord tokens, image processor), built once per session
+    and shared by every test folder; tests never write into it."""
+    from coordexp.runtime.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen2_vl"), family="qwen2_vl", seed=0)

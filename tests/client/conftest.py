@@ -124,13 +124,6 @@ REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory):
-    from coordexp.runtime.tiny_model import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("client_model"), family="qwen2_vl", seed=0)
-
-
-@pytest.fixture(scope="session")
 def dataset(tmp_path_factory):
     from coordexp.runtime.synthetic import write_synthetic_dataset
 

@@ -51,14 +51,6 @@ def piece_id(tiny_tokenizer, piece_table):
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory):
-    """A saved tiny Qwen2-VL checkpoint (model, tokenizer with coord tokens, image processor), built once."""
-    from coordexp.runtime.tiny_model import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen2_vl"), family="qwen2_vl", seed=0)
-
-
-@pytest.fixture(scope="session")
 def tiny_processor(tiny_model_dir):
     from coordexp.runtime.encoding import load_processor
 

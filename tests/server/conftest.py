@@ -1,4 +1,4 @@
-"""Fixtures of the rollout-server tests: a tiny saved model, a synthetic dataset, a config writer, and records."""
+"""Fixtures of the rollout-server tests: a synthetic dataset, a config writer, and records (the tiny model is shared)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,6 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory):
-    from coordexp.runtime.tiny_model import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("server_model"), family="qwen2_vl", seed=0)
 
 
 @pytest.fixture(scope="session")

@@ -32,10 +32,8 @@ LORA_RANK = 8
 
 
 @pytest.fixture(scope="session")
-def model_dir(tmp_path_factory):
-    from coordexp.runtime.tiny_model import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("vllm_tiny_qwen2_vl"), family="qwen2_vl", seed=0)
+def model_dir(tiny_model_dir):
+    return tiny_model_dir
 
 
 @pytest.fixture(scope="session")
