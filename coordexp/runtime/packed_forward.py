@@ -6,7 +6,8 @@ positions). Attention is block-diagonal and causal within each segment, so each 
 the sample run alone (spec decision 8: a packed row's loss equals its segments' loss unpacked):
 
 * ``sdpa`` / ``eager``: an explicit 4-D mask ``(1, 1, T, T)`` (bool for sdpa, additive float for eager), which
-  transformers' mask creation passes through unchanged.
+  transformers' mask creation passes through unchanged. On CPU the sdpa mask is tagged with its block sizes, and
+  the sdpa function of ``segment_attention`` then runs causal sdpa per segment (no cross-segment FLOPs).
 * flash attention: no mask; the language model gets ``(4, 1, T)`` position ids whose text row restarts at 0 per
   segment, from which transformers derives ``cu_seqlens`` and calls the varlen kernel (its documented
   padding-free path for Qwen-VL).
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 from coordexp.runtime.mrope import MropeIndex, PackingError, model_type_of, mrope_index_of
+from coordexp.runtime.segment_attention import install_segment_sdpa, mark_block_causal
 
 if TYPE_CHECKING:
     import torch
@@ -315,6 +317,9 @@ def packed_model_inputs(model: Any, batch: PackedBatch) -> dict[str, Any]:
         if implementation == "eager":  # eager adds the mask to the scores
             zero = torch.zeros((), dtype=dtype, device=device)
             allowed = torch.where(allowed, zero, torch.finfo(dtype).min)
+        elif device.type == "cpu":  # sdpa runs per segment instead of over the whole row (segment_attention)
+            install_segment_sdpa()
+            mark_block_causal(allowed, [*batch.segment_lengths, *([batch.num_pad] if batch.num_pad else [])])
         inputs["attention_mask"] = allowed
     elif is_flash_attention_requested(requested_attention_implementation=implementation):
         _check_flash_available(implementation)

@@ -236,6 +236,67 @@ def test_flash_varlen_boundaries_come_from_the_text_position_row(model, workload
 
 
 
+@pytest.mark.parametrize("sizes", [(1,), (5,), (3, 1, 4), (2, 6, 1, 3)])
+def test_segment_sdpa_on_a_tagged_mask_equals_dense_sdpa_with_that_mask(sizes):
+    """Per-block causal sdpa is the same maths as one sdpa over the block-causal mask (GQA included)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from coordexp.runtime.segment_attention import block_sizes_of, mark_block_causal, segment_sdpa_forward
+
+    generator = torch.Generator().manual_seed(len(sizes))
+    total = sum(sizes)
+    query = torch.randn(1, 4, total, 8, generator=generator, dtype=torch.float64)
+    key, value = (torch.randn(1, 2, total, 8, generator=generator, dtype=torch.float64) for _ in range(2))
+    module = SimpleNamespace(is_causal=True, num_key_value_groups=2)
+    blocks = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    dense = block_causal_mask(blocks)
+    expected, _ = sdpa_attention_forward(module, query, key, value, dense, scaling=0.3)
+    tagged = mark_block_causal(block_causal_mask(blocks), sizes)
+    assert block_sizes_of(tagged) == tuple(sizes) and block_sizes_of(dense) is None
+    actual, _ = segment_sdpa_forward(module, query, key, value, tagged, scaling=0.3)
+    assert actual.shape == expected.shape == (1, total, 4, 8)
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-12)
+    untagged, _ = segment_sdpa_forward(module, query, key, value, dense, scaling=0.3)
+    assert torch.equal(untagged, expected)  # an untagged mask goes to transformers' sdpa unchanged
+    with pytest.raises(ValueError, match="sum to the mask's square size"):
+        mark_block_causal(block_causal_mask(blocks), [*sizes, 1])
+
+
+def test_cpu_packed_sdpa_attends_per_segment_with_the_dense_masks_logits(model, workload, monkeypatch):
+    """On CPU every language-model sdpa call covers one segment (or the pad tail) causally, never the whole row,
+    also when transformers infers the mask from the positions, and the logits equal those of transformers' own sdpa
+    over the dense block-causal mask."""
+    import transformers.integrations.sdpa_attention as sdpa_module
+
+    packed = collate_packed(workload.samples, mrope_index_of(model), pad_to=sum(packed_len(workload)) + 6)
+    inputs = packed_model_inputs(model, packed)
+    language_attention = {id(m) for m in model.model.language_model.modules()}
+    calls = []
+    original = sdpa_module.sdpa_attention_forward
+
+    def recording(module, query, key, value, attention_mask, **kwargs):
+        if id(module) in language_attention:
+            calls.append((query.shape[2], key.shape[2], attention_mask is None))
+        return original(module, query, key, value, attention_mask, **kwargs)
+
+    monkeypatch.setattr(sdpa_module, "sdpa_attention_forward", recording)
+    with torch.no_grad():
+        per_segment = model(**inputs).logits
+        per_layer = [(n, n, True) for n in [*packed.segment_lengths, 6]]
+        assert calls == per_layer * len(model.model.language_model.layers)
+        calls.clear()
+        inferred = model(**{**inputs, "attention_mask": None}).logits  # transformers infers the mask: verified
+        assert calls == per_layer * len(model.model.language_model.layers)
+        calls.clear()
+        from transformers import AttentionInterface
+
+        monkeypatch.setitem(AttentionInterface._global_mapping, "sdpa", recording)  # transformers' sdpa only
+        dense = model(**inputs).logits
+        assert calls == [(packed.seq_len, packed.seq_len, False)] * len(model.model.language_model.layers)
+    _assert_logits_match(per_segment[0], dense[0])
+    assert torch.equal(inferred, per_segment)
+
+
 # --- logits, loss, gradients -------------------------------------------------------------------------------------
 
 
