@@ -54,6 +54,13 @@ def _issue_line(issue, top_file: Optional[str]) -> str:
     return text
 
 
+def print_invalid_report(console: Console, shown: str, report) -> None:
+    """The ``✗ FILE: N problem(s)`` line and one bullet per error, as every command that validates prints them."""
+    console.print(f"[red]✗[/red] {escape(shown)}: {len(report.errors)} problem(s)")
+    for issue in report.errors:
+        console.print("  [red]•[/red] " + _issue_line(issue, report.path))
+
+
 @app.command()
 def validate(
     configs: ConfigArgs,
@@ -91,9 +98,7 @@ def validate(
             if report.ok:
                 _out.print(f"[green]✓[/green] {escape(shown)}")
             else:
-                _out.print(f"[red]✗[/red] {escape(shown)}: {len(report.errors)} problem(s)")
-                for issue in report.errors:
-                    _out.print("  [red]•[/red] " + _issue_line(issue, top))
+                print_invalid_report(_out, shown, report)
             for warning in report.warnings:
                 _out.print("  [yellow]! warning[/yellow] " + _issue_line(warning, top))
             if contract is not None:

@@ -45,15 +45,13 @@ def demo(
 ) -> None:
     """Build the tiny model and data (reused when present), train stage 1 until rollouts parse, then stage 2 from
     that checkpoint; print before/after rollout health and the paths of rollout PNGs."""
-    from coordexp.cli.app import _issue_line
+    from coordexp.cli.app import print_invalid_report
     from coordexp.schema.loader import validate_config_file
 
     for path in (stage1, stage2):
         report = validate_config_file(path)
         if not report.ok:
-            _err.print(f"[red]✗[/red] {escape(str(path))}: {len(report.errors)} problem(s)")
-            for issue in report.errors:
-                _err.print("  [red]•[/red] " + _issue_line(issue, report.path))
+            print_invalid_report(_err, str(path), report)
             raise typer.Exit(EXIT_INVALID)
 
     from coordexp.cli.train import _one_line, _user_error_types

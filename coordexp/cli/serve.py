@@ -39,7 +39,7 @@ def serve_rollout(
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level.")] = "info",
 ) -> None:
     """Serve rollouts of the config's model over HTTP (ms-swift `swift rollout` compatible endpoints)."""
-    from coordexp.cli.app import _issue_line
+    from coordexp.cli.app import print_invalid_report
     from coordexp.cli.train import _user_error_types
     from coordexp.schema.contract import build_contract
     from coordexp.schema.loader import validate_config_file
@@ -48,9 +48,7 @@ def serve_rollout(
         _fail(f"--engine {engine!r} is not an engine", "Use --engine vllm or --engine hf")
     report = validate_config_file(config)
     if not report.ok:
-        _err.print(f"[red]✗[/red] {escape(str(config))}: {len(report.errors)} problem(s)")
-        for issue in report.errors:
-            _err.print("  [red]•[/red] " + _issue_line(issue, report.path))
+        print_invalid_report(_err, str(config), report)
         raise typer.Exit(EXIT_INVALID)
     run = build_contract(report.config)
     root = image_root if image_root is not None else (Path(run.data.image_root) if run.data.image_root else None)

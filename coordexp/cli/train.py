@@ -101,16 +101,14 @@ def train(
     as_json: Annotated[bool, typer.Option("--json", help="Print the final summary as JSON on stdout.")] = False,
 ) -> None:
     """Train from a YAML config (stage 1 or stage 2); everything else comes from the file."""
-    from coordexp.cli.app import _issue_line
+    from coordexp.cli.app import print_invalid_report
     from coordexp.schema.contract import build_contract
     from coordexp.schema.loader import validate_config_file
 
     report = validate_config_file(config)
     if not report.ok:
         if _is_rank_zero():
-            _err.print(f"[red]✗[/red] {escape(str(config))}: {len(report.errors)} problem(s)")
-            for issue in report.errors:
-                _err.print("  [red]•[/red] " + _issue_line(issue, report.path))
+            print_invalid_report(_err, str(config), report)
             _err.print(f"[dim]Nothing was loaded. Fix the file (`coordexp validate {escape(str(config))}`).[/dim]")
         raise typer.Exit(EXIT_INVALID)
     run = build_contract(report.config)
