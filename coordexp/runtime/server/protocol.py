@@ -432,19 +432,12 @@ class UpdateFlattenedParamsRequest(_Request):
         return value
 
 
-class UpdateFlattenedAdapterRequest(_Request):
+class UpdateFlattenedAdapterRequest(UpdateFlattenedParamsRequest):
     """``POST /update_adapter_flattened_param/``: a LoRA adapter (PEFT state-dict names) as one bucket, plus its
     PEFT ``LoraConfig`` as a dict. Rejected with 400 (before any broadcast) when the engine has no LoRA support."""
 
     lora_int_id: int
     peft_config: dict[str, Any]
-    metadatas: list[FlattenedTensorMetadata]
-
-    @field_validator("metadatas")
-    @classmethod
-    def _bucket(cls, value: list[FlattenedTensorMetadata]) -> list[FlattenedTensorMetadata]:
-        _check_bucket(value)
-        return value
 
 
 class SyncOpRecord(_Response):
