@@ -77,24 +77,38 @@ def segment_sdpa_forward(
 ) -> tuple["torch.Tensor", None]:
     """Transformers' sdpa, but one causal sdpa call per block when the mask is a tagged block-causal mask."""
     import torch
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
     sizes = block_sizes_of(attention_mask)
     if sizes is None:
         sizes = _verified_block_sizes(attention_mask, kwargs.get("position_ids"), query)
     length = query.shape[2]
-    if sizes is None or key.shape[2] != length or sum(sizes) != length or not getattr(module, "is_causal", False):
+    if (
+        sizes is None
+        or key.shape[2] != length
+        or sum(sizes) != length
+        or not getattr(module, "is_causal", False)
+        or kwargs.get("position_bias") is not None
+        or kwargs.get("cache") is not None
+    ):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    groups = int(getattr(module, "num_key_value_groups", 1) or 1)
+    if groups > 1:
+        # CPU sdpa's enable_gqa backward is ~2x slower than on repeated heads (benchmarks/bench_train_step.py);
+        # transformers repeats the heads for masked (padded) rows too, so both layouts run the same kernel.
+        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    dropout, scaling = float(kwargs.get("dropout", 0.0) or 0.0), kwargs.get("scaling")
     outputs, start = [], 0
     for size in sizes:
         block = slice(start, start + size)
-        # No mask and q_len == kv_len: transformers' sdpa uses is_causal=True (a 1-token block attends itself).
-        output, _ = sdpa_attention_forward(
-            module, query[:, :, block], key[:, :, block], value[:, :, block], None, **kwargs
+        outputs.append(
+            torch.nn.functional.scaled_dot_product_attention(
+                query[:, :, block], key[:, :, block], value[:, :, block],
+                dropout_p=dropout, scale=scaling, is_causal=size > 1,
+            )
         )
-        outputs.append(output)
         start += size
-    return torch.cat(outputs, dim=1), None  # outputs are (batch, len, heads, head_dim)
+    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None  # (batch, len, heads, head_dim)
 
 
 def install_segment_sdpa() -> None:

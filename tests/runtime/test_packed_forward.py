@@ -263,36 +263,44 @@ def test_segment_sdpa_on_a_tagged_mask_equals_dense_sdpa_with_that_mask(sizes):
 
 
 def test_cpu_packed_sdpa_attends_per_segment_with_the_dense_masks_logits(model, workload, monkeypatch):
-    """On CPU every language-model sdpa call covers one segment (or the pad tail) causally, never the whole row,
-    also when transformers infers the mask from the positions, and the logits equal those of transformers' own sdpa
-    over the dense block-causal mask."""
+    """On CPU every language-model sdpa kernel call covers one segment (or the pad tail) causally on repeated KV
+    heads, never the whole row, also when transformers infers the mask from the positions, and the logits equal
+    those of transformers' own sdpa over the dense block-causal mask."""
     import transformers.integrations.sdpa_attention as sdpa_module
 
     packed = collate_packed(workload.samples, mrope_index_of(model), pad_to=sum(packed_len(workload)) + 6)
     inputs = packed_model_inputs(model, packed)
-    language_attention = {id(m) for m in model.model.language_model.modules()}
-    calls = []
-    original = sdpa_module.sdpa_attention_forward
+    language_model = model.model.language_model
+    inside, calls = [], []
+    pre = language_model.register_forward_pre_hook(lambda *args: inside.append(True))  # returns None
+    post = language_model.register_forward_hook(lambda *args: inside.clear())  # returns None: output unchanged
+    kernel = torch.nn.functional.scaled_dot_product_attention
 
-    def recording(module, query, key, value, attention_mask, **kwargs):
-        if id(module) in language_attention:
-            calls.append((query.shape[2], key.shape[2], attention_mask is None))
-        return original(module, query, key, value, attention_mask, **kwargs)
+    def recording(query, key, value, attn_mask=None, **kwargs):
+        if inside:  # language-model calls only (the vision tower runs before it)
+            heads_match = query.shape[1] == key.shape[1] and not kwargs.get("enable_gqa", False)
+            calls.append((query.shape[2], key.shape[2], attn_mask is None, heads_match))
+        return kernel(query, key, value, attn_mask=attn_mask, **kwargs)
 
-    monkeypatch.setattr(sdpa_module, "sdpa_attention_forward", recording)
-    with torch.no_grad():
-        per_segment = model(**inputs).logits
-        per_layer = [(n, n, True) for n in [*packed.segment_lengths, 6]]
-        assert calls == per_layer * len(model.model.language_model.layers)
-        calls.clear()
-        inferred = model(**{**inputs, "attention_mask": None}).logits  # transformers infers the mask: verified
-        assert calls == per_layer * len(model.model.language_model.layers)
-        calls.clear()
-        from transformers import AttentionInterface
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    try:
+        with torch.no_grad():
+            per_segment = model(**inputs).logits
+            per_layer = [(n, n, True, True) for n in [*packed.segment_lengths, 6]]
+            assert calls == per_layer * len(language_model.layers)
+            calls.clear()
+            inferred = model(**{**inputs, "attention_mask": None}).logits  # transformers infers the mask: verified
+            assert calls == per_layer * len(language_model.layers)
+            calls.clear()
+            from transformers import AttentionInterface
 
-        monkeypatch.setitem(AttentionInterface._global_mapping, "sdpa", recording)  # transformers' sdpa only
-        dense = model(**inputs).logits
-        assert calls == [(packed.seq_len, packed.seq_len, False)] * len(model.model.language_model.layers)
+            # transformers' own sdpa over the dense mask
+            monkeypatch.setitem(AttentionInterface._global_mapping, "sdpa", sdpa_module.sdpa_attention_forward)
+            dense = model(**inputs).logits
+            assert [c[:3] for c in calls] == [(packed.seq_len, packed.seq_len, False)] * len(language_model.layers)
+    finally:
+        pre.remove()
+        post.remove()
     _assert_logits_match(per_segment[0], dense[0])
     assert torch.equal(inferred, per_segment)
 
