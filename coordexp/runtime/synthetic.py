@@ -108,7 +108,9 @@ def _draw(image: Any, kind: str, coords: list[int], colour: tuple[int, int, int]
     image.paste(colour, (0, 0, width, height), mask)
 
 
-def _check_layout(min_objects: int, max_objects: int, shapes: tuple[str, ...]) -> None:
+def _check_layout(
+    min_objects: int, max_objects: int, shapes: tuple[str, ...], count_weights: tuple[float, ...] | None = None
+) -> None:
     if not 0 <= min_objects <= max_objects <= _MAX_OBJECTS:
         raise ValueError(
             f"need 0 <= min_objects <= max_objects <= {_MAX_OBJECTS} (one shape per cell of a {_GRID}x{_GRID} grid), "
@@ -117,6 +119,13 @@ def _check_layout(min_objects: int, max_objects: int, shapes: tuple[str, ...]) -
     unknown = [s for s in shapes if s not in SHAPES]
     if not shapes or unknown:
         raise ValueError(f"shapes must be a non-empty subset of {list(SHAPES)}; got {list(shapes)}")
+    if count_weights is not None:
+        n = max_objects - min_objects + 1
+        if len(count_weights) != n or any(not w >= 0 for w in count_weights) or not sum(count_weights) > 0:
+            raise ValueError(
+                f"count_weights must hold {n} non-negative weights (one per object count {min_objects}..{max_objects}) "
+                f"with a positive sum; got {list(count_weights)}"
+            )
 
 
 def synthetic_record(
@@ -126,18 +135,23 @@ def synthetic_record(
     min_objects: int = 0,
     max_objects: int = _MAX_OBJECTS,
     shapes: tuple[str, ...] = SHAPES,
+    count_weights: tuple[float, ...] | None = None,
 ) -> tuple[Any, list[dict[str, Any]]]:
     """One image and its objects (norm1000 ints), sorted top-to-bottom then left-to-right.
 
-    The object count is uniform in ``[min_objects, max_objects]`` and each kind uniform over ``shapes``.
+    The object count is uniform in ``[min_objects, max_objects]`` (or drawn with ``count_weights``, one weight per
+    count, e.g. a long tail like real detection sets) and each kind uniform over ``shapes``.
     """
     from PIL import Image
 
-    _check_layout(min_objects, max_objects, tuple(shapes))
+    _check_layout(min_objects, max_objects, tuple(shapes), count_weights)
     width, height = image_size
     grey = rng.randint(20, 70)
     image = Image.new("RGB", (width, height), (grey, grey, grey))
-    n_objects = rng.randint(min_objects, max_objects)
+    if count_weights is None:
+        n_objects = rng.randint(min_objects, max_objects)
+    else:
+        n_objects = rng.choices(range(min_objects, max_objects + 1), weights=count_weights)[0]
     objects = []
     for cell in rng.sample(_cells(), n_objects):
         colour_name = rng.choice(sorted(COLOURS))
@@ -164,17 +178,20 @@ def write_synthetic_dataset(
     min_objects: int = 0,
     max_objects: int = _MAX_OBJECTS,
     shapes: tuple[str, ...] = SHAPES,
+    count_weights: tuple[float, ...] | None = None,
 ) -> SyntheticDataset:
     """Write ``train.jsonl``, ``val.jsonl`` and ``images/*.png`` under ``directory``; same arguments -> same bytes.
 
     Each image's content depends only on ``(seed, split, index)`` and the layout arguments, so growing ``n_train``
     keeps existing images. ``min_objects``/``max_objects``/``shapes`` narrow the task (the CPU demo uses fewer,
-    simpler shapes so a tiny model learns the format in minutes).
+    simpler shapes so a tiny model learns the format in minutes); ``count_weights`` skews the object counts
+    (benchmarks use a long tail, so sample lengths vary as in real detection data).
     """
     if n_train < 1 or n_val < 0:
         raise ValueError(f"need n_train >= 1 and n_val >= 0, got n_train={n_train}, n_val={n_val}")
     shapes = tuple(shapes)
-    _check_layout(min_objects, max_objects, shapes)
+    count_weights = None if count_weights is None else tuple(float(w) for w in count_weights)
+    _check_layout(min_objects, max_objects, shapes, count_weights)
     width, height = image_size
     if width < 28 or height < 28:
         raise ValueError(f"image_size {image_size} is too small; use at least 28 x 28 pixels")
@@ -187,7 +204,8 @@ def write_synthetic_dataset(
         for index in range(count):
             rng = random.Random(f"coordexp-synthetic:{seed}:{split}:{index}")
             image, objects = synthetic_record(
-                rng, (width, height), min_objects=min_objects, max_objects=max_objects, shapes=shapes
+                rng, (width, height), min_objects=min_objects, max_objects=max_objects, shapes=shapes,
+                count_weights=count_weights,
             )
             name = f"{split}_{index:05d}.png"
             image.save(image_dir / name, format="PNG", optimize=False)

@@ -124,9 +124,23 @@ def test_default_layout_arguments_change_nothing(tmp_path):
     assert _digest(plain.root) == _digest(explicit.root)
 
 
+def test_count_weights_skew_the_object_counts(tmp_path):
+    """Zero-weight counts never occur and the heavy count dominates; no weights keeps the uniform draw's bytes."""
+    dataset = write_synthetic_dataset(tmp_path / "tail", n_train=60, n_val=0, seed=1, min_objects=1, max_objects=4,
+                                      count_weights=(6, 0, 0, 1))
+    counts = [len(json.loads(line)["objects"]) for line in dataset.train_jsonl.read_text().splitlines()]
+    assert set(counts) == {1, 4} and counts.count(1) > 2 * counts.count(4)
+    again = write_synthetic_dataset(tmp_path / "again", n_train=60, n_val=0, seed=1, min_objects=1, max_objects=4,
+                                    count_weights=[6, 0, 0, 1])
+    assert _digest(again.root) == _digest(dataset.root)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
+        ({"min_objects": 1, "max_objects": 2, "count_weights": (1.0,)}, "must hold 2 non-negative weights"),
+        ({"count_weights": (0,) * 9}, "positive sum"),
+        ({"count_weights": (-1,) + (1,) * 8}, "non-negative"),
         ({"min_objects": 3, "max_objects": 2}, "min_objects <= max_objects"),
         ({"max_objects": 9}, "max_objects <= 8"),
         ({"shapes": ("circle",)}, "non-empty subset"),
