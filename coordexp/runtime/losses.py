@@ -12,7 +12,7 @@ full-vocab log-softmax over the whole sequence nor a copy of the supervised rows
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping, NamedTuple, Sequence
 
 import numpy as np
@@ -213,6 +213,28 @@ class SupervisionBatch:
             )
         }
         return SupervisionBatch(**moved, seq_len=self.seq_len, num_rows=self.num_rows)
+
+    def at_kept_positions(self) -> tuple[torch.Tensor, "SupervisionBatch"]:
+        """``(positions, batch)``: the sorted sequence positions whose logits the losses read (union over rows; at
+        least one), and this batch re-indexed for logits computed at those positions only (``model(...,
+        logits_to_keep=positions)``). Prompt and padding logits are never read, so the LM head then runs on K
+        instead of T positions, and the logits and their gradient shrink by K / T."""
+        flat = torch.cat([self.ce_logit_index, self.coord_logit_index])
+        if flat.numel():
+            positions = torch.unique(flat % self.seq_len)  # sorted
+        else:
+            positions = torch.zeros(1, dtype=torch.long, device=flat.device)
+        kept = int(positions.numel())
+
+        def remap(index: torch.Tensor) -> torch.Tensor:
+            return (index // self.seq_len) * kept + torch.searchsorted(positions, index % self.seq_len)
+
+        return positions, replace(
+            self,
+            ce_logit_index=remap(self.ce_logit_index),
+            coord_logit_index=remap(self.coord_logit_index),
+            seq_len=kept,
+        )
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,11 @@ class PackedBatch:
     def num_real_tokens(self) -> int:
         return sum(self.segment_lengths)
 
+    @property
+    def num_token_slots(self) -> int:
+        """Positions the forward computes (real tokens plus the pad tail)."""
+        return self.seq_len
+
     def placement(self, index: int) -> tuple[int, int]:
         """``(row, absolute assistant start)`` of sample ``index``, the last two fields of a ``SupervisionSegment``."""
         return 0, self.segment_offsets[index] + self.assistant_starts[index]
@@ -114,6 +119,11 @@ class PaddedBatch:
     @property
     def num_real_tokens(self) -> int:
         return sum(self.lengths)
+
+    @property
+    def num_token_slots(self) -> int:
+        """Positions the forward computes: every row padded to the longest."""
+        return int(self.input_ids.numel())
 
     def placement(self, index: int) -> tuple[int, int]:
         """``(row, absolute assistant start)`` of sample ``index``."""
@@ -332,13 +342,18 @@ def packed_model_inputs(model: Any, batch: PackedBatch) -> dict[str, Any]:
     return inputs
 
 
-def packed_forward(model: Any, batch: PackedBatch) -> "torch.Tensor":
-    """Logits ``(1, T, V)`` of the one packed forward; segment ``i``'s logits equal those of the sample alone."""
-    return model(**packed_model_inputs(model, batch)).logits
+def packed_forward(model: Any, batch: PackedBatch, logits_to_keep: "torch.Tensor | None" = None) -> "torch.Tensor":
+    """Logits ``(1, T, V)`` of the one packed forward; segment ``i``'s logits equal those of the sample alone.
+    ``logits_to_keep`` (sorted positions, see ``SupervisionBatch.at_kept_positions``) gives ``(1, K, V)``."""
+    inputs = packed_model_inputs(model, batch)
+    if logits_to_keep is not None:
+        inputs["logits_to_keep"] = logits_to_keep.to(inputs["input_ids"].device)
+    return model(**inputs).logits
 
 
-def padded_forward(model: Any, batch: PaddedBatch) -> "torch.Tensor":
-    """Logits ``(B, T, V)`` of the unpacked, right-padded forward (the reference the packed forward must equal)."""
+def padded_forward(model: Any, batch: PaddedBatch, logits_to_keep: "torch.Tensor | None" = None) -> "torch.Tensor":
+    """Logits ``(B, T, V)`` of the unpacked, right-padded forward (the reference the packed forward must equal);
+    ``(B, K, V)`` at the ``logits_to_keep`` positions."""
     device, _ = _model_device_dtype(model)
     inputs: dict[str, Any] = {
         "input_ids": batch.input_ids.to(device),
@@ -350,4 +365,6 @@ def padded_forward(model: Any, batch: PaddedBatch) -> "torch.Tensor":
     if batch.pixel_values is not None:
         inputs["pixel_values"] = batch.pixel_values.to(device)
         inputs["image_grid_thw"] = batch.image_grid_thw.to(device)
+    if logits_to_keep is not None:
+        inputs["logits_to_keep"] = logits_to_keep.to(device)
     return model(**inputs).logits

@@ -67,14 +67,16 @@ class StepStats:
         self.micro_steps = 0
         self.terms: dict[str, float] = {}
         self.trained_tokens = 0
+        self.computed_tokens = 0
         self.counters: list[RolloutCounters] = []
         self.seconds: dict[str, float] = {}
 
     def timed(self, stage: str, seconds: float) -> None:
         self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
 
-    def add(self, terms: dict[str, float], trained: int, counters: list) -> None:
+    def add(self, terms: dict[str, float], trained: int, counters: list, computed: int | None = None) -> None:
         self.micro_steps += 1
+        self.computed_tokens += trained if computed is None else computed
         for key, value in terms.items():
             self.terms[key] = self.terms.get(key, 0.0) + float(value)
         self.trained_tokens += trained
@@ -163,21 +165,27 @@ class CoordExpTrainer(Trainer):
         encoded = [s.encoded for s in selected]
         if self.buffer is not None:
             batch = collate_packed(encoded, rope, pad_token_id=self._pad_id())
-            # Inputs are built from the unwrapped model (its config); the call goes through the wrapper (DDP hooks).
-            logits = model(**packed_model_inputs(unwrapped, batch)).logits
         else:
             batch = collate_padded(encoded, rope, pad_token_id=self._pad_id())
-            logits = padded_forward(model, batch)
         segments = [
             SupervisionSegment(s.supervision, s.target.ids, *batch.placement(i)) for i, s in enumerate(selected)
         ]
-        supervision = SupervisionBatch.from_segments(segments, batch.seq_len).to(logits.device)
+        # The losses read assistant-span logits only: the LM head runs at those positions (logits_to_keep).
+        keep, supervision = SupervisionBatch.from_segments(segments, batch.seq_len).at_kept_positions()
+        if self.buffer is not None:
+            # Inputs are built from the unwrapped model (its config); the call goes through the wrapper (DDP hooks).
+            inputs = packed_model_inputs(unwrapped, batch)
+            logits = model(**inputs, logits_to_keep=keep.to(inputs["input_ids"].device)).logits
+        else:
+            logits = padded_forward(model, batch, logits_to_keep=keep)
+        supervision = supervision.to(logits.device)
         result = compute_objective(logits, supervision, self._coord_ids.to(logits.device), self.run.rollout_matching.pipeline)
         self.stats.timed("forward", time.perf_counter() - started)
         self._micro_step += 1
         self.stats.add(
             dict(result.terms),
             trained=batch.num_real_tokens,
+            computed=batch.num_token_slots,
             counters=[s.counters for s in samples],
         )
         return (result.total, logits) if return_outputs else result.total
@@ -210,11 +218,13 @@ class CoordExpTrainer(Trainer):
         # Every rank runs the same modules, so every rank has the same term keys in the same order.
         buffered = len(self.buffer) if self.buffer is not None else 0
         sums = self._reduced(
-            [stats.terms[k] for k in keys] + [stats.micro_steps, stats.trained_tokens, buffered]
+            [stats.terms[k] for k in keys] + [stats.micro_steps, stats.trained_tokens, buffered, stats.computed_tokens]
         )
         micro = max(sums[len(keys)], 1.0)
         logs = {f"loss/{k}": v / micro for k, v in zip(keys, sums[: len(keys)])}
         logs["tokens/trained"] = sums[len(keys) + 1]
+        # positions the forwards computed (padding included): the padded layout's waste is 1 - trained / computed
+        logs["tokens/computed"] = sums[len(keys) + 3]
         logs.update({f"time/{k}_s": v for k, v in sorted(stats.seconds.items())})  # this rank's wall time per stage
         compute = stats.seconds.get("forward", 0.0) + stats.seconds.get("backward", 0.0)
         if compute > 0:

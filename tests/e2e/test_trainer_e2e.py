@@ -56,8 +56,12 @@ def test_stage2_trains_with_counters_that_add_up(tmp_path, write_config, packing
         assert sum(len(e.pairs) for e in logged) == log["rollout/matched"]
         if packing:
             assert 0 < log["packing/fill_ratio"] <= 1
+            assert log["tokens/computed"] == log["tokens/trained"]  # padding-free rows
         else:
             assert "packing/fill_ratio" not in log
+            assert log["tokens/computed"] >= log["tokens/trained"]  # every row padded to the longest of its batch
+    if not packing:  # 2-sample micro-batches of different lengths pad somewhere
+        assert any(log["tokens/computed"] > log["tokens/trained"] for log in step_logs)
     assert (outcome.output_dir / "config.json").is_file()
     assert (outcome.output_dir / "tokenizer.json").is_file()
 

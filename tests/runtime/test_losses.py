@@ -486,6 +486,49 @@ def test_logits_must_match_the_batch_layout():
         compute_objective(torch.zeros(2, 4, VOCAB), batch, COORD_IDS, make_pipeline())
 
 
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), rows=st.integers(1, 3), prompt=st.integers(1, 6))
+def test_loss_on_kept_logit_positions_equals_the_full_logits_loss(seed, rows, prompt):
+    """Logits computed only where the losses read (union of supervised rows' positions) give the same terms and
+    the same gradient there; every other logit (prompt, padding) gets exactly zero gradient from the full loss."""
+    rng = np.random.default_rng(seed)
+    segments, lengths = [], []
+    for row in range(rows):
+        n = int(rng.integers(2, 9))
+        sup, ids = _random_segment(rng, n, int(rng.integers(0, n // 4 + 1)))
+        segments.append(SupervisionSegment(sup, ids, row, prompt + int(rng.integers(0, 3))))
+        lengths.append(segments[-1][3] + n)
+    seq_len = max(lengths) + int(rng.integers(0, 3))
+    batch = SupervisionBatch.from_segments(segments, seq_len)
+    positions, kept_batch = batch.at_kept_positions()
+    assert positions.tolist() == sorted(set((torch.cat([batch.ce_logit_index, batch.coord_logit_index]) % seq_len).tolist()))
+    assert kept_batch.seq_len == positions.numel() < seq_len  # position 0 predicts no supervised label
+    full = (torch.randn(rows, seq_len, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3).requires_grad_()
+    kept = full.detach()[:, positions].clone().requires_grad_()
+    expected = compute_objective(full, batch, COORD_IDS, make_pipeline())
+    actual = compute_objective(kept, kept_batch, COORD_IDS, make_pipeline())
+    assert actual.counts == expected.counts
+    for name, value in expected.terms.items():
+        assert actual.terms[name] == pytest.approx(value, rel=1e-6, abs=1e-6), name
+    expected.total.backward()
+    actual.total.backward()
+    torch.testing.assert_close(kept.grad, full.grad[:, positions], rtol=1e-5, atol=1e-7)
+    others = torch.ones(seq_len, dtype=torch.bool)
+    others[positions] = False
+    assert float(full.grad[:, others].abs().max()) == 0.0
+
+
+def test_kept_positions_of_an_unsupervised_batch_keep_one_position_and_a_zero_loss():
+    batch = SupervisionBatch.from_segments([SupervisionSegment(supervision(), [1, 2], 0, 1)], seq_len=4)
+    positions, kept_batch = batch.at_kept_positions()
+    assert positions.tolist() == [0] and kept_batch.seq_len == 1
+    logits = torch.randn(1, 1, VOCAB, requires_grad=True)
+    result = compute_objective(logits, kept_batch, COORD_IDS, make_pipeline())
+    assert float(result.total.detach()) == 0.0
+    result.total.backward()
+    assert torch.equal(logits.grad, torch.zeros_like(logits))
+
+
 # ------------------------------------------------------------------ packed == unpacked (decision 8)
 
 

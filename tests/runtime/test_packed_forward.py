@@ -358,6 +358,31 @@ def test_packed_loss_and_gradients_equal_unpacked_float32(model, workload):
         assert float(grad.abs().max()) > 0 or name.endswith("bias"), f"{name} got no gradient"
 
 
+def test_logits_at_kept_positions_give_the_full_forwards_loss_and_gradients(model, workload):
+    """The trainer's forward computes logits only where the losses read (``logits_to_keep``): same logits there,
+    same loss, and the same parameter gradients as the full-logits forward, packed and padded."""
+    rope_index = mrope_index_of(model)
+    for collate, forward in ((collate_packed, packed_forward), (collate_padded, padded_forward)):
+        batch = collate(workload.samples, rope_index)
+        segments = [SupervisionSegment(t.supervision, t.ids, *batch.placement(i)) for i, t in enumerate(workload.targets)]
+        supervision = SupervisionBatch.from_segments(segments, batch.seq_len)
+        positions, kept_supervision = supervision.at_kept_positions()
+        # prompt logits are never read: at most the assistant tokens of each row remain
+        assert positions.numel() <= max(s.total_len - s.assistant_start for s in workload.samples) * len(workload.samples)
+        assert positions.numel() < batch.seq_len - min(s.assistant_start for s in workload.samples)
+        full, full_grads = _loss_and_grads(model, batch, forward, workload)
+        model.zero_grad(set_to_none=True)
+        logits = forward(model, batch, logits_to_keep=positions)
+        assert logits.shape[:2] == (batch.input_ids.shape[0], positions.numel())
+        kept = compute_objective(logits, kept_supervision, workload.coord_ids, _pipeline())
+        kept.total.backward()
+        assert float(kept.total.detach()) == pytest.approx(float(full.total.detach()), abs=1e-5)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, full_grads[name], rtol=1e-4, atol=2e-5, msg=name)
+        with torch.no_grad():
+            _assert_logits_match(logits, forward(model, batch)[:, positions])
+
+
 def test_packed_loss_and_gradients_equal_unpacked_exactly_in_float64(tiny_model_dir, workload):
     """In float64 the two layouts agree to ~1e-15: packing changes no maths, only float32 rounding order."""
     model = _load_model(tiny_model_dir, dtype=torch.float64)
