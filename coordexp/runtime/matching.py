@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 from scipy.optimize import linear_sum_assignment
@@ -34,6 +35,7 @@ __all__ = [
 ]
 
 COORD_MAX = 999
+_BOX_CORNERS = np.array([0, 1, 2, 1, 2, 3, 0, 3])  # x1, y1, x2, y1, x2, y2, x1, y2: a box's ring from its 4 values
 
 
 # --------------------------------------------------------------------------------------------------- geometry
@@ -64,21 +66,22 @@ class _Rings:
 
     @classmethod
     def of(cls, objects: Sequence[DetObject]) -> _Rings:
-        flat: list[int] = []
-        counts: list[int] = []
-        for obj in objects:
-            c = obj.coords
-            if obj.geometry == "bbox_2d" and len(c) == 4:
-                flat += (c[0], c[1], c[2], c[1], c[2], c[3], c[0], c[3])
-                counts.append(4)
-            else:
-                _check_coords(obj)
-                flat += c
-                counts.append(len(c) // 2)
-        points = np.clip(np.array(flat, dtype=np.int64).reshape(-1, 2), 0, COORD_MAX)
-        n = np.array(counts, dtype=np.int64)
-        is_rect = np.array([obj.geometry == "bbox_2d" for obj in objects], dtype=bool)
-        return cls(points=points, starts=np.cumsum(n) - n, counts=n, is_rect=is_rect)
+        geometries = [obj.geometry for obj in objects]
+        coords = [obj.coords for obj in objects]
+        sizes = [len(c) for c in coords]
+        is_rect = [g == "bbox_2d" for g in geometries]
+        for obj, rect, size in zip(objects, is_rect, sizes):
+            if not (rect and size == 4):
+                _check_coords(obj)  # raises for a malformed shape
+        # One gather instead of a per-object list build: a box's 4 values expand to its 4 corners.
+        size = np.array(sizes, dtype=np.int64)
+        rect = np.array(is_rect, dtype=bool)
+        flat = np.fromiter(chain.from_iterable(coords), dtype=np.int64, count=int(size.sum()))
+        n = np.where(rect, 4, size // 2)
+        owner, position = _ragged_arange(2 * n)
+        source = (np.cumsum(size) - size)[owner] + np.where(rect[owner], _BOX_CORNERS[position % 8], position)
+        points = np.clip(flat[source].reshape(-1, 2), 0, COORD_MAX)
+        return cls(points=points, starts=np.cumsum(n) - n, counts=n, is_rect=rect)
 
     def aabbs(self) -> np.ndarray:
         """``(n, 4)`` as ``x_min, y_min, x_max, y_max``; swapped bbox corners are canonicalised."""
@@ -127,16 +130,32 @@ def candidate_mask(
     n_pred, n_gt = len(pred_aabbs), len(gt_aabbs)
     if top_k >= n_gt:
         return np.ones((n_pred, n_gt), dtype=bool)
+    if n_pred == 0:
+        return np.zeros((0, n_gt), dtype=bool)
     iou = _pairwise_aabb_iou(pred_aabbs, gt_aabbs) if aabb_iou is None else aabb_iou
-    pc = (pred_aabbs[:, :2] + pred_aabbs[:, 2:]).T.astype(np.float64)  # doubled centres: same order, exact
-    gc = (gt_aabbs[:, :2] + gt_aabbs[:, 2:]).T.astype(np.float64)
-    dist2 = (pc[0][:, None] - gc[0][None, :]) ** 2 + (pc[1][:, None] - gc[1][None, :]) ** 2
-    # Two stable sorts = lexicographic (IoU desc, distance asc, index asc).
-    by_dist = np.argsort(dist2, axis=1, kind="stable")
-    by_iou = np.argsort(-np.take_along_axis(iou, by_dist, axis=1), axis=1, kind="stable")
-    top = np.take_along_axis(by_dist, by_iou[:, :top_k], axis=1)
-    mask = np.zeros((n_pred, n_gt), dtype=bool)
-    np.put_along_axis(mask, top, True, axis=1)
+    # A partition instead of two full sorts: every GT above the top_k-th largest IoU is in; GTs tied with it are
+    # in when they all fit, else the nearest centres among them (then the lowest index) fill the remaining places.
+    kth = np.partition(iou, n_gt - top_k, axis=1)[:, n_gt - top_k, None]
+    above = iou > kth
+    tied = iou == kth
+    need = top_k - above.sum(axis=1)
+    mask = above | tied
+    over = np.flatnonzero(tied.sum(axis=1) > need)
+    if len(over):
+        pa, ga = pred_aabbs[over], gt_aabbs
+        pc = (pa[:, :2] + pa[:, 2:]).T.astype(np.float64)  # doubled centres: same order, exact
+        gc = (ga[:, :2] + ga[:, 2:]).T.astype(np.float64)
+        dist2 = (pc[0][:, None] - gc[0][None, :]) ** 2 + (pc[1][:, None] - gc[1][None, :]) ** 2
+        exact = pred_aabbs.dtype.kind in "iu" and gt_aabbs.dtype.kind in "iu" and dist2.max() * n_gt < 2.0**52
+        if exact:  # integer distances: (distance, index) as one exact float key
+            key = np.where(tied[over], dist2 * n_gt + np.arange(n_gt), np.inf)
+            cut = np.sort(key, axis=1)[np.arange(len(over)), need[over] - 1]
+            mask[over] = above[over] | (key <= cut[:, None])
+        else:
+            order = np.lexsort((dist2, ~tied[over]), axis=-1)  # tied first, by distance, then index (stable)
+            rank = np.empty_like(order)
+            np.put_along_axis(rank, order, np.broadcast_to(np.arange(n_gt), order.shape), axis=1)
+            mask[over] = above[over] | (rank < need[over, None])
     return mask
 
 
@@ -148,14 +167,14 @@ class _RowSpans:
     """Rasterised shapes as runs of set pixels per canvas row (no ``n x R x R`` canvas is ever built).
 
     Shape ``s`` owns canvas rows ``first[s] .. end[s] - 1``, numbered ``base[s] + row - first[s]`` in a global
-    row table; global row ``g`` holds spans ``ptr[g] .. ptr[g] + count[g] - 1``, each the pixel columns
-    ``[start, stop)``, sorted and disjoint.
+    row table; global row ``g`` holds spans ``ptr[g] .. ptr[g + 1] - 1`` (``count[g]`` of them), each the pixel
+    columns ``[start, stop)``, sorted and disjoint.
     """
 
     base: np.ndarray  # int64 (n,)
     first: np.ndarray  # int64 (n,)
     end: np.ndarray  # int64 (n,)
-    ptr: np.ndarray  # int64 (rows,)
+    ptr: np.ndarray  # int64 (rows + 1,)
     count: np.ndarray  # int64 (rows,)
     start: np.ndarray  # int64 (spans,)
     stop: np.ndarray  # int64 (spans,)
@@ -189,83 +208,95 @@ def _ragged_arange(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _first_col(x: np.ndarray, resolution: int) -> np.ndarray:
     """First pixel column right of a vertical edge at norm1000 ``x``: centre ``(2c + 1) * 1000 > 2 R x``, exactly."""
-    return np.clip((2 * resolution * x - 1000) // 2000 + 1, 0, resolution)
+    col = (2 * resolution * x - 1000) // 2000 + 1
+    return np.minimum(np.maximum(col, 0, out=col), resolution, out=col)  # np.clip, without its Python overhead
 
 
-def _rasterize_rings(rings: _Rings, resolution: int, selected: np.ndarray | None = None) -> _RowSpans:
-    """Row spans of the rings in ``selected`` (all when None), in that order.
+def _poly_spans(
+    rings: _Rings, polys: np.ndarray, row_offset: np.ndarray, resolution: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Global row, start and stop of the spans of rings ``polys`` (even-odd scanline), sorted by row then column.
 
-    Scanline fill: the crossings of all ring edges with each pixel-row centre are sorted and paired (even-odd
-    rule; the half-open edge rule makes every count even), each pair covering the pixel centres between them.
-    Vectorised over all edges of all shapes. Integer arithmetic throughout: canvas x = v * R / 1000 and pixel
-    centres sit at odd halves, so scaling by 2000 makes every comparison exact (no float ties on a centre).
-    A bbox is an axis-aligned rectangle: its two vertical edges give the same column range on every row, so its
-    spans are written directly instead of being sorted out of crossings.
+    Ring ``polys[i]``'s canvas row ``r`` is global row ``row_offset[i] + r``. The crossings of every edge with the
+    pixel-row centres it spans are sorted and paired: each pair covers the pixel centres between them.
+    """
+    counts = rings.counts[polys]
+    ring_of, k = _ragged_arange(counts)
+    vertex = rings.starts[polys][ring_of] + k
+    following = np.where(k == counts[ring_of] - 1, vertex - k, vertex + 1)  # the last vertex closes the ring
+    x0, y0 = rings.points[vertex].T
+    x1, y1 = rings.points[following].T
+    # Rows whose centre lies in [y_lo, y_hi): half-open, so a vertex shared by two edges counts once.
+    row_first, row_end = _row_range(np.minimum(y0, y1), np.maximum(y0, y1), resolution)
+    edge_id, offset = _ragged_arange(np.maximum(row_end - row_first, 0))
+    rows = row_first[edge_id] + offset
+    # Pixel c lies right of the crossing when (2c + 1) * 1000 * dy > num (dy > 0), where num / dy is 2R times the
+    # crossing's x in norm1000 units at the row centre.
+    dy, dx = (y1 - y0)[edge_id], (x1 - x0)[edge_id]
+    num = 2 * resolution * x0[edge_id] * dy + ((2 * rows + 1) * 1000 - 2 * resolution * y0[edge_id]) * dx
+    sign = np.sign(dy)
+    num *= sign
+    dy *= sign
+    first_col = (num - 1000 * dy) // (2000 * dy) + 1
+    np.minimum(np.maximum(first_col, 0, out=first_col), resolution, out=first_col)
+    stride = resolution + 1
+    # Sorting values (not an argsort), so the kind cannot change the result; timsort runs on the per-edge runs.
+    events = np.sort((row_offset[ring_of[edge_id]] + rows) * stride + first_col, kind="stable")
+    span_row = events[0::2] // stride
+    start = events[0::2] - span_row * stride
+    stop = events[1::2] - span_row * stride
+    nonempty = stop > start
+    return span_row[nonempty], start[nonempty], stop[nonempty]
+
+
+def _rasterize_rings(
+    rings: _Rings, resolution: int, selected: np.ndarray | None = None, aabbs: np.ndarray | None = None
+) -> _RowSpans:
+    """Row spans of the rings in ``selected`` (all when None), in that order; ``aabbs`` are ``rings.aabbs()``.
+
+    Scanline fill (:func:`_poly_spans`), vectorised over all edges of all shapes. Integer arithmetic throughout:
+    canvas x = v * R / 1000 and pixel centres sit at odd halves, so scaling by 2000 makes every comparison exact
+    (no float ties on a centre). A bbox is an axis-aligned rectangle: its two vertical edges give the same column
+    range on every row, so its spans are written directly instead of being sorted out of crossings.
     """
     if resolution < 1:
         raise ValueError(f"raster resolution must be >= 1, got {resolution}.")
     if selected is None:
         selected = np.arange(len(rings.counts))
-    aabbs = rings.aabbs()[selected]
+    aabbs = (rings.aabbs() if aabbs is None else aabbs)[selected]
     n = len(aabbs)
     shape_first, shape_end = _row_range(aabbs[:, 1], aabbs[:, 3], resolution)
     height = np.maximum(shape_end - shape_first, 0)
     base = np.cumsum(height) - height
     is_rect = rings.is_rect[selected]
-    stride = resolution + 1
-
-    # Polygons: crossings of every edge with the row centres it spans.
     poly_slots = np.flatnonzero(~is_rect)
-    slot = np.full(len(rings.counts), -1, dtype=np.int64)
-    slot[selected[poly_slots]] = poly_slots
-    edges, owner = rings.edges()
-    owner = slot[owner]
-    keep = owner >= 0
-    edges, owner = edges[keep], owner[keep]
-    x0, y0, x1, y1 = edges.T
-    # Rows whose centre lies in [y_lo, y_hi): half-open, so a vertex shared by two edges counts once.
-    row_first, row_end = _row_range(np.minimum(y0, y1), np.maximum(y0, y1), resolution)
-    row_count = np.maximum(row_end - row_first, 0)
-    edge_id, offset = _ragged_arange(row_count)
-    rows = row_first[edge_id] + offset
-    # Pixel c lies right of the crossing when (2c + 1) * 1000 * dy > num (dy > 0), where num / dy is 2R times the
-    # crossing's x in norm1000 units at the row centre.
-    dy = (y1 - y0)[edge_id]
-    num = 2 * resolution * x0[edge_id] * dy + ((2 * rows + 1) * 1000 - 2 * resolution * y0[edge_id]) * (x1 - x0)[edge_id]
-    sign = np.sign(dy)
-    num, dy = num * sign, dy * sign
-    first_col = np.clip((num - 1000 * dy) // (2000 * dy) + 1, 0, resolution)
-    shape_of = owner[edge_id]
-    events = np.sort((base[shape_of] + rows - shape_first[shape_of]) * stride + first_col)
-    poly_row = events[0::2] // stride
-    poly_start = events[0::2] - poly_row * stride
-    poly_stop = events[1::2] - poly_row * stride
-
-    # Rectangles: one span [left, right) on each of their rows (none when the column range is empty).
+    span_row, start, stop = _poly_spans(
+        rings, selected[poly_slots], (base - shape_first)[poly_slots], resolution
+    )
     rect_slots = np.flatnonzero(is_rect)
-    left = _first_col(aabbs[rect_slots, 0], resolution)
-    right = _first_col(aabbs[rect_slots, 2], resolution)
-    rect_height = np.where(right > left, height[rect_slots], 0)
-    rect_of, rect_offset = _ragged_arange(rect_height)
-    rect_row = base[rect_slots][rect_of] + rect_offset
-
-    # Shapes own disjoint global rows, so the two row-sorted span lists merge by counting (no second sort).
-    nonempty = poly_stop > poly_start
-    poly_row, poly_start, poly_stop = poly_row[nonempty], poly_start[nonempty], poly_stop[nonempty]
-    total = len(poly_row) + len(rect_row)
-    span_row = np.empty(total, dtype=np.int64)
-    start = np.empty(total, dtype=np.int64)
-    stop = np.empty(total, dtype=np.int64)
-    at_poly = np.arange(len(poly_row)) + np.searchsorted(rect_row, poly_row)
-    at_rect = np.arange(len(rect_row)) + np.searchsorted(poly_row, rect_row)
-    span_row[at_poly], start[at_poly], stop[at_poly] = poly_row, poly_start, poly_stop
-    span_row[at_rect], start[at_rect], stop[at_rect] = rect_row, left[rect_of], right[rect_of]
+    if len(rect_slots):  # one span [left, right) on each row of a rectangle (none when the column range is empty)
+        left = _first_col(aabbs[rect_slots, 0], resolution)
+        right = _first_col(aabbs[rect_slots, 2], resolution)
+        rect_height = np.where(right > left, height[rect_slots], 0)
+        rect_of, rect_offset = _ragged_arange(rect_height)
+        rect_row = base[rect_slots][rect_of] + rect_offset
+        # Shapes own disjoint global rows, so the two row-sorted span lists merge by counting (no second sort).
+        poly_row, poly_start, poly_stop = span_row, start, stop
+        total = len(poly_row) + len(rect_row)
+        span_row = np.empty(total, dtype=np.int64)
+        start = np.empty(total, dtype=np.int64)
+        stop = np.empty(total, dtype=np.int64)
+        at_poly = np.arange(len(poly_row)) + np.searchsorted(rect_row, poly_row)
+        at_rect = np.arange(len(rect_row)) + np.searchsorted(poly_row, rect_row)
+        span_row[at_poly], start[at_poly], stop[at_poly] = poly_row, poly_start, poly_stop
+        span_row[at_rect], start[at_rect], stop[at_rect] = rect_row, left[rect_of], right[rect_of]
     count = np.bincount(span_row, minlength=int(height.sum()))
+    ptr = np.zeros(len(count) + 1, dtype=np.int64)
+    np.cumsum(count, out=ptr[1:])
     span_shape = np.searchsorted(base, span_row, side="right") - 1
     areas = np.bincount(span_shape, weights=stop - start, minlength=n).astype(np.int64)
     return _RowSpans(
-        base=base, first=shape_first, end=shape_end, ptr=np.cumsum(count) - count, count=count,
-        start=start, stop=stop, areas=areas,
+        base=base, first=shape_first, end=shape_end, ptr=ptr, count=count, start=start, stop=stop, areas=areas
     )
 
 
@@ -298,10 +329,9 @@ def _pair_mask_iou(spans: _RowSpans, left: np.ndarray, right: np.ndarray) -> np.
     return np.divide(inter, union, out=np.zeros(len(left)), where=union > 0)
 
 
-def _rect_pair_iou(aabbs: np.ndarray, left: np.ndarray, right: np.ndarray, resolution: int) -> np.ndarray:
+def _rect_pair_iou(rows: np.ndarray, cols: np.ndarray, left: np.ndarray, right: np.ndarray) -> np.ndarray:
     """maskIoU of bbox pairs in closed form: each raster is the product of a row range and a column range."""
-    rows_lo, rows_hi = _row_range(aabbs[:, 1], aabbs[:, 3], resolution)
-    cols_lo, cols_hi = _first_col(aabbs[:, 0], resolution), _first_col(aabbs[:, 2], resolution)
+    rows_lo, rows_hi, cols_lo, cols_hi = rows[:, 0], rows[:, 1], cols[:, 0], cols[:, 1]
     area = np.maximum(rows_hi - rows_lo, 0) * np.maximum(cols_hi - cols_lo, 0)
     inter_rows = np.minimum(rows_hi[left], rows_hi[right]) - np.maximum(rows_lo[left], rows_lo[right])
     inter_cols = np.minimum(cols_hi[left], cols_hi[right]) - np.maximum(cols_lo[left], cols_lo[right])
@@ -313,18 +343,53 @@ def _rect_pair_iou(aabbs: np.ndarray, left: np.ndarray, right: np.ndarray, resol
 def _candidate_mask_iou(
     rings: _Rings, aabbs: np.ndarray, left: np.ndarray, right: np.ndarray, resolution: int
 ) -> np.ndarray:
-    """maskIoU of ring pairs ``(left[i], right[i])``: bbox pairs in closed form, the rest from row spans."""
+    """maskIoU of ring pairs ``(left[i], right[i])``: bbox pairs in closed form, the rest from polygon row spans.
+
+    Only polygons are rasterised: a box's raster is a row range times a column range, so a box-polygon overlap is
+    the polygon's spans clipped to that rectangle (rasterising a large box would cost one span per row).
+    """
     out = np.zeros(len(left))
-    rect_pair = rings.is_rect[left] & rings.is_rect[right]
+    rows = -((1000 - 2 * resolution * aabbs[:, 1::2]) // 2000)  # (n, 2): pixel rows [first, end), as _row_range
+    cols = _first_col(aabbs[:, 0::2], resolution)  # (n, 2): pixel columns [first, end)
+    rect_left, rect_right = rings.is_rect[left], rings.is_rect[right]
+    rect_pair = rect_left & rect_right
     if rect_pair.any():
-        out[rect_pair] = _rect_pair_iou(aabbs, left[rect_pair], right[rect_pair], resolution)
-    if not rect_pair.all():
-        rest = ~rect_pair
-        used, local = np.unique(np.concatenate([left[rest], right[rest]]), return_inverse=True)
-        spans = _rasterize_rings(rings, resolution, used)
-        n_rest = int(rest.sum())
-        out[rest] = _pair_mask_iou(spans, local[:n_rest], local[n_rest:])
+        out[rect_pair] = _rect_pair_iou(rows, cols, left[rect_pair], right[rect_pair])
+    if rect_pair.all():
+        return out
+    local = np.zeros(len(rings.counts), dtype=np.int64)
+    local[left[~rect_left]] = 1
+    local[right[~rect_right]] = 1
+    used = np.flatnonzero(local)
+    local[used] = np.arange(len(used))
+    spans = _rasterize_rings(rings, resolution, used, aabbs)
+    poly_pair = ~(rect_left | rect_right)
+    if poly_pair.any():
+        out[poly_pair] = _pair_mask_iou(spans, local[left[poly_pair]], local[right[poly_pair]])
+    mixed = rect_left != rect_right
+    if mixed.any():
+        box_left = rect_left[mixed]
+        boxes = np.where(box_left, left[mixed], right[mixed])
+        polys = local[np.where(box_left, right[mixed], left[mixed])]
+        out[mixed] = _box_poly_iou(spans, polys, rows[boxes], cols[boxes])
     return out
+
+
+def _box_poly_iou(spans: _RowSpans, polys: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """maskIoU of rasterised shapes ``polys[i]`` and the boxes of pixel ``rows[i]`` x ``cols[i]``: clipped spans."""
+    rows_lo, rows_hi, cols_lo, cols_hi = rows[:, 0], rows[:, 1], cols[:, 0], cols[:, 1]
+    box_area = np.maximum(rows_hi - rows_lo, 0) * np.maximum(cols_hi - cols_lo, 0)
+    first = spans.first[polys]
+    lo = np.maximum(first, rows_lo)
+    n_rows = np.maximum(np.minimum(spans.end[polys], rows_hi) - lo, 0)
+    row_lo = np.where(n_rows > 0, spans.base[polys] + lo - first, 0)  # global rows [row_lo, row_lo + n_rows)
+    span_lo = spans.ptr[row_lo]
+    owner, offset = _ragged_arange(spans.ptr[row_lo + n_rows] - span_lo)  # a shape's rows hold consecutive spans
+    span = span_lo[owner] + offset
+    overlap = np.minimum(spans.stop[span], cols_hi[owner]) - np.maximum(spans.start[span], cols_lo[owner])
+    inter = np.bincount(owner, weights=np.maximum(overlap, 0), minlength=len(polys))
+    union = box_area + spans.areas[polys] - inter
+    return np.divide(inter, union, out=np.zeros(len(polys)), where=union > 0)
 
 
 def mask_iou_matrix(pred_masks: np.ndarray, gt_masks: np.ndarray) -> np.ndarray:

@@ -183,6 +183,50 @@ def test_all_zero_aabb_iou_falls_back_to_nearest_centres():
     assert candidate_mask(aabbs_p, aabbs_g, 2)[0].tolist() == [False, True, True, False]
 
 
+def reference_candidate_mask(pred_aabbs: np.ndarray, gt_aabbs: np.ndarray, top_k: int) -> np.ndarray:
+    """The documented ranking written the obvious way: sort each row by (IoU desc, centre distance asc, index)."""
+    mask = np.zeros((len(pred_aabbs), len(gt_aabbs)), dtype=bool)
+    for i, p in enumerate(pred_aabbs.tolist()):
+        def rank(j: int, p=p) -> tuple[float, float, int]:
+            g = gt_aabbs[j].tolist()
+            dist2 = (p[0] + p[2] - g[0] - g[2]) ** 2 + (p[1] + p[3] - g[1] - g[3]) ** 2
+            return -_float_aabb_iou(p, g), float(dist2), j
+
+        mask[i, sorted(range(len(gt_aabbs)), key=rank)[:top_k]] = True
+    return mask
+
+
+def _float_aabb_iou(a: list, b: list) -> float:
+    a, b = [float(v) for v in a], [float(v) for v in b]
+    iw = max(min(a[2], b[2]) - max(a[0], b[0]), 0.0)
+    ih = max(min(a[3], b[3]) - max(a[1], b[1]), 0.0)
+    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - iw * ih
+    return iw * ih / union if union > 0 else 0.0
+
+
+small_box = st.tuples(st.integers(0, 6), st.integers(0, 6), st.integers(0, 3), st.integers(0, 3)).map(
+    lambda t: (t[0] * 50, t[1] * 50, t[0] * 50 + t[2] * 50, t[1] * 50 + t[3] * 50)
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    preds=st.lists(small_box, min_size=1, max_size=6),
+    gts=st.lists(small_box, min_size=1, max_size=12),
+    top_k=st.integers(1, 12),
+    as_float=st.booleans(),
+)
+def test_candidate_mask_equals_the_full_ranking_with_ties(preds, gts, top_k, as_float):
+    # A coarse grid makes IoU ties, zero-IoU rows and equal centre distances common (the tie-breaking paths).
+    dtype = np.float64 if as_float else np.int64
+    pred_aabbs, gt_aabbs = np.array(preds, dtype=dtype), np.array(gts, dtype=dtype)
+    if as_float:
+        pred_aabbs[:, 2:] += 0.25  # non-integer centres: the exact-key shortcut must not apply
+    got = candidate_mask(pred_aabbs, gt_aabbs, top_k)
+    np.testing.assert_array_equal(got, reference_candidate_mask(pred_aabbs, gt_aabbs, top_k))
+    assert (got.sum(axis=1) == min(top_k, len(gts))).all()
+
+
 def test_non_candidates_are_infeasible_even_with_high_mask_iou():
     pred = box(100, 100, 300, 300)
     gts = [box(100, 100, 300, 300), box(110, 110, 300, 300)]
