@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import re
 from bisect import bisect_right
+from functools import cached_property
+
+import numpy as np
 
 _COORD_TEXT_RE = re.compile(rb"<\|coord_[0-9]{1,4}\|>")
 _LITERAL_RE = re.compile(rb"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?|true|false|null")
@@ -22,20 +25,32 @@ _PUNCT, _STR, _OTHER, _END, _QUOTE = 1, 2, 3, 4, 5
 _LBRACE, _RBRACE, _LBRACK, _RBRACK, _COMMA, _COLON = b"{}[],:"
 _MAX_DEPTH = 64
 
-# Fast path for the common, well-formed object body (exactly desc + one flat/pair geometry array of coord items);
-# a body it does not match, or whose items are not exactly one coord token each, takes the general path.
+# Fast path for the common, well-formed entry: ``"object_N": {...}`` whose body is exactly desc + one flat/pair
+# geometry array of coord items, in either field order, plus the separator after it. The parser completes all such
+# entries in one vectorised batch; one whose items are not exactly one coord token each takes the general path.
 _W = rb"[ \t\n\r]*"
 _ITEM = rb'(?:"<\|coord_[0-9]{1,4}\|>"|<\|coord_[0-9]{1,4}\|>)'
 _FLAT = rb"\[" + _W + _ITEM + rb"(?:" + _W + rb"," + _W + _ITEM + rb")*" + _W + rb"\]"
 _PAIR = rb"\[" + _W + _ITEM + _W + rb"," + _W + _ITEM + _W + rb"\]"
 _PAIRS = rb"\[" + _W + _PAIR + rb"(?:" + _W + rb"," + _W + _PAIR + rb")*" + _W + rb"\]"
-_DESC_FIELD = rb'"desc"' + _W + rb":" + _W + rb"(?P<desc>" + _STRING + rb'")'
-_GEOM_FIELD = rb'"(?P<geom>bbox_2d|poly)"' + _W + rb":" + _W + rb"(?P<arr>" + _FLAT + rb"|" + _PAIRS + rb")"
-_FAST_BODY_RES = (
-    re.compile(rb"\{" + _W + _DESC_FIELD + _W + rb"," + _W + _GEOM_FIELD + _W + rb"\}"),
-    re.compile(rb"\{" + _W + _GEOM_FIELD + _W + rb"," + _W + _DESC_FIELD + _W + rb"\}"),
+
+
+def _desc_field(n: int) -> bytes:
+    return rb'"desc"' + _W + rb":" + _W + rb"(?P<desc%d>" % n + _STRING + rb'")'
+
+
+def _geom_field(n: int) -> bytes:
+    return (rb'"(?P<geom%d>bbox_2d|poly)"' % n + _W + rb":" + _W
+            + rb"(?P<arr%d>(?P<flat%d>" % (n, n) + _FLAT + rb")|" + _PAIRS + rb")")
+
+
+_FAST_ENTRY_RE = re.compile(
+    _W + rb'(?P<key>"object_(?P<index>[0-9]+)")' + _W + rb":" + _W + rb"(?P<body>\{" + _W
+    + rb"(?:" + _desc_field(1) + _W + rb"," + _W + _geom_field(1)
+    + rb"|" + _geom_field(2) + _W + rb"," + _W + _desc_field(2) + rb")"
+    + _W + rb"\})(?:" + _W + rb"(?P<sep>[,}]))?"
 )
-_FAST_KEY_RE = re.compile(_W + rb'("object_([0-9]+)")' + _W + rb":" + _W + rb"(?=\{)")
+
 
 class _Truncated(Exception):
     """The text ended inside a JSON value."""
@@ -66,40 +81,31 @@ class _Entry:
 
 
 class _Scanner:
-    def __init__(self, text: bytes, starts: list[int], bins: list[int], coord_cum: list[int], coord_at: list[int]):
-        self.text, self.starts, self.bins = text, starts, bins
-        self.coord_cum, self.coord_at = coord_cum, coord_at  # coord tokens before each token; their positions
+    """The decoded bytes and, per token, byte starts, bins (-1: not a coord token) and coord counts.
+
+    Arrays feed the vectorised fast path; the general path's per-lexeme lookups use lists, built on first use.
+    """
+
+    def __init__(self, text: bytes, starts: np.ndarray, bins: np.ndarray, coord_cum: np.ndarray, coord_at: np.ndarray):
+        self.text = text
+        self.starts_arr, self.bins_arr = starts, bins  # (T + 1,) byte offsets; (T,) bins
+        self.coord_cum_arr, self.coord_at_arr = coord_cum, coord_at  # coord tokens before each token; positions
+
+    @cached_property
+    def starts(self) -> list[int]:
+        return self.starts_arr.tolist()
+
+    @cached_property
+    def bins(self) -> list[int]:
+        return self.bins_arr.tolist()
+
+    @cached_property
+    def coord_cum(self) -> list[int]:
+        return self.coord_cum_arr.tolist()
 
     def tok(self, pos: int) -> int:
         """Index of the token holding byte ``pos``."""
         return bisect_right(self.starts, pos) - 1
-
-    def fast_body(self, pos: int, entry: _Entry) -> int:
-        """Scan a canonical object body starting at its ``{`` in one regex match; -1 when it does not apply."""
-        text = self.text
-        m = _FAST_BODY_RES[0].match(text, pos) if text[pos + 1 : pos + 8].lstrip()[:2] == b'"d' else None
-        m = m or _FAST_BODY_RES[1].match(text, pos)
-        if m is None:
-            return -1
-        arr_start, arr_end = m.span("arr")
-        n_items = text.count(b"<|", arr_start, arr_end)
-        starts = self.starts
-        first, last = bisect_right(starts, arr_start) - 1, bisect_right(starts, arr_end - 1) - 1
-        lo, hi = self.coord_cum[first], self.coord_cum[last + 1]
-        if hi - lo != n_items:
-            return -1  # some item is coord text spelled without its coord token: let the general path judge it
-        toks = self.coord_at[lo:hi]
-        bins = self.bins
-        entry.coord_toks = toks
-        entry.bins = [bins[t] for t in toks]
-        entry.n_slots = n_items
-        paired = text[arr_start + 1 : arr_end].lstrip(b" \t\n\r")[:1] == b"["
-        entry.shapes = [2] * (n_items // 2) if paired else [1] * n_items
-        desc_start, desc_end = m.span("desc")
-        entry.desc = _decode_string(text, desc_start, desc_end)
-        entry.desc_inner = (desc_start + 1, desc_end - 1)
-        entry.geometry = m.group("geom").decode()
-        return m.end()
 
     # -- lexing ---------------------------------------------------------------------------------------------
     def lex(self, pos: int) -> tuple[int, int, int]:

@@ -25,7 +25,7 @@ from coordexp.runtime.json_scan import (
     _WS_RE,
     _COMMA,
     _COLON,
-    _FAST_KEY_RE,
+    _FAST_ENTRY_RE,
     _decode_string,
     _Entry,
     _Malformed,
@@ -168,20 +168,19 @@ def parse_rollout(
             f"response ids must lie in [0, {len(table.pieces)}) for this tokenizer; got min {int(ids_arr.min())}, "
             f"max {int(ids_arr.max())} (was the rollout produced with another tokenizer or vocabulary size?)"
         )
-    stop_mask = np.isin(ids_arr, np.fromiter(table.stop_ids, dtype=np.int64, count=len(table.stop_ids)))
-    stopped = bool(stop_mask.any())
+    stop_at = np.flatnonzero(table.is_stop[ids_arr])
+    stopped = len(stop_at) > 0
     if stopped:
-        ids_arr = ids_arr[: int(stop_mask.argmax())]
+        ids_arr = ids_arr[: int(stop_at[0])]
     ids = ids_arr.tolist()
-    lengths = table.lengths[ids_arr]
     starts = np.zeros(len(ids) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=starts[1:])
+    np.cumsum(table.lengths[ids_arr], out=starts[1:])
     text = table.text_of(ids)
-    bins_arr = vocab.bins_of(ids_arr)
-    starts_list = starts.tolist()
-    is_coord = bins_arr >= 0
-    coord_cum = np.concatenate([[0], np.cumsum(is_coord)]).tolist()
-    scanner = _Scanner(text, starts_list, bins_arr.tolist(), coord_cum, np.flatnonzero(is_coord).tolist())
+    bins = table.bins_table(vocab)[ids_arr]
+    is_coord = bins >= 0
+    coord_cum = np.zeros(len(ids) + 1, dtype=np.int64)
+    np.cumsum(is_coord, out=coord_cum[1:])
+    scanner = _Scanner(text, starts, bins, coord_cum, np.flatnonzero(is_coord))
     dropped: dict[str, int] = {}
 
     pos = _WS_RE.match(text).end()
@@ -194,16 +193,16 @@ def parse_rollout(
 
     entries, candidates, truncated = _scan_top_level(scanner, pos + 1, dropped)
     if fallback is not None:
-        _count(dropped, "prefix_fallback", sum(1 for e in entries if e.index is not None))
+        _count(dropped, "prefix_fallback", sum(1 for e in entries if type(e) is not _Entry or e.index is not None))
         return _fallback_parse(ids, table, stopped, fallback, dropped, truncated=truncated)
 
     cut_fallbacks, n_kept, replacement, cut, n_retained = 0, 0, (), 0, 0
     for cut, n_retained in reversed(candidates):
-        k = scanner.tok(cut - 1)
-        if starts_list[k + 1] == cut:
+        k = int(np.searchsorted(starts, cut - 1, side="right")) - 1  # the token holding the cut's last byte
+        if starts[k + 1] == cut:
             n_kept, replacement = k + 1, ()
             break
-        found = table.reencode(text[starts_list[k] : cut])
+        found = table.reencode(text[int(starts[k]) : cut])
         if found is not None:
             n_kept, replacement = k, found
             break
@@ -213,14 +212,19 @@ def parse_rollout(
 
     rep_lengths = [len(table.pieces[r]) for r in replacement]
     n_before_fallback = candidates[-1][1]
+    fast = [e for e in entries[:n_retained] if type(e) is not _Entry]
+    fast_objects = iter(_finish_fast(fast, scanner, n_kept, replacement, rep_lengths) if fast else ())
     objects: list[ParsedObject] = []
     for i, entry in enumerate(entries):
-        if entry.index is None:
+        is_match = type(entry) is not _Entry
+        if not is_match and entry.index is None:
             _count(dropped, "non_object_key")
         elif i >= n_retained:
             _count(dropped, "cut_fallback" if i < n_before_fallback else "non_object_value")
         else:
-            obj = _finish(entry, scanner, n_kept, replacement, rep_lengths)
+            obj = next(fast_objects) if is_match else None
+            if obj is None:  # a general entry, or a fast one the batch left to the general path
+                obj = _finish(_general_entry(entry, scanner) if is_match else entry, scanner, n_kept, replacement, rep_lengths)
             objects.append(obj)
             if not obj.valid:
                 _count(dropped, obj.drop_reason)
@@ -258,26 +262,29 @@ def _scan_top_level(scanner: _Scanner, pos: int, dropped: dict[str, int]):
         if kind == _PUNCT and text[start] == _RBRACE:
             return entries, candidates, False
         while True:
-            fast = _FAST_KEY_RE.match(text, pos) if _USE_FAST_PATH else None
-            if fast is not None:
-                pending = _Entry(fast.group(1)[1:-1].decode(), int(fast.group(2)), fast.start(1))
-                pending.is_dict = True
-                pos = scanner.fast_body(fast.end(), pending)
-                if pos < 0:
-                    pos = scanner.object_body(fast.end() + 1, pending)
+            fast = _FAST_ENTRY_RE.match(text, pos) if _USE_FAST_PATH else None
+            if fast is not None:  # a canonical entry: kept as its match, completed later in one batch
+                entries.append(fast)
+                candidates.append((fast.end("body"), len(entries)))
+                sep = fast.group("sep")
+                if sep == b",":
+                    pos = fast.end()
+                    continue
+                if sep == b"}":
+                    return entries, candidates, False
+                scanner.fail(scanner.lex(fast.end())[0])  # neither ',' nor '}' follows: raises
+            kind, start, end = scanner.lex(pos)
+            if kind != _STR:
+                scanner.fail(kind)
+            key = _decode_string(text, start, end)
+            match = OBJECT_KEY_RE.fullmatch(key)
+            pending = _Entry(key, int(match.group(1)) if match else None, start)
+            value = scanner.lex(scanner.expect(end, _COLON))
+            pending.is_dict = value[0] == _PUNCT and text[value[1]] == _LBRACE
+            if match is not None and pending.is_dict:
+                pos = scanner.object_body(value[2], pending)
             else:
-                kind, start, end = scanner.lex(pos)
-                if kind != _STR:
-                    scanner.fail(kind)
-                key = _decode_string(text, start, end)
-                match = OBJECT_KEY_RE.fullmatch(key)
-                pending = _Entry(key, int(match.group(1)) if match else None, start)
-                value = scanner.lex(scanner.expect(end, _COLON))
-                pending.is_dict = value[0] == _PUNCT and text[value[1]] == _LBRACE
-                if match is not None and pending.is_dict:
-                    pos = scanner.object_body(value[2], pending)
-                else:
-                    pos = scanner.skip_value(value)
+                pos = scanner.skip_value(value)
             pending.end = pos
             entries.append(pending)
             if pending.is_dict:
@@ -347,6 +354,99 @@ def _finish(
         struct_token_positions=tuple(struct),
         desc_token_positions=tuple(desc_toks),
     )
+
+
+def _general_entry(match: re.Match, scanner: _Scanner) -> _Entry:
+    """The general scan of an entry the fast regex matched (same end; it judges what the batch cannot)."""
+    entry = _Entry(match.group("key")[1:-1].decode(), int(match.group("index")), match.start("key"))
+    entry.is_dict = True
+    entry.end = scanner.object_body(match.start("body") + 1, entry)
+    return entry
+
+
+_GEOMETRY = {b"bbox_2d": "bbox_2d", b"poly": "poly"}
+_GROUP = _FAST_ENTRY_RE.groupindex
+_KEY, _INDEX, _BODY = _GROUP["key"], _GROUP["index"], _GROUP["body"]
+# Group numbers of (desc, geometry key, array, flat array) in each field order of the fast entry regex.
+_FIELDS = tuple(tuple(_GROUP[f"{name}{n}"] for name in ("desc", "geom", "arr", "flat")) for n in (1, 2))
+# Per fast entry, the first and last byte of: the entry, its geometry array, its desc value (without quotes).
+_BYTE_SHIFT = np.array([0, -1, 0, -1, 1, -2])
+
+
+def _finish_fast(
+    matches: list[re.Match], scanner: _Scanner, n_kept: int, replacement: tuple[int, ...], rep_lengths: list[int]
+) -> list[ParsedObject | None]:
+    """ParsedObjects of canonical entries (same values as :func:`_finish`), their tokens found in one lookup.
+
+    None where the general path must judge the entry: an item that is coord text but not exactly one coord token.
+    """
+    text = scanner.text
+    fields, byte_at = [], []
+    for m in matches:
+        desc, geom, arr, flat = group = _FIELDS[m.start(_FIELDS[0][0]) < 0]
+        fields.append(group)
+        byte_at += (m.start(_KEY), m.end(_BODY), *m.span(arr), *m.span(desc))
+    spans = np.array(byte_at, dtype=np.int64).reshape(-1, 6)
+    tok = np.searchsorted(scanner.starts_arr, spans + _BYTE_SHIFT, side="right") - 1
+    tok[:, 1::2] += 1  # token ends: [first, end) of the entry, of its array and of its desc value
+    coords_before = scanner.coord_cum_arr[tok]
+    rows = np.concatenate([spans, tok, coords_before, tok - coords_before], axis=1).tolist()
+    coord_at = scanner.coord_at_arr.tolist()
+    coord_bins = scanner.bins_arr[scanner.coord_at_arr].tolist()
+    other_at = np.flatnonzero(scanner.bins_arr < 0).tolist()  # non-coord tokens; others_before indexes them
+    replaced = n_kept + 1 if replacement else -1  # token end of the entry whose closing token was re-encoded
+    out: list[ParsedObject | None] = []
+    for m, (desc_group, geom_group, arr_group, flat_group), row in zip(matches, fields, rows):
+        (key_start, body_end, arr_start, arr_end, desc_start, desc_end, t_first, t_end, _, _, d_first, d_end,
+         c_first, c_end, c_arr, c_arr_end, _, _, o_first, o_end, _, _, o_desc, o_desc_end) = row
+        n_items = text.count(b"<|", arr_start, arr_end)
+        if c_arr_end - c_arr != n_items:
+            out.append(None)
+            continue
+        bins = coord_bins[c_arr:c_arr_end]
+        desc = _decode_string(text, desc_start, desc_end)
+        if desc_end - desc_start > 2:
+            desc_tokens = list(range(d_first, d_end))
+            struct = other_at[o_first:o_desc] + other_at[o_desc_end:o_end]
+        else:
+            desc_tokens, struct = [], other_at[o_first:o_end]
+        if t_end == replaced:  # as in _finish: the re-encoded tokens replace the entry's last one
+            struct = [t for t in struct if t != n_kept]
+            desc_tokens = [t for t in desc_tokens if t != n_kept]
+            offset, desc_lo, desc_hi = scanner.starts_arr[n_kept], desc_start + 1, desc_end - 1
+            if desc_hi <= desc_lo:
+                desc_lo = desc_hi = -1
+            for j, length in enumerate(rep_lengths):
+                (desc_tokens if offset < desc_hi and offset + length > desc_lo else struct).append(n_kept + j)
+                offset += length
+            t_end = n_kept + len(replacement)
+        geometry = _GEOMETRY[m.group(geom_group)]
+        # The schema reasons a canonical body can have, in SCHEMA_REASONS priority order.
+        ambiguous = c_end - c_first != n_items  # a coord token outside the geometry slots (inside the desc)
+        if not desc.strip():
+            reason = "empty_desc"
+        elif geometry == "bbox_2d":
+            if m.start(flat_group) < 0:
+                reason = "bad_nesting"
+            elif n_items != 4:
+                reason = "bbox_arity"
+            elif ambiguous:
+                reason = "ambiguous_alignment"
+            else:
+                reason = "bbox_invalid" if bins[2] < bins[0] or bins[3] < bins[1] else None
+        elif n_items < 6 or n_items % 2:
+            reason = "poly_arity"
+        else:
+            reason = "ambiguous_alignment" if ambiguous else None
+        obj = object.__new__(ParsedObject)  # as in _parsed_object, without its per-call field check
+        obj.__dict__.update(
+            key=text[key_start + 1 : m.end(_KEY) - 1].decode(), index=int(m.group(_INDEX)), desc=desc,
+            geometry=geometry, coords=tuple(bins), coord_token_indices=tuple(coord_at[c_arr:c_arr_end]),
+            valid=reason is None, drop_reason=reason, token_span=(t_first, t_end),
+            struct_token_positions=tuple(struct), desc_token_positions=tuple(desc_tokens),
+        )
+        out.append(obj)
+    return out
 
 
 def _parsed_object(**values: Any) -> ParsedObject:

@@ -117,6 +117,29 @@ class PieceTable:
         _CACHE[key] = (ref, table)
         return table
 
+    @property
+    def is_stop(self) -> np.ndarray:
+        """Boolean ``(len(pieces),)``: whether each id is a stop token (one gather finds them in a rollout)."""
+        mask = self._flags.get("is_stop")
+        if mask is None:
+            mask = np.zeros(len(self.pieces), dtype=bool)
+            mask[[i for i in self.stop_ids if 0 <= i < len(self.pieces)]] = True
+            mask.setflags(write=False)
+            self._flags["is_stop"] = mask
+        return mask
+
+    def bins_table(self, vocab: Any) -> np.ndarray:
+        """int32 ``(len(pieces),)``: the coord bin of every id under ``vocab`` (a CoordVocab), -1 for other ids."""
+        cached = self._flags.get("bins_table")
+        if cached is not None and cached[0] is vocab:
+            return cached[1]
+        bins = np.full(len(self.pieces), -1, dtype=np.int32)
+        lookup = vocab.lookup[: len(self.pieces)]
+        bins[: len(lookup)] = lookup
+        bins.setflags(write=False)
+        self._flags["bins_table"] = (vocab, bins)  # holds the vocab, so its id is never reused while cached
+        return bins
+
     def text_of(self, ids: Sequence[int]) -> bytes:
         """The exact decoded bytes of ``ids`` (special tokens included, no cleanup)."""
         pieces = self.pieces

@@ -391,3 +391,38 @@ def test_fast_parsed_object_construction_equals_the_dataclass_constructor():
         fast.valid = False
     with pytest.raises(TypeError, match="fields mismatch"):
         _parsed_object(**{k: v for k, v in values.items() if k != "desc"})
+
+
+@pytest.mark.parametrize("desc", ["-", "--", ""])
+def test_batch_finish_equals_the_general_finish_when_the_replaced_token_overlaps_the_desc(desc):
+    # A real BPE can fuse a punctuation-only desc with its closing quote and braces ('-"}}'); the tiny tokenizer
+    # cannot, so the token layout is written by hand: one token per byte, one per coord, then the fused token.
+    import re
+
+    import numpy as np
+
+    from coordexp.runtime.json_scan import _FAST_ENTRY_RE, _Scanner
+    from coordexp.runtime.parsing import _finish, _finish_fast, _general_entry
+
+    coords = "".join(f'"{C(v)}", ' for v in (1, 2, 3, 4))[:-2]
+    body = f'{{"bbox_2d": [{coords}], "desc": "{desc}'
+    text = ("{" + '"object_1": ' + body).encode()
+    merged = re.findall(rb"<\|coord_[0-9]+\|>|.", text, re.S)  # a coord token, else one token per byte
+    fused = (desc[-1:] + '"}}').encode()
+    if desc:
+        merged[-1:] = []  # the desc's last byte moves into the fused token
+    merged.append(fused)
+    text = b"".join(merged)
+    starts = np.concatenate([[0], np.cumsum([len(p) for p in merged])]).astype(np.int64)
+    bins = np.array([int(re.fullmatch(rb"<\|coord_(\d+)\|>", p)[1]) if p.startswith(b"<|") else -1 for p in merged])
+    coord_cum = np.concatenate([[0], np.cumsum(bins >= 0)]).astype(np.int64)
+    scanner = _Scanner(text, starts, bins, coord_cum, np.flatnonzero(bins >= 0))
+    match = _FAST_ENTRY_RE.match(text, 1)
+    assert match is not None and match.group("sep") == b"}"
+    n_kept = len(merged) - 1
+    replacement, rep_lengths = (7, 8), [len(fused) - 2, 2]  # the cut keeps '-"}' (or '"}'): two new tokens
+    (fast,) = _finish_fast([match], scanner, n_kept, replacement, rep_lengths)
+    general = _finish(_general_entry(match, scanner), scanner, n_kept, replacement, rep_lengths)
+    assert fast == general
+    assert fast.token_span[1] == n_kept + 2
+    assert (n_kept in fast.desc_token_positions) == bool(desc)  # the first new token holds the desc's last byte

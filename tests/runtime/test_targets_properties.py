@@ -193,6 +193,48 @@ def test_fast_path_agrees_with_the_general_scanner(tiny_tokenizer, coord_vocab, 
     assert fast == general
 
 
+@st.composite
+def fast_path_edge_entries(draw) -> str:
+    """Entry texts the fast regex matches but whose judgement needs care: coord text in the desc, coord text that
+    is not one coord token, empty or escaped descs, pair nesting under bbox_2d, odd/short arrays, odd whitespace."""
+    ws = st.sampled_from(["", " ", "\n", "\t ", "  "])
+    quoted, bare = coord.map(lambda v: f'"<|coord_{v}|>"'), coord.map(lambda v: f"<|coord_{v}|>")
+    not_a_token = st.sampled_from(['"<|coord_1000|>"', '"<|coord_0007|>"', "<|coord_05|>"])
+    item = st.one_of(*[quoted] * 8, *[bare] * 4, not_a_token)
+    n_items = draw(st.sampled_from([4, 4, 4, 6, 8, 1, 3, 5, 7]))
+    items = draw(st.lists(item, min_size=n_items, max_size=n_items))
+    if len(items) % 2 == 0 and draw(st.booleans()):
+        array = "[" + ", ".join(f"[{a},{draw(ws)}{b}]" for a, b in zip(items[::2], items[1::2])) + "]"
+    else:
+        array = "[" + f",{draw(ws)}".join(items) + "]"
+    desc = draw(st.sampled_from(["cat", "cat", "cat", "", " ", "a <|coord_5|> b", "<|coord_12|>", 'q\\"x', "\\u732b", "猫 é", "}, {"]))
+    geometry = draw(st.sampled_from(["bbox_2d", "poly"]))
+    fields = [f'"desc":{draw(ws)}"{desc}"', f'"{geometry}"{draw(ws)}:{draw(ws)}{array}']
+    if draw(st.booleans()):
+        fields.reverse()
+    return f'"object_{draw(st.integers(0, 99))}"{draw(ws)}:{draw(ws)}{{{draw(ws)}{("," + draw(ws)).join(fields)}{draw(ws)}}}'
+
+
+@given(
+    entries=st.lists(fast_path_edge_entries(), min_size=1, max_size=5),
+    ending=st.sampled_from(["}", "}}", "}<|im_end|>", " }", ", ", ""]),
+    cut=st.floats(0, 1),
+)
+@SETTINGS
+def test_fast_path_agrees_with_the_general_scanner_on_edge_entries(
+    tiny_tokenizer, coord_vocab, monkeypatch, entries, ending, cut
+):
+    import coordexp.runtime.parsing as parsing
+
+    ids = tiny_tokenizer.encode("{" + ", ".join(entries) + ending, add_special_tokens=False)
+    ids = ids[: max(1, round(cut * len(ids)))] if cut < 0.5 else ids  # half the cases: the whole rollout
+    fast = parse_rollout(ids, tiny_tokenizer, coord_vocab)
+    with monkeypatch.context() as patch:
+        patch.setattr(parsing, "_USE_FAST_PATH", False)
+        general = parse_rollout(ids, tiny_tokenizer, coord_vocab)
+    assert fast == general
+
+
 @given(ids=st.lists(st.integers(0, 3055), max_size=40))
 @settings(max_examples=200, deadline=None)
 def test_pieces_concatenate_to_the_decoded_text(tiny_tokenizer, piece_table, ids):
