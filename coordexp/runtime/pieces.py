@@ -8,6 +8,7 @@ ASCII, so the parser scans bytes.
 from __future__ import annotations
 
 import weakref
+from itertools import chain
 from operator import itemgetter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -181,13 +182,22 @@ class PieceTable:
 
     def encode_joined(self, segments: Sequence[str], separator_ids: Sequence[int]) -> tuple[int, ...]:
         """``segments[0] + sep[0] + segments[1] + ... + segments[-1]`` from cached segment encodings."""
-        cache, ids = self._segments, []
-        for segment, separator in zip(segments, separator_ids):
-            cached = cache.get(segment)
-            ids.extend(cached if cached is not None else self.encode_segment(segment))
-            ids.append(separator)
-        ids.extend(self.encode_segment(segments[-1]))
-        return tuple(ids)
+        cache = self._segments
+        if len(separator_ids) != len(segments) - 1:  # not one separator between each two segments: zip's pairing
+            ids: list[int] = []
+            for segment, separator in zip(segments, separator_ids):
+                cached = cache.get(segment)
+                ids.extend(cached if cached is not None else self.encode_segment(segment))
+                ids.append(separator)
+            ids.extend(self.encode_segment(segments[-1]))
+            return tuple(ids)
+        encoded = [cache.get(segment) for segment in segments]
+        if None in encoded:
+            encoded = [ids if ids is not None else self.encode_segment(s) for ids, s in zip(encoded, segments)]
+        parts: list[Any] = [None] * (2 * len(segments) - 1)
+        parts[0::2] = encoded
+        parts[1::2] = [(separator,) for separator in separator_ids]
+        return tuple(chain.from_iterable(parts))
 
     def splits_at_added_tokens(self, added_token_text: str) -> bool:
         """Whether encoding text around ``added_token_text`` equals encoding the pieces on either side separately.

@@ -42,13 +42,16 @@ def validate_gt_object(obj: DetObject, where: str) -> None:
         raise TypeError(f"{where}: expected a DetObject, got {type(obj).__name__}")
     if not isinstance(obj.desc, str) or not obj.desc.strip():
         raise ValueError(f"{where}: desc must be a non-empty string, got {obj.desc!r}; fix or drop this object in the data")
-    if _MARKUP_RE.search(obj.desc):
+    if "<|" in obj.desc and _MARKUP_RE.search(obj.desc):
         raise ValueError(
             f"{where}: desc {obj.desc!r} contains special-token markup like '<|...|>', which the tokenizer would turn "
             "into a coord/special token; clean the description in the data"
         )
     coords = obj.coords
-    bad = [c for c in coords if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or not 0 <= c <= 999]
+    if type(coords) is tuple and coords and set(map(type, coords)) == {int} and 0 <= min(coords) and max(coords) <= 999:
+        bad = ()  # the common case (plain ints in range), checked without a per-value Python loop
+    else:
+        bad = [c for c in coords if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or not 0 <= c <= 999]
     if bad:
         raise ValueError(f"{where}: coords must be ints in 0..999 (norm1000 bins); bad values {bad[:4]}")
     if obj.geometry == "bbox_2d":
@@ -69,93 +72,76 @@ def _check_field_order(field_order: str) -> None:
 
 
 _COORD_TEXT = tuple(f"<|coord_{k}|>" for k in range(1000))
-
-
-class _Writer:
-    """Accumulates text and the character positions of desc values and coord tokens."""
-
-    def __init__(self) -> None:
-        self.parts: list[str] = []
-        self.size = 0  # characters written so far
-        self.desc_chars: list[tuple[int, int]] = []
-        self.coord_chars: list[tuple[int, int]] = []  # (bin, start)
-        self.coord_ends: list[int] = []  # end character of each coord token
-
-    def write(self, s: str) -> None:
-        self.parts.append(s)
-        self.size += len(s)
-
-    def entry(self, key: str, obj: DetObject, field_order: str) -> None:
-        self.write(f'"{key}": {{')
-        if field_order == "desc_first":
-            self._desc(obj)
-            self.write(", ")
-            self._geometry(obj)
-        else:
-            self._geometry(obj)
-            self.write(", ")
-            self._desc(obj)
-        self.write("}")
-
-    def _desc(self, obj: DetObject) -> None:
-        escaped = json.dumps(obj.desc, ensure_ascii=False)
-        start = self.size + 9  # len('"desc": "')
-        self.write('"desc": ' + escaped)
-        self.desc_chars.append((start, self.size - 1))
-
-    def _geometry(self, obj: DetObject) -> None:
-        head = f'"{obj.geometry}": ["'
-        texts = [_COORD_TEXT[value] for value in obj.coords]
-        position = self.size + len(head)
-        coord_chars, coord_ends = self.coord_chars, self.coord_ends
-        for value, text in zip(obj.coords, texts):
-            coord_chars.append((int(value), position))
-            position += len(text)
-            coord_ends.append(position)
-            position += 4  # len('", "')
-        self.write(head + '", "'.join(texts) + '"]')
-
-    def render(self, geometries: tuple[str, ...]) -> RenderedAppend:
-        text = "".join(self.parts)
-        coord_starts = [c for _, c in self.coord_chars]
-        coord_ends = self.coord_ends
-        segments = [text[lo:hi] for lo, hi in zip([0, *coord_ends], [*coord_starts, len(text)])]
-        if text.isascii():
-            desc_spans = tuple(self.desc_chars)
-            coord_spans = tuple((b, c, e) for (b, c), e in zip(self.coord_chars, coord_ends))
-        else:  # desc values may hold multi-byte characters: convert character offsets to byte offsets
-            cuts = sorted({c for span in self.desc_chars for c in span} | set(coord_starts) | set(coord_ends))
-            byte_at, done, size = {}, 0, 0
-            for c in cuts:
-                size += len(text[done:c].encode("utf-8"))
-                byte_at[c], done = size, c
-            desc_spans = tuple((byte_at[a], byte_at[b]) for a, b in self.desc_chars)
-            coord_spans = tuple((b, byte_at[c], byte_at[e]) for (b, c), e in zip(self.coord_chars, coord_ends))
-        return RenderedAppend(
-            text=text,
-            desc_spans=desc_spans,
-            coord_spans=coord_spans,
-            geometries=geometries,
-            segments=tuple(segments),
-        )
+_COORD_SEP = '", "'  # between two quoted coord tokens
+_encode_desc = json.encoder.encode_basestring  # == json.dumps(desc, ensure_ascii=False), without its per-call setup
 
 
 def render_entries(
     objects: Sequence[DetObject], start_index: int, field_order: FieldOrder, *, lead: str = "", tail: str = ""
 ) -> RenderedAppend:
-    """``lead`` + ``"object_{start_index}": {...}, ...`` + ``tail``, with spans."""
+    """``lead`` + ``"object_{start_index}": {...}, ...`` + ``tail``, with spans.
+
+    One string per object; the segments between coord tokens are collected while rendering (an object's inner
+    segments are all ``'", "'``), and character offsets become byte offsets only when the text is not ASCII.
+    """
     _check_field_order(field_order)
     if isinstance(start_index, bool) or not isinstance(start_index, int) or start_index < 1:
         raise ValueError(f"start_index must be an int >= 1, got {start_index!r}")
-    writer = _Writer()
-    writer.write(lead)
+    desc_first = field_order == "desc_first"
+    parts, segments = [lead], []
+    size, segment = len(lead), lead  # characters written; the text since the last coord token
+    desc_chars: list[tuple[int, int]] = []
+    coord_chars: list[tuple[int, int]] = []  # (bin, start character)
+    coord_ends: list[int] = []
     for i, obj in enumerate(objects):
         validate_gt_object(obj, f"object {i} of the ground truth")
-        if i:
-            writer.write(", ")
-        writer.entry(f"object_{start_index + i}", obj, field_order)
-    writer.write(tail)
-    return writer.render(tuple(o.geometry for o in objects))
+        escaped = _encode_desc(obj.desc)
+        key = f'{", " if i else ""}"object_{start_index + i}": {{'
+        if desc_first:
+            head = f'{key}"desc": {escaped}, "{obj.geometry}": ["'
+            desc_start = size + len(key) + 9  # len('"desc": "')
+            after = '"]}'
+        else:
+            head = f'{key}"{obj.geometry}": ["'
+            after = f'"], "desc": {escaped}}}'
+        texts = [_COORD_TEXT[value] for value in obj.coords]
+        body = _COORD_SEP.join(texts)
+        position = size + len(head)
+        for value, text in zip(obj.coords, texts):
+            coord_chars.append((int(value), position))
+            position += len(text)
+            coord_ends.append(position)
+            position += 4  # len(_COORD_SEP)
+        if not desc_first:
+            desc_start = coord_ends[-1] + 13  # after '"], "desc": "'
+        desc_chars.append((desc_start, desc_start + len(escaped) - 2))
+        segments.append(segment + head)
+        segments += [_COORD_SEP] * (len(texts) - 1)
+        segment = after
+        parts += (head, body, after)
+        size += len(head) + len(body) + len(after)
+    parts.append(tail)
+    segments.append(segment + tail)
+    text = "".join(parts)
+    if text.isascii():
+        desc_spans = tuple(desc_chars)
+        coord_spans = tuple((b, c, e) for (b, c), e in zip(coord_chars, coord_ends))
+    else:  # desc values may hold multi-byte characters: convert character offsets to byte offsets
+        coord_starts = [c for _, c in coord_chars]
+        cuts = sorted({c for span in desc_chars for c in span} | set(coord_starts) | set(coord_ends))
+        byte_at, done, n_bytes = {}, 0, 0
+        for c in cuts:
+            n_bytes += len(text[done:c].encode("utf-8"))
+            byte_at[c], done = n_bytes, c
+        desc_spans = tuple((byte_at[a], byte_at[b]) for a, b in desc_chars)
+        coord_spans = tuple((b, byte_at[c], byte_at[e]) for (b, c), e in zip(coord_chars, coord_ends))
+    return RenderedAppend(
+        text=text,
+        desc_spans=desc_spans,
+        coord_spans=coord_spans,
+        geometries=tuple(o.geometry for o in objects),
+        segments=tuple(segments),
+    )
 
 
 def serialize_objects(objects: Sequence[DetObject], field_order: FieldOrder = "desc_first") -> str:

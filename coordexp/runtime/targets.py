@@ -87,7 +87,8 @@ def _pair_targets(
     pairs: list[tuple[int, int]],
     pair_coord_targets: Mapping[tuple[int, int], Any] | Sequence[Any],
     original_order: list[tuple[int, int]],
-) -> dict[tuple[int, int], np.ndarray]:
+) -> np.ndarray:
+    """The targets of every pair, concatenated in ``pairs`` order (float64), checked against the coord slots."""
     if isinstance(pair_coord_targets, Mapping):
         lookup = {(int(p), int(g)): v for (p, g), v in pair_coord_targets.items()}
     else:
@@ -97,26 +98,26 @@ def _pair_targets(
                 "give one target array per pair, in the order of matched_pairs"
             )
         lookup = dict(zip(original_order, pair_coord_targets))
-    out = {}
+    objects = parse.objects
+    out = []
     for pair in pairs:
         if pair not in lookup:
             raise ValueError(f"pair_coord_targets has no targets for matched pair {pair}")
         values = np.asarray(lookup[pair], dtype=np.float64).reshape(-1)
-        n_slots = len(parse.objects[pair[0]].coord_token_indices)
+        n_slots = len(objects[pair[0]].coord_token_indices)
         if values.size != n_slots:
             raise ValueError(
                 f"matched pair {pair}: {values.size} coord targets for {n_slots} coord slots of "
-                f"{parse.objects[pair[0]].key}; give one target bin per predicted coord token"
+                f"{objects[pair[0]].key}; give one target bin per predicted coord token"
             )
-        out[pair] = values
-    if out:  # one range check over all pairs; the per-pair loop below only runs to name the offending pair
-        every = np.concatenate(list(out.values()))
-        if np.isfinite(every).all() and every.min(initial=0) >= 0 and every.max(initial=0) <= 999:
-            return out
-    for pair, values in out.items():
+        out.append(values)
+    every = np.concatenate(out) if out else np.zeros(0)
+    if np.isfinite(every).all() and every.min(initial=0) >= 0 and every.max(initial=0) <= 999:
+        return every
+    for pair, values in zip(pairs, out):  # only to name the offending pair
         if not np.all(np.isfinite(values)) or values.min(initial=0) < 0 or values.max(initial=0) > 999:
             raise ValueError(f"matched pair {pair}: coord targets must be finite bins in [0, 999], got {values.tolist()}")
-    return out
+    return every
 
 
 def _append_token_layout(
@@ -128,13 +129,13 @@ def _append_token_layout(
             "the tokenizer does not round-trip the append text exactly (decode(encode(text)) != text); "
             f"text starts {rendered.text[:60]!r}"
         )
-    ids_arr = np.asarray(append_ids, dtype=np.int64)
+    ids_arr = np.fromiter(append_ids, dtype=np.int64, count=len(append_ids))
     starts = np.zeros(len(append_ids) + 1, dtype=np.int64)
     np.cumsum(table.lengths[ids_arr], out=starts[1:])
-    bins = vocab.bins_of(ids_arr)
+    bins = table.bins_table(vocab)[ids_arr]
     coord_at = np.flatnonzero(bins >= 0)
-    expected = np.asarray([b for b, _, _ in rendered.coord_spans], dtype=np.int64)
-    expected_starts = np.asarray([s for _, s, _ in rendered.coord_spans], dtype=np.int64)
+    coord_spans = np.array(rendered.coord_spans, dtype=np.int64).reshape(-1, 3)
+    expected, expected_starts = coord_spans[:, 0], coord_spans[:, 1]
     if (
         coord_at.size != expected.size
         or not np.array_equal(bins[coord_at], expected)
@@ -228,7 +229,7 @@ def build_train_target(
         raise ValueError(f"eos_id {eos_id} must be a non-coord token id of this tokenizer (e.g. <|im_end|>)")
     original = [(int(p), int(g)) for p, g in matched_pairs]
     pairs = _check_pairs(parse, len(gt_objects), original)
-    targets = _pair_targets(parse, pairs, pair_coord_targets, original)
+    pair_targets = _pair_targets(parse, pairs, pair_coord_targets, original)
     matched_gt = {g for _, g in pairs}
     fn = tuple(g for g in range(len(gt_objects)) if g not in matched_gt)
     start_index = (parse.max_object_index or 0) + 1
@@ -240,31 +241,28 @@ def build_train_target(
     ids = parse.prefix_ids + append_ids + (eos_id,)
     ce_positions, ce_weights = _ce_weights(parse, pairs, token_ce, prefix_len, append_len, coord_at, desc_at)
 
+    # Coord slots: the matched predictions' slots in pair order, then the FN tail's; bbox_slots index them.
     coord_positions: list[int] = []
-    coord_targets: list[float] = []
-    bbox_slots: list[list[int]] = []
-    for pair in pairs:
-        obj = parse.objects[pair[0]]
+    bbox_first: list[int] = []  # the slot of each supervised box's x1
+    for p, _ in pairs:
+        obj = parse.objects[p]
         if obj.geometry == "bbox_2d":
-            bbox_slots.append(list(range(len(coord_positions), len(coord_positions) + 4)))
-        coord_positions.extend(obj.coord_token_indices)
-        coord_targets.extend(targets[pair].tolist())
-    tail_bins = [b for b, _, _ in rendered.coord_spans]
-    cursor = 0
+            bbox_first.append(len(coord_positions))
+        coord_positions += obj.coord_token_indices
+    cursor = len(coord_positions)
     for geometry, g in zip(rendered.geometries, fn):
-        n = len(gt_objects[g].coords)
         if geometry == "bbox_2d":
-            bbox_slots.append(list(range(len(coord_positions) + cursor, len(coord_positions) + cursor + 4)))
-        cursor += n
-    coord_positions.extend((prefix_len + coord_at).tolist())
-    coord_targets.extend(float(b) for b in tail_bins)
+            bbox_first.append(cursor)
+        cursor += len(gt_objects[g].coords)
+    coord_positions += (prefix_len + coord_at).tolist()
+    tail_bins = np.array([b for b, _, _ in rendered.coord_spans], dtype=np.float64)
 
     supervision = TokenSupervision(
         ce_positions=ce_positions,
         ce_weights=ce_weights,
-        coord_positions=np.asarray(coord_positions, dtype=np.int64),
-        coord_targets=np.asarray(coord_targets, dtype=np.float32),
-        bbox_slots=np.asarray(bbox_slots, dtype=np.int64).reshape(-1, 4),
+        coord_positions=np.array(coord_positions, dtype=np.int64),
+        coord_targets=np.concatenate([pair_targets, tail_bins]).astype(np.float32),
+        bbox_slots=(np.array(bbox_first, dtype=np.int64)[:, None] + np.arange(4, dtype=np.int64)).reshape(-1, 4),
     )
     target = TrainTarget(
         ids=ids,

@@ -72,6 +72,24 @@ def test_serialize_append_geometry_first_numbers_from_start_index():
     assert text.endswith('"], "desc": "sign"}}')
 
 
+@pytest.mark.parametrize("field_order", ["desc_first", "geometry_first"])
+@pytest.mark.parametrize("lead_prefix", ["{", '{"object_1": {}}'])
+def test_rendered_append_spans_point_at_the_desc_values_and_coord_tokens(field_order, lead_prefix):
+    from coordexp.runtime.serialize import render_append
+
+    objects = [CAT, DetObject('猫 "x"\\é', "poly", (7, 8, 90, 8, 90, 100)), DetObject("a\tb", "bbox_2d", (0, 0, 999, 999))]
+    rendered = render_append(objects, 5, lead_prefix, field_order)
+    raw = rendered.text.encode("utf-8")
+    assert [json.loads(b'"' + raw[lo:hi] + b'"') for lo, hi in rendered.desc_spans] == [o.desc for o in objects]
+    assert [raw[lo:hi].decode() for _, lo, hi in rendered.coord_spans] == [f"<|coord_{v}|>" for o in objects for v in o.coords]
+    assert [b for b, _, _ in rendered.coord_spans] == [v for o in objects for v in o.coords]
+    rebuilt = rendered.segments[0] + "".join(
+        f"<|coord_{b}|>" + segment for (b, _, _), segment in zip(rendered.coord_spans, rendered.segments[1:])
+    )
+    assert rebuilt == rendered.text and rendered.geometries == ("bbox_2d", "poly", "bbox_2d")
+    assert rendered.text == serialize_append(objects, 5, lead_prefix, field_order)
+
+
 @pytest.mark.parametrize(
     "bad, message",
     [
