@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import chain
 
 import numpy as np
 from scipy.optimize import linear_sum_assignment
@@ -35,7 +34,6 @@ __all__ = [
 ]
 
 COORD_MAX = 999
-_BOX_CORNERS = np.array([0, 1, 2, 1, 2, 3, 0, 3])  # x1, y1, x2, y1, x2, y2, x1, y2: a box's ring from its 4 values
 
 
 # --------------------------------------------------------------------------------------------------- geometry
@@ -66,22 +64,25 @@ class _Rings:
 
     @classmethod
     def of(cls, objects: Sequence[DetObject]) -> _Rings:
-        geometries = [obj.geometry for obj in objects]
-        coords = [obj.coords for obj in objects]
-        sizes = [len(c) for c in coords]
-        is_rect = [g == "bbox_2d" for g in geometries]
-        for obj, rect, size in zip(objects, is_rect, sizes):
-            if not (rect and size == 4):
-                _check_coords(obj)  # raises for a malformed shape
-        # One gather instead of a per-object list build: a box's 4 values expand to its 4 corners.
-        size = np.array(sizes, dtype=np.int64)
-        rect = np.array(is_rect, dtype=bool)
-        flat = np.fromiter(chain.from_iterable(coords), dtype=np.int64, count=int(size.sum()))
-        n = np.where(rect, 4, size // 2)
-        owner, position = _ragged_arange(2 * n)
-        source = (np.cumsum(size) - size)[owner] + np.where(rect[owner], _BOX_CORNERS[position % 8], position)
-        points = np.clip(flat[source].reshape(-1, 2), 0, COORD_MAX)
-        return cls(points=points, starts=np.cumsum(n) - n, counts=n, is_rect=rect)
+        flat: list[int] = []
+        counts: list[int] = []
+        is_rect: list[bool] = []
+        for obj in objects:
+            c = obj.coords
+            if obj.geometry == "bbox_2d" and len(c) == 4:
+                x1, y1, x2, y2 = c
+                flat += (x1, y1, x2, y1, x2, y2, x1, y2)
+                counts.append(4)
+                is_rect.append(True)
+            else:
+                _check_coords(obj)
+                flat += c
+                counts.append(len(c) // 2)
+                is_rect.append(False)
+        points = np.array(flat, dtype=np.int64).reshape(-1, 2)
+        np.minimum(np.maximum(points, 0, out=points), COORD_MAX, out=points)  # np.clip without its overhead
+        n = np.array(counts, dtype=np.int64)
+        return cls(points=points, starts=np.cumsum(n) - n, counts=n, is_rect=np.array(is_rect, dtype=bool))
 
     def aabbs(self) -> np.ndarray:
         """``(n, 4)`` as ``x_min, y_min, x_max, y_max``; swapped bbox corners are canonicalised."""

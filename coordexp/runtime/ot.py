@@ -10,6 +10,7 @@ bbox<->bbox pairs take the GT bins directly. Targets are continuous bins in [0, 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from itertools import chain
 
 import numpy as np
 
@@ -36,6 +37,13 @@ def ground_cost(a: np.ndarray, b: np.ndarray, cost: str) -> np.ndarray:
     if cost == "l2":
         return np.sqrt((diff**2).sum(axis=-1))
     raise ValueError(f"unknown OT ground cost {cost!r}; expected 'l1' or 'l2' (rollout_matching.ot.cost).")
+
+
+if hasattr(np, "vecmat"):  # numpy >= 2.2: the cheapest small batched vector-matrix product
+    _vecmat = np.vecmat
+else:  # pragma: no cover - older numpy
+    def _vecmat(x: np.ndarray, m: np.ndarray) -> np.ndarray:
+        return np.matmul(x[..., None, :], m)[..., 0, :]
 
 
 # Exp-domain scaling is the same iteration as log-domain (u = exp(f/eps), v = exp(g/eps)) and ~3x cheaper; it is
@@ -79,8 +87,8 @@ def _sinkhorn_log(
 
 
 def _sinkhorn_exp(
-    scaled: np.ndarray, row_valid: np.ndarray, col_valid: np.ndarray, iters: int
-) -> tuple[np.ndarray, np.ndarray]:
+    scaled: np.ndarray, row_valid: np.ndarray, col_valid: np.ndarray, iters: int, with_plan: bool = True
+) -> tuple[np.ndarray | None, np.ndarray]:
     """Exp-domain twin of :func:`_sinkhorn_log` for batches whose ``range(C) / eps`` is at most the safe range."""
     valid = row_valid[:, :, None] & col_valid[:, None, :]
     # Padded entries get kernel 1 and marginal 0: their scalings come out exactly 0 and no denominator is 0.
@@ -89,35 +97,43 @@ def _sinkhorn_exp(
     a = row_valid / row_valid.sum(axis=1, keepdims=True)
     b = col_valid / col_valid.sum(axis=1, keepdims=True)
     kernel_t = np.ascontiguousarray(kernel.transpose(0, 2, 1))
-    u = np.zeros((*a.shape, 1))
-    v = col_valid.astype(np.float64)[:, :, None]
-    a, b = a[:, :, None], b[:, :, None]
-    for _ in range(iters):
-        np.divide(a, np.matmul(kernel, v), out=u)
-        np.divide(b, np.matmul(kernel_t, u), out=v)
-    u, v = u[:, :, 0], v[:, :, 0]
+    u = np.zeros(a.shape)
+    v = col_valid.astype(np.float64)
+    for _ in range(iters):  # u = a / (K v), v = b / (K^T u), as row-vector products
+        np.divide(a, _vecmat(v, kernel_t), out=u)
+        np.divide(b, _vecmat(u, kernel), out=v)
     scaled_rows = kernel * v[:, None, :] * row_valid[:, :, None]
-    plan = u[:, :, None] * scaled_rows
+    plan = u[:, :, None] * scaled_rows if with_plan else None
     row_sum = scaled_rows.sum(axis=2, keepdims=True)
     weights = np.divide(scaled_rows, row_sum, out=np.zeros_like(scaled_rows), where=row_sum > 0)
     return plan, weights
 
 
 def _sinkhorn_batch(
-    scaled: np.ndarray, n_rows: np.ndarray, n_cols: np.ndarray, iters: int, force_log: bool = False
-) -> tuple[np.ndarray, np.ndarray]:
-    """Plans ``(B, N, M)`` and row-normalised plans for a padded batch (uniform marginals over the real points)."""
+    scaled: np.ndarray,
+    n_rows: np.ndarray,
+    n_cols: np.ndarray,
+    iters: int,
+    force_log: bool = False,
+    with_plan: bool = True,
+) -> tuple[np.ndarray | None, np.ndarray]:
+    """Plans ``(B, N, M)`` (None unless ``with_plan``) and row-normalised plans for a padded batch (uniform
+    marginals over the real points)."""
     batch, n, m = scaled.shape
     row_valid = np.arange(n)[None, :] < n_rows[:, None]
     col_valid = np.arange(m)[None, :] < n_cols[:, None]
     valid = row_valid[:, :, None] & col_valid[:, None, :]
     spread = np.where(valid, scaled, -np.inf).max(axis=(1, 2)) - np.where(valid, scaled, np.inf).min(axis=(1, 2))
     fast = (spread <= _EXP_DOMAIN_MAX_RANGE) & (not force_log)
-    plan = np.zeros(scaled.shape)
+    if fast.all():  # the usual case: one solver for the whole batch, no gather/scatter
+        return _sinkhorn_exp(scaled, row_valid, col_valid, iters, with_plan)
+    plan = np.zeros(scaled.shape) if with_plan else None
     weights = np.zeros(scaled.shape)
     for chosen, solver in ((fast, _sinkhorn_exp), (~fast, _sinkhorn_log)):
         if chosen.any():
-            plan[chosen], weights[chosen] = solver(scaled[chosen], row_valid[chosen], col_valid[chosen], iters)
+            part_plan, weights[chosen] = solver(scaled[chosen], row_valid[chosen], col_valid[chosen], iters)
+            if with_plan:
+                plan[chosen] = part_plan
     return plan, weights
 
 
@@ -152,13 +168,13 @@ def _flat_points(obj: DetObject, role: str) -> tuple[int, ...]:
 
 def _padded(flat_sets: list[tuple[int, ...]]) -> tuple[np.ndarray, np.ndarray]:
     """Point sets as one zero-padded ``(B, N_max, 2)`` array clamped to [0, 999], plus the point counts."""
-    counts = np.array([len(f) // 2 for f in flat_sets])
-    points = np.clip(np.array([v for f in flat_sets for v in f], dtype=np.float64).reshape(-1, 2), 0.0, COORD_MAX)
-    owner = np.repeat(np.arange(len(counts)), counts)
-    position = np.arange(len(owner)) - (np.cumsum(counts) - counts)[owner]
-    out = np.zeros((len(counts), int(counts.max()), 2))
-    out[owner, position] = points
-    return out, counts
+    sizes = [len(f) for f in flat_sets]
+    values = np.fromiter(chain.from_iterable(flat_sets), dtype=np.float64, count=sum(sizes))
+    counts = np.array(sizes) // 2
+    out = np.zeros((len(sizes), int(counts.max()) * 2))
+    out[np.arange(out.shape[1]) < 2 * counts[:, None]] = values  # row-major: each set fills its row's front
+    np.clip(out, 0.0, COORD_MAX, out=out)
+    return out.reshape(len(sizes), -1, 2), counts
 
 
 def pair_coord_targets(
@@ -175,6 +191,7 @@ def pair_coord_targets(
     _check_args(cfg.epsilon, cfg.iters)
     targets: dict[tuple[int, int], np.ndarray] = {}
     ot_keys: list[tuple[int, int]] = []
+    ot_box_pred: list[bool] = []
     pred_sets: list[tuple[int, ...]] = []
     gt_sets: list[tuple[int, ...]] = []
     box_keys: list[tuple[int, int]] = []
@@ -190,6 +207,7 @@ def pair_coord_targets(
         pred_sets.append(_flat_points(pred, "predicted"))
         gt_sets.append(_flat_points(gt, "ground-truth"))
         ot_keys.append((pi, gi))
+        ot_box_pred.append(pred.geometry == "bbox_2d")
     if box_keys:  # the GT bins, clamped; rows of one array (one conversion for all box pairs)
         boxes = np.clip(np.array(box_coords, dtype=np.float64), 0.0, COORD_MAX)
         targets.update(zip(box_keys, boxes))
@@ -198,14 +216,12 @@ def pair_coord_targets(
     pred_pts, n_rows = _padded(pred_sets)
     gt_pts, n_cols = _padded(gt_sets)
     scaled = ground_cost(pred_pts, gt_pts, cfg.cost) / cfg.epsilon
-    _, weights = _sinkhorn_batch(scaled, n_rows, n_cols, cfg.iters)
+    _, weights = _sinkhorn_batch(scaled, n_rows, n_cols, cfg.iters, with_plan=False)
     projected = np.clip(np.matmul(weights, gt_pts), 0.0, COORD_MAX)  # convex combinations: clip is a no-op guard
     corner_boxes = np.concatenate([projected[:, :4].min(axis=1), projected[:, :4].max(axis=1)], axis=1)
-    for b, key in enumerate(ot_keys):
-        if preds[key[0]].geometry == "bbox_2d":
-            targets[key] = corner_boxes[b]
-        else:
-            targets[key] = projected[b, : n_rows[b]].reshape(-1)
+    flat = projected.reshape(len(ot_keys), -1)
+    for b, (key, box_pred, n) in enumerate(zip(ot_keys, ot_box_pred, (2 * n_rows).tolist())):
+        targets[key] = corner_boxes[b] if box_pred else flat[b, :n]
     return targets
 
 

@@ -78,10 +78,19 @@ class ParsedObject:
     def to_det_object(self) -> DetObject:
         if not self.valid or self.geometry is None or self.desc is None:
             raise ValueError(f"{self.key} is invalid ({self.drop_reason}); only valid objects become DetObjects")
+        if _DET_OBJECT_PLAIN:  # equal to the constructor's result (see _DET_OBJECT_PLAIN), ~3x cheaper
+            obj = object.__new__(DetObject)
+            obj.__dict__.update(desc=self.desc, geometry=self.geometry, coords=self.coords)
+            return obj
         return DetObject(desc=self.desc, geometry=self.geometry, coords=self.coords)
 
 
 _PARSED_FIELDS = frozenset(f.name for f in fields(ParsedObject))
+# DetObject's generated __init__ only stores its three fields (no __post_init__, no slots): it can be filled directly.
+_DET_OBJECT_PLAIN = (
+    not hasattr(DetObject, "__post_init__") and not hasattr(DetObject, "__slots__")
+    and [f.name for f in fields(DetObject)] == ["desc", "geometry", "coords"]
+)
 
 
 @dataclass(frozen=True)

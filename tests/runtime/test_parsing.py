@@ -426,3 +426,13 @@ def test_batch_finish_equals_the_general_finish_when_the_replaced_token_overlaps
     assert fast == general
     assert fast.token_span[1] == n_kept + 2
     assert (n_kept in fast.desc_token_positions) == bool(desc)  # the first new token holds the desc's last byte
+
+
+def test_to_det_object_equals_the_dataclass_constructor(tiny_tokenizer, coord_vocab, enc, parse):
+    result = parse(enc("{" + entry(1, desc="猫", geometry="poly", array="[" + ", ".join(f'"{C(v)}"' for v in range(6)) + "]") + "}"))
+    (obj,) = result.objects
+    fast, slow = obj.to_det_object(), DetObject("猫", "poly", (0, 1, 2, 3, 4, 5))
+    assert fast == slow and hash(fast) == hash(slow) and repr(fast) == repr(slow) and type(fast) is DetObject
+    assert fast.__dict__ == slow.__dict__
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.desc = "dog"
