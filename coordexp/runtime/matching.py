@@ -484,9 +484,10 @@ def match_objects(preds: Sequence[DetObject], gts: Sequence[DetObject], cfg: Mat
         sub_cost = 1.0 - costs.mask_iou[np.ix_(live_preds, live_gts)]
         matrix = assignment_matrix(sub_cost, sub_feasible, cfg.fp_cost, cfg.fn_cost)
         rows, cols = linear_sum_assignment(matrix)
-        for r, c in zip(rows.tolist(), cols.tolist()):
-            if r < len(live_preds) and c < len(live_gts) and sub_feasible[r, c]:
-                pairs.append((int(live_preds[r]), int(live_gts[c])))
+        real = (rows < len(live_preds)) & (cols < len(live_gts))
+        rows, cols = rows[real], cols[real]
+        kept = sub_feasible[rows, cols]
+        pairs = list(zip(live_preds[rows[kept]].tolist(), live_gts[cols[kept]].tolist()))
     pairs.sort()
     matched_preds = {p for p, _ in pairs}
     matched_gts = {g for _, g in pairs}

@@ -31,12 +31,18 @@ def _check_args(epsilon: float, iters: int) -> None:
 
 def ground_cost(a: np.ndarray, b: np.ndarray, cost: str) -> np.ndarray:
     """Pairwise ``(..., N, M)`` cost between points ``a (..., N, 2)`` and ``b (..., M, 2)``: ``l1`` or ``l2`` (Euclidean)."""
-    diff = np.abs(a[..., :, None, :] - b[..., None, :, :])
+    if cost not in ("l1", "l2"):
+        raise ValueError(f"unknown OT ground cost {cost!r}; expected 'l1' or 'l2' (rollout_matching.ot.cost).")
+    dx = a[..., :, None, 0] - b[..., None, :, 0]  # per coordinate: no (..., N, M, 2) temporaries
+    dy = a[..., :, None, 1] - b[..., None, :, 1]
     if cost == "l1":
-        return diff.sum(axis=-1)
-    if cost == "l2":
-        return np.sqrt((diff**2).sum(axis=-1))
-    raise ValueError(f"unknown OT ground cost {cost!r}; expected 'l1' or 'l2' (rollout_matching.ot.cost).")
+        np.abs(dx, out=dx)
+        dx += np.abs(dy)
+        return dx
+    dx *= dx
+    dy *= dy
+    dx += dy
+    return np.sqrt(dx)
 
 
 if hasattr(np, "vecmat"):  # numpy >= 2.2: the cheapest small batched vector-matrix product

@@ -53,6 +53,14 @@ PrefixFallback = Literal["no_open_brace", "leading_text"]
 OBJECT_KEY_RE = re.compile(r"object_([0-9]+)", re.ASCII)
 _USE_FAST_PATH = True  # tests switch it off to prove both paths agree
 
+_GEOMETRY = {b"bbox_2d": "bbox_2d", b"poly": "poly"}
+_GROUP = _FAST_ENTRY_RE.groupindex
+_KEY, _INDEX, _BODY, _SEP = _GROUP["key"], _GROUP["index"], _GROUP["body"], _GROUP["sep"]
+# Group numbers of (desc, geometry key, array, flat array) in each field order of the fast entry regex.
+_FIELDS = tuple(tuple(_GROUP[f"{name}{n}"] for name in ("desc", "geom", "arr", "flat")) for n in (1, 2))
+# Per fast entry, the first and last byte of: the entry, its geometry array, its desc value (without quotes).
+_BYTE_SHIFT = np.array([0, -1, 0, -1, 1, -2])
+
 
 @dataclass(frozen=True)
 class ParsedObject:
@@ -184,7 +192,7 @@ def parse_rollout(
     ids = ids_arr.tolist()
     starts = np.zeros(len(ids) + 1, dtype=np.int64)
     np.cumsum(table.lengths[ids_arr], out=starts[1:])
-    text = table.text_of(ids)
+    text = table.text_of_array(ids_arr, starts)
     bins = table.bins_table(vocab)[ids_arr]
     is_coord = bins >= 0
     coord_cum = np.zeros(len(ids) + 1, dtype=np.int64)
@@ -274,8 +282,8 @@ def _scan_top_level(scanner: _Scanner, pos: int, dropped: dict[str, int]):
             fast = _FAST_ENTRY_RE.match(text, pos) if _USE_FAST_PATH else None
             if fast is not None:  # a canonical entry: kept as its match, completed later in one batch
                 entries.append(fast)
-                candidates.append((fast.end("body"), len(entries)))
-                sep = fast.group("sep")
+                candidates.append((fast.end(_BODY), len(entries)))
+                sep = fast.group(_SEP)
                 if sep == b",":
                     pos = fast.end()
                     continue
@@ -373,15 +381,6 @@ def _general_entry(match: re.Match, scanner: _Scanner) -> _Entry:
     return entry
 
 
-_GEOMETRY = {b"bbox_2d": "bbox_2d", b"poly": "poly"}
-_GROUP = _FAST_ENTRY_RE.groupindex
-_KEY, _INDEX, _BODY = _GROUP["key"], _GROUP["index"], _GROUP["body"]
-# Group numbers of (desc, geometry key, array, flat array) in each field order of the fast entry regex.
-_FIELDS = tuple(tuple(_GROUP[f"{name}{n}"] for name in ("desc", "geom", "arr", "flat")) for n in (1, 2))
-# Per fast entry, the first and last byte of: the entry, its geometry array, its desc value (without quotes).
-_BYTE_SHIFT = np.array([0, -1, 0, -1, 1, -2])
-
-
 def _finish_fast(
     matches: list[re.Match], scanner: _Scanner, n_kept: int, replacement: tuple[int, ...], rep_lengths: list[int]
 ) -> list[ParsedObject | None]:
@@ -400,9 +399,10 @@ def _finish_fast(
     tok[:, 1::2] += 1  # token ends: [first, end) of the entry, of its array and of its desc value
     coords_before = scanner.coord_cum_arr[tok]
     rows = np.concatenate([spans, tok, coords_before, tok - coords_before], axis=1).tolist()
-    coord_at = scanner.coord_at_arr.tolist()
-    coord_bins = scanner.bins_arr[scanner.coord_at_arr].tolist()
-    other_at = np.flatnonzero(scanner.bins_arr < 0).tolist()  # non-coord tokens; others_before indexes them
+    # Tuples, so that slices are the ParsedObject fields themselves.
+    coord_at = tuple(scanner.coord_at_arr.tolist())
+    coord_bins = tuple(scanner.bins_arr[scanner.coord_at_arr].tolist())
+    other_at = tuple(np.flatnonzero(scanner.bins_arr < 0).tolist())  # non-coord tokens; others_before indexes them
     replaced = n_kept + 1 if replacement else -1  # token end of the entry whose closing token was re-encoded
     out: list[ParsedObject | None] = []
     for m, (desc_group, geom_group, arr_group, flat_group), row in zip(matches, fields, rows):
@@ -413,12 +413,13 @@ def _finish_fast(
             out.append(None)
             continue
         bins = coord_bins[c_arr:c_arr_end]
-        desc = _decode_string(text, desc_start, desc_end)
-        if desc_end - desc_start > 2:
-            desc_tokens = list(range(d_first, d_end))
+        raw = text[desc_start + 1 : desc_end - 1]
+        desc = _decode_string(text, desc_start, desc_end) if b"\\" in raw else raw.decode("utf-8", "replace")
+        if raw:
+            desc_tokens = tuple(range(d_first, d_end))
             struct = other_at[o_first:o_desc] + other_at[o_desc_end:o_end]
         else:
-            desc_tokens, struct = [], other_at[o_first:o_end]
+            desc_tokens, struct = (), other_at[o_first:o_end]
         if t_end == replaced:  # as in _finish: the re-encoded tokens replace the entry's last one
             struct = [t for t in struct if t != n_kept]
             desc_tokens = [t for t in desc_tokens if t != n_kept]
@@ -428,7 +429,7 @@ def _finish_fast(
             for j, length in enumerate(rep_lengths):
                 (desc_tokens if offset < desc_hi and offset + length > desc_lo else struct).append(n_kept + j)
                 offset += length
-            t_end = n_kept + len(replacement)
+            struct, desc_tokens, t_end = tuple(struct), tuple(desc_tokens), n_kept + len(replacement)
         geometry = _GEOMETRY[m.group(geom_group)]
         # The schema reasons a canonical body can have, in SCHEMA_REASONS priority order.
         ambiguous = c_end - c_first != n_items  # a coord token outside the geometry slots (inside the desc)
@@ -447,13 +448,14 @@ def _finish_fast(
             reason = "poly_arity"
         else:
             reason = "ambiguous_alignment" if ambiguous else None
-        obj = object.__new__(ParsedObject)  # as in _parsed_object, without its per-call field check
-        obj.__dict__.update(
-            key=text[key_start + 1 : m.end(_KEY) - 1].decode(), index=int(m.group(_INDEX)), desc=desc,
-            geometry=geometry, coords=tuple(bins), coord_token_indices=tuple(coord_at[c_arr:c_arr_end]),
-            valid=reason is None, drop_reason=reason, token_span=(t_first, t_end),
-            struct_token_positions=tuple(struct), desc_token_positions=tuple(desc_tokens),
-        )
+        number = m.group(_INDEX)
+        obj = object.__new__(ParsedObject)  # as in _parsed_object: the fields set in one go, no per-field setattr
+        object.__setattr__(obj, "__dict__", {
+            "key": "object_" + number.decode(), "index": int(number), "desc": desc, "geometry": geometry,
+            "coords": bins, "coord_token_indices": coord_at[c_arr:c_arr_end], "valid": reason is None,
+            "drop_reason": reason, "token_span": (t_first, t_end), "struct_token_positions": struct,
+            "desc_token_positions": desc_tokens,
+        })
         out.append(obj)
     return out
 

@@ -7,6 +7,7 @@ ASCII, so the parser scans bytes.
 
 from __future__ import annotations
 
+import re
 import weakref
 from itertools import chain
 from operator import itemgetter
@@ -16,6 +17,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 _STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
+# The number of a rendered object key (an unescaped quote: never inside a JSON string).
+_OBJECT_NUMBER_RE = re.compile(r'(?<!\\)"object_([0-9]+)": \{')
 
 
 def _byte_level_decoder() -> dict[str, int]:
@@ -141,6 +144,19 @@ class PieceTable:
         self._flags["bins_table"] = (vocab, bins)  # holds the vocab, so its id is never reused while cached
         return bins
 
+    def text_of_array(self, ids: np.ndarray, starts: np.ndarray) -> bytes:
+        """:meth:`text_of` for an id array in range, given ``starts`` (its pieces' byte offsets, ``T + 1``): one
+        gather from all pieces laid end to end, instead of one Python object per token."""
+        blob = self._flags.get("blob")
+        if blob is None:
+            offsets = np.zeros(len(self.pieces), dtype=np.int64)
+            np.cumsum(self.lengths[:-1], out=offsets[1:])
+            blob = self._flags["blob"] = (np.frombuffer(b"".join(self.pieces), dtype=np.uint8), offsets)
+        data, offsets = blob
+        shift = np.repeat(offsets[ids] - starts[:-1], self.lengths[ids])
+        shift += np.arange(len(shift))
+        return data[shift].tobytes()
+
     def text_of(self, ids: Sequence[int]) -> bytes:
         """The exact decoded bytes of ``ids`` (special tokens included, no cleanup)."""
         pieces = self.pieces
@@ -168,17 +184,44 @@ class PieceTable:
         return result
 
     def encode_segment(self, text: str) -> tuple[int, ...]:
-        """Cached encoding of a text holding no added token (e.g. the JSON between two coord tokens)."""
+        """Cached encoding of a text holding no added token (e.g. the JSON between two coord tokens).
+
+        An object key's number is encoded on its own where the tokenizer splits there anyway
+        (:meth:`splits_at_object_numbers`), so the text around it is shared by every object number.
+        """
         ids = self._segments.get(text)
         if ids is None:
-            encode = self.encode_backend if self._flags.get("backend_matches") else self.encode
-            ids = tuple(encode(text)) if text else ()
+            number = _OBJECT_NUMBER_RE.search(text) if '"object_' in text else None
+            if number is not None and self.splits_at_object_numbers():
+                lo, hi = number.span(1)
+                ids = self.encode_segment(text[:lo]) + self.encode_segment(text[lo:hi]) + self.encode_segment(text[hi:])
+            else:
+                encode = self.encode_backend if self._flags.get("backend_matches") else self.encode
+                ids = tuple(encode(text)) if text else ()
             if self.text_of(ids) != text.encode("utf-8"):
                 raise ValueError(f"the tokenizer does not round-trip {text[:60]!r} (decode(encode(text)) != text)")
             if len(self._segments) >= 200_000:
                 self._segments.clear()
             self._segments[text] = ids
         return ids
+
+    def splits_at_object_numbers(self) -> bool:
+        """Whether encoding ``..."object_<digits>": {...`` equals encoding the text before the digits, the digits
+        and the text after them separately (true where the pre-tokenizer isolates digits, as Qwen2's does).
+
+        Checked once on probes around every digit count and the contexts a rendered key appears in.
+        """
+        cached = self._flags.get("object_numbers")
+        if cached is None:
+            cached = True
+            for before in ('"object_', ', "object_', '"]}, "object_', '"], "desc": "a b"}, "object_', '{"object_'):
+                for number in ("1", "7", "42", "305", "1000", "99999"):
+                    for after in ('": {"desc": "a b", "poly": ["', '": {"bbox_2d": ["', '": {"desc": "1 x"'):
+                        whole = self.encode(before + number + after)
+                        if whole != self.encode(before) + self.encode(number) + self.encode(after):
+                            cached = False
+            self._flags["object_numbers"] = cached
+        return cached
 
     def encode_joined(self, segments: Sequence[str], separator_ids: Sequence[int]) -> tuple[int, ...]:
         """``segments[0] + sep[0] + segments[1] + ... + segments[-1]`` from cached segment encodings."""

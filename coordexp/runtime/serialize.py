@@ -72,6 +72,7 @@ def _check_field_order(field_order: str) -> None:
 
 
 _COORD_TEXT = tuple(f"<|coord_{k}|>" for k in range(1000))
+_COORD_TEXT_LEN = np.array([len(t) for t in _COORD_TEXT], dtype=np.int64)
 _COORD_SEP = '", "'  # between two quoted coord tokens
 _encode_desc = json.encoder.encode_basestring  # == json.dumps(desc, ensure_ascii=False), without its per-call setup
 
@@ -91,50 +92,52 @@ def render_entries(
     parts, segments = [lead], []
     size, segment = len(lead), lead  # characters written; the text since the last coord token
     desc_chars: list[tuple[int, int]] = []
-    coord_chars: list[tuple[int, int]] = []  # (bin, start character)
-    coord_ends: list[int] = []
+    bins: list[int] = []  # every coord value, in order
+    first_coord: list[int] = []  # per object: its first coord token's character offset
+    n_coords: list[int] = []  # per object: its number of coord tokens
     for i, obj in enumerate(objects):
         validate_gt_object(obj, f"object {i} of the ground truth")
         escaped = _encode_desc(obj.desc)
         key = f'{", " if i else ""}"object_{start_index + i}": {{'
         if desc_first:
             head = f'{key}"desc": {escaped}, "{obj.geometry}": ["'
-            desc_start = size + len(key) + 9  # len('"desc": "')
             after = '"]}'
         else:
             head = f'{key}"{obj.geometry}": ["'
             after = f'"], "desc": {escaped}}}'
-        texts = [_COORD_TEXT[value] for value in obj.coords]
-        body = _COORD_SEP.join(texts)
-        position = size + len(head)
-        for value, text in zip(obj.coords, texts):
-            coord_chars.append((int(value), position))
-            position += len(text)
-            coord_ends.append(position)
-            position += 4  # len(_COORD_SEP)
-        if not desc_first:
-            desc_start = coord_ends[-1] + 13  # after '"], "desc": "'
+        coords = obj.coords
+        body = _COORD_SEP.join([_COORD_TEXT[value] for value in coords])
+        desc_start = size + len(key) + 9 if desc_first else size + len(head) + len(body) + 13  # after '"desc": "'
         desc_chars.append((desc_start, desc_start + len(escaped) - 2))
+        first_coord.append(size + len(head))
+        n_coords.append(len(coords))
+        bins += coords
         segments.append(segment + head)
-        segments += [_COORD_SEP] * (len(texts) - 1)
+        segments += [_COORD_SEP] * (len(coords) - 1)
         segment = after
         parts += (head, body, after)
         size += len(head) + len(body) + len(after)
     parts.append(tail)
     segments.append(segment + tail)
+    # Coord token offsets: an object's tokens follow its first one, each token's text then '", "'.
+    values = np.array(bins, dtype=np.int64)
+    length = _COORD_TEXT_LEN[values]
+    done = np.cumsum(length + 4) - (length + 4)  # coord texts and separators before each token (all objects)
+    n = np.array(n_coords, dtype=np.int64)
+    starts = done + np.repeat(np.array(first_coord, dtype=np.int64) - done[np.cumsum(n) - n], n)
+    coord_bins, coord_starts, coord_ends = values.tolist(), starts.tolist(), (starts + length).tolist()
     text = "".join(parts)
     if text.isascii():
         desc_spans = tuple(desc_chars)
-        coord_spans = tuple((b, c, e) for (b, c), e in zip(coord_chars, coord_ends))
+        coord_spans = tuple(zip(coord_bins, coord_starts, coord_ends))
     else:  # desc values may hold multi-byte characters: convert character offsets to byte offsets
-        coord_starts = [c for _, c in coord_chars]
         cuts = sorted({c for span in desc_chars for c in span} | set(coord_starts) | set(coord_ends))
-        byte_at, done, n_bytes = {}, 0, 0
+        byte_at, done_chars, n_bytes = {}, 0, 0
         for c in cuts:
-            n_bytes += len(text[done:c].encode("utf-8"))
-            byte_at[c], done = n_bytes, c
+            n_bytes += len(text[done_chars:c].encode("utf-8"))
+            byte_at[c], done_chars = n_bytes, c
         desc_spans = tuple((byte_at[a], byte_at[b]) for a, b in desc_chars)
-        coord_spans = tuple((b, byte_at[c], byte_at[e]) for (b, c), e in zip(coord_chars, coord_ends))
+        coord_spans = tuple((b, byte_at[c], byte_at[e]) for b, c, e in zip(coord_bins, coord_starts, coord_ends))
     return RenderedAppend(
         text=text,
         desc_spans=desc_spans,

@@ -235,6 +235,35 @@ def test_fast_path_agrees_with_the_general_scanner_on_edge_entries(
     assert fast == general
 
 
+KEYISH_DESCS = st.sampled_from(['object_12": {', '"object_3": {"x', "a 7 b", "42", " 9x", "_1", 'q\\"object_5": {'])
+
+
+@given(
+    objects=st.lists(det_objects() | st.builds(DetObject, KEYISH_DESCS, st.just("bbox_2d"), st.just((1, 2, 3, 4))), max_size=6),
+    start_index=st.integers(1, 12000),
+    prefix=st.sampled_from(["{", '{"object_1": {}}', "{ ", '{"object_1": {},']),
+    field_order=st.sampled_from(["desc_first", "geometry_first"]),
+)
+@SETTINGS
+def test_cached_segment_encoding_equals_encoding_the_whole_append_text(
+    tiny_tokenizer, coord_vocab, objects, start_index, prefix, field_order
+):
+    # The append is assembled from cached encodings of the text between coord tokens, each split once more
+    # around the object key's number; it must equal what the tokenizer gives for the whole text, cold or warm.
+    from coordexp.runtime.pieces import PieceTable
+    from coordexp.runtime.serialize import render_append
+    from coordexp.runtime.targets import encode_append
+
+    if prefix.rstrip().endswith(",") and not objects:
+        return  # nothing to append after a trailing comma: render_append refuses it (tested elsewhere)
+    rendered = render_append(objects, start_index, prefix, field_order)
+    expected = tuple(tiny_tokenizer.encode(rendered.text, add_special_tokens=False))
+    cold = PieceTable.from_tokenizer(tiny_tokenizer)
+    assert encode_append(rendered, tiny_tokenizer, coord_vocab, cold) == expected
+    assert encode_append(rendered, tiny_tokenizer, coord_vocab, cold) == expected  # from the warm cache
+    assert cold.splits_at_object_numbers()
+
+
 @given(ids=st.lists(st.integers(0, 3055), max_size=40))
 @settings(max_examples=200, deadline=None)
 def test_pieces_concatenate_to_the_decoded_text(tiny_tokenizer, piece_table, ids):
