@@ -92,14 +92,6 @@ class _Rings:
         hi = np.maximum.reduceat(self.points, self.starts, axis=0)
         return np.concatenate([lo, hi], axis=1)
 
-    def edges(self) -> tuple[np.ndarray, np.ndarray]:
-        """Closed-ring edges ``(V, 4)`` as x0, y0, x1, y1 (vertex k to k + 1, last back to first) and their ring."""
-        owner = np.repeat(np.arange(len(self.counts)), self.counts)
-        nxt = np.arange(1, len(self.points) + 1)
-        ends = self.starts + self.counts - 1
-        nxt[ends] = self.starts
-        return np.concatenate([self.points, self.points[nxt]], axis=1), owner
-
 
 def _aabbs(objects: Sequence[DetObject]) -> np.ndarray:
     return _Rings.of(objects).aabbs()
@@ -180,6 +172,7 @@ class _RowSpans:
     start: np.ndarray  # int64 (spans,)
     stop: np.ndarray  # int64 (spans,)
     areas: np.ndarray  # int64 (n,), set pixels per shape
+    covered: np.ndarray  # int64 (rows + 1,), set pixels in the global rows before each row
 
     def dense(self, resolution: int) -> np.ndarray:
         """Boolean canvas ``(n, R, R)`` via a difference array over the spans."""
@@ -229,22 +222,27 @@ def _poly_spans(
     x1, y1 = rings.points[following].T
     # Rows whose centre lies in [y_lo, y_hi): half-open, so a vertex shared by two edges counts once.
     row_first, row_end = _row_range(np.minimum(y0, y1), np.maximum(y0, y1), resolution)
-    edge_id, offset = _ragged_arange(np.maximum(row_end - row_first, 0))
-    rows = row_first[edge_id] + offset
-    # Pixel c lies right of the crossing when (2c + 1) * 1000 * dy > num (dy > 0), where num / dy is 2R times the
-    # crossing's x in norm1000 units at the row centre.
-    dy, dx = (y1 - y0)[edge_id], (x1 - x0)[edge_id]
-    num = 2 * resolution * x0[edge_id] * dy + ((2 * rows + 1) * 1000 - 2 * resolution * y0[edge_id]) * dx
+    n_rows = np.maximum(row_end - row_first, 0)
+    # Pixel c lies right of the crossing at row r when (2c + 1) * 1000 * |dy| > s * num(r) (s = sign(dy)), where
+    # num(r) / dy is 2R times the crossing's x in norm1000 units at the row centre, linear in r: the first such c is
+    # (const + slope * k) // (2000 |dy|) + 1 at the edge's k-th row, with both terms per edge (exact integers).
+    dx, dy = x1 - x0, y1 - y0
     sign = np.sign(dy)
-    num *= sign
-    dy *= sign
-    first_col = (num - 1000 * dy) // (2000 * dy) + 1
-    np.minimum(np.maximum(first_col, 0, out=first_col), resolution, out=first_col)
+    slope = sign * 2000 * dx
+    const = sign * (2 * resolution * x0 * dy + (1000 - 2 * resolution * y0) * dx) - 1000 * np.abs(dy)
+    const += slope * row_first
     stride = resolution + 1
+    row_key = (row_offset[ring_of] + row_first) * stride  # the sort key of the edge's first row, column 0
+    offset = np.arange(int(n_rows.sum())) - np.repeat(np.cumsum(n_rows) - n_rows, n_rows)  # k, per edge row
+    first_col = np.repeat(const, n_rows)
+    first_col += np.repeat(slope, n_rows) * offset
+    first_col //= np.repeat(2000 * np.abs(dy), n_rows)
+    first_col += 1
+    np.minimum(np.maximum(first_col, 0, out=first_col), resolution, out=first_col)
+    first_col += np.repeat(row_key, n_rows) + offset * stride
     # Sorting values (not an argsort), so the kind cannot change the result; timsort runs on the per-edge runs.
-    events = np.sort((row_offset[ring_of[edge_id]] + rows) * stride + first_col, kind="stable")
-    span_row = events[0::2] // stride
-    start = events[0::2] - span_row * stride
+    events = np.sort(first_col, kind="stable")
+    span_row, start = np.divmod(events[0::2], stride)
     stop = events[1::2] - span_row * stride
     nonempty = stop > start
     return span_row[nonempty], start[nonempty], stop[nonempty]
@@ -291,13 +289,15 @@ def _rasterize_rings(
         at_rect = np.arange(len(rect_row)) + np.searchsorted(poly_row, rect_row)
         span_row[at_poly], start[at_poly], stop[at_poly] = poly_row, poly_start, poly_stop
         span_row[at_rect], start[at_rect], stop[at_rect] = rect_row, left[rect_of], right[rect_of]
-    count = np.bincount(span_row, minlength=int(height.sum()))
-    ptr = np.zeros(len(count) + 1, dtype=np.int64)
+    n_rows = int(height.sum())
+    count = np.bincount(span_row, minlength=n_rows)
+    ptr = np.zeros(n_rows + 1, dtype=np.int64)
     np.cumsum(count, out=ptr[1:])
-    span_shape = np.searchsorted(base, span_row, side="right") - 1
-    areas = np.bincount(span_shape, weights=stop - start, minlength=n).astype(np.int64)
+    covered = np.zeros(n_rows + 1, dtype=np.int64)
+    np.cumsum(np.bincount(span_row, weights=stop - start, minlength=n_rows).astype(np.int64), out=covered[1:])
     return _RowSpans(
-        base=base, first=shape_first, end=shape_end, ptr=ptr, count=count, start=start, stop=stop, areas=areas
+        base=base, first=shape_first, end=shape_end, ptr=ptr, count=count, start=start, stop=stop,
+        areas=covered[base + height] - covered[base], covered=covered,
     )
 
 
@@ -371,24 +371,31 @@ def _candidate_mask_iou(
     if mixed.any():
         box_left = rect_left[mixed]
         boxes = np.where(box_left, left[mixed], right[mixed])
-        polys = local[np.where(box_left, right[mixed], left[mixed])]
-        out[mixed] = _box_poly_iou(spans, polys, rows[boxes], cols[boxes])
+        polys = np.where(box_left, right[mixed], left[mixed])
+        out[mixed] = _box_poly_iou(spans, local[polys], cols[polys], rows[boxes], cols[boxes])
     return out
 
 
-def _box_poly_iou(spans: _RowSpans, polys: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
-    """maskIoU of rasterised shapes ``polys[i]`` and the boxes of pixel ``rows[i]`` x ``cols[i]``: clipped spans."""
+def _box_poly_iou(
+    spans: _RowSpans, polys: np.ndarray, poly_cols: np.ndarray, rows: np.ndarray, cols: np.ndarray
+) -> np.ndarray:
+    """maskIoU of rasterised shapes ``polys[i]`` (pixel columns within ``poly_cols[i]``) and the boxes of pixel
+    ``rows[i]`` x ``cols[i]``: the shape's spans clipped to the box, or on the shared rows all of them when the
+    box spans every column of the shape (a difference of cumulative row counts, no per-row work)."""
     rows_lo, rows_hi, cols_lo, cols_hi = rows[:, 0], rows[:, 1], cols[:, 0], cols[:, 1]
     box_area = np.maximum(rows_hi - rows_lo, 0) * np.maximum(cols_hi - cols_lo, 0)
     first = spans.first[polys]
     lo = np.maximum(first, rows_lo)
     n_rows = np.maximum(np.minimum(spans.end[polys], rows_hi) - lo, 0)
     row_lo = np.where(n_rows > 0, spans.base[polys] + lo - first, 0)  # global rows [row_lo, row_lo + n_rows)
+    whole = (cols_lo <= poly_cols[:, 0]) & (cols_hi >= poly_cols[:, 1])
+    inter = np.where(whole, spans.covered[row_lo + n_rows] - spans.covered[row_lo], 0).astype(np.float64)
+    n_rows[whole] = 0
     span_lo = spans.ptr[row_lo]
     owner, offset = _ragged_arange(spans.ptr[row_lo + n_rows] - span_lo)  # a shape's rows hold consecutive spans
     span = span_lo[owner] + offset
     overlap = np.minimum(spans.stop[span], cols_hi[owner]) - np.maximum(spans.start[span], cols_lo[owner])
-    inter = np.bincount(owner, weights=np.maximum(overlap, 0), minlength=len(polys))
+    inter += np.bincount(owner, weights=np.maximum(overlap, 0), minlength=len(polys))
     union = box_area + spans.areas[polys] - inter
     return np.divide(inter, union, out=np.zeros(len(polys)), where=union > 0)
 

@@ -93,12 +93,23 @@ def _sinkhorn_log(
 
 
 def _sinkhorn_exp(
-    scaled: np.ndarray, row_valid: np.ndarray, col_valid: np.ndarray, iters: int, with_plan: bool = True
+    scaled: np.ndarray,
+    row_valid: np.ndarray,
+    col_valid: np.ndarray,
+    iters: int,
+    with_plan: bool = True,
+    valid: np.ndarray | None = None,
+    shift: np.ndarray | None = None,
 ) -> tuple[np.ndarray | None, np.ndarray]:
-    """Exp-domain twin of :func:`_sinkhorn_log` for batches whose ``range(C) / eps`` is at most the safe range."""
-    valid = row_valid[:, :, None] & col_valid[:, None, :]
+    """Exp-domain twin of :func:`_sinkhorn_log` for batches whose ``range(C) / eps`` is at most the safe range.
+
+    ``valid`` (the real entries) and ``shift`` (their minimum per item, ``(B, 1, 1)``) when the caller has them.
+    """
+    if valid is None:
+        valid = row_valid[:, :, None] & col_valid[:, None, :]
     # Padded entries get kernel 1 and marginal 0: their scalings come out exactly 0 and no denominator is 0.
-    shift = np.where(valid, scaled, np.inf).min(axis=(1, 2), keepdims=True)
+    if shift is None:
+        shift = np.where(valid, scaled, np.inf).min(axis=(1, 2), keepdims=True)
     kernel = np.where(valid, np.exp(-(scaled - shift)), 1.0)
     a = row_valid / row_valid.sum(axis=1, keepdims=True)
     b = col_valid / col_valid.sum(axis=1, keepdims=True)
@@ -111,7 +122,8 @@ def _sinkhorn_exp(
     scaled_rows = kernel * v[:, None, :] * row_valid[:, :, None]
     plan = u[:, :, None] * scaled_rows if with_plan else None
     row_sum = scaled_rows.sum(axis=2, keepdims=True)
-    weights = np.divide(scaled_rows, row_sum, out=np.zeros_like(scaled_rows), where=row_sum > 0)
+    row_sum[row_sum == 0] = 1.0  # a padded row: all zeros, and stays so
+    weights = np.divide(scaled_rows, row_sum, out=scaled_rows)
     return plan, weights
 
 
@@ -129,10 +141,11 @@ def _sinkhorn_batch(
     row_valid = np.arange(n)[None, :] < n_rows[:, None]
     col_valid = np.arange(m)[None, :] < n_cols[:, None]
     valid = row_valid[:, :, None] & col_valid[:, None, :]
-    spread = np.where(valid, scaled, -np.inf).max(axis=(1, 2)) - np.where(valid, scaled, np.inf).min(axis=(1, 2))
+    lowest = np.where(valid, scaled, np.inf).min(axis=(1, 2), keepdims=True)
+    spread = np.where(valid, scaled, -np.inf).max(axis=(1, 2)) - lowest[:, 0, 0]
     fast = (spread <= _EXP_DOMAIN_MAX_RANGE) & (not force_log)
     if fast.all():  # the usual case: one solver for the whole batch, no gather/scatter
-        return _sinkhorn_exp(scaled, row_valid, col_valid, iters, with_plan)
+        return _sinkhorn_exp(scaled, row_valid, col_valid, iters, with_plan, valid, lowest)
     plan = np.zeros(scaled.shape) if with_plan else None
     weights = np.zeros(scaled.shape)
     for chosen, solver in ((fast, _sinkhorn_exp), (~fast, _sinkhorn_log)):
@@ -215,7 +228,8 @@ def pair_coord_targets(
         ot_keys.append((pi, gi))
         ot_box_pred.append(pred.geometry == "bbox_2d")
     if box_keys:  # the GT bins, clamped; rows of one array (one conversion for all box pairs)
-        boxes = np.clip(np.array(box_coords, dtype=np.float64), 0.0, COORD_MAX)
+        boxes = np.fromiter(chain.from_iterable(box_coords), np.float64, 4 * len(box_coords)).reshape(-1, 4)
+        np.minimum(np.maximum(boxes, 0.0, out=boxes), COORD_MAX, out=boxes)
         targets.update(zip(box_keys, boxes))
     if not ot_keys:
         return targets

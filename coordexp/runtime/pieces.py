@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 import weakref
-from itertools import chain
 from operator import itemgetter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -193,13 +192,13 @@ class PieceTable:
         if ids is None:
             number = _OBJECT_NUMBER_RE.search(text) if '"object_' in text else None
             if number is not None and self.splits_at_object_numbers():
-                lo, hi = number.span(1)
+                lo, hi = number.span(1)  # each part is checked to round-trip, so their concatenation is too
                 ids = self.encode_segment(text[:lo]) + self.encode_segment(text[lo:hi]) + self.encode_segment(text[hi:])
             else:
                 encode = self.encode_backend if self._flags.get("backend_matches") else self.encode
                 ids = tuple(encode(text)) if text else ()
-            if self.text_of(ids) != text.encode("utf-8"):
-                raise ValueError(f"the tokenizer does not round-trip {text[:60]!r} (decode(encode(text)) != text)")
+                if self.text_of(ids) != text.encode("utf-8"):
+                    raise ValueError(f"the tokenizer does not round-trip {text[:60]!r} (decode(encode(text)) != text)")
             if len(self._segments) >= 200_000:
                 self._segments.clear()
             self._segments[text] = ids
@@ -237,10 +236,11 @@ class PieceTable:
         encoded = [cache.get(segment) for segment in segments]
         if None in encoded:
             encoded = [ids if ids is not None else self.encode_segment(s) for ids, s in zip(encoded, segments)]
-        parts: list[Any] = [None] * (2 * len(segments) - 1)
-        parts[0::2] = encoded
-        parts[1::2] = [(separator,) for separator in separator_ids]
-        return tuple(chain.from_iterable(parts))
+        joined = list(encoded[0])
+        for separator, ids in zip(separator_ids, encoded[1:]):
+            joined.append(separator)
+            joined += ids
+        return tuple(joined)
 
     def splits_at_added_tokens(self, added_token_text: str) -> bool:
         """Whether encoding text around ``added_token_text`` equals encoding the pieces on either side separately.

@@ -158,13 +158,14 @@ def _append_token_layout(
             f"the append text's {expected.size} coord tokens did not encode one id each at their places "
             f"(found {coord_at.size}); check that the coord tokens are added tokens (CoordVocab.from_tokenizer)"
         )
-    spans = np.asarray([(lo, hi) for lo, hi in rendered.desc_spans if hi > lo], dtype=np.int64).reshape(-1, 2)
-    first = np.searchsorted(starts, spans[:, 0], side="right") - 1
-    last = np.searchsorted(starts, spans[:, 1] - 1, side="right") - 1
-    desc: list[int] = []
-    for lo, hi in zip(first.tolist(), last.tolist()):
-        desc.extend(range(lo, hi + 1))
-    return coord_at, np.asarray(sorted(set(desc)), dtype=np.int64), starts
+    n_desc = len(rendered.desc_spans)
+    spans = np.fromiter(chain.from_iterable(rendered.desc_spans), np.int64, 2 * n_desc).reshape(-1, 2)
+    spans = spans[spans[:, 1] > spans[:, 0]]
+    spans[:, 1] -= 1  # the last byte of each desc value
+    first, last = (np.searchsorted(starts, spans, side="right") - 1).T  # the tokens holding them
+    count = last - first + 1
+    desc = np.repeat(first - (np.cumsum(count) - count), count) + np.arange(int(count.sum()))  # every [first, last]
+    return coord_at, np.unique(desc), starts
 
 
 def _ce_weights(
