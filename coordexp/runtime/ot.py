@@ -48,8 +48,9 @@ def ground_cost(a: np.ndarray, b: np.ndarray, cost: str) -> np.ndarray:
 if hasattr(np, "vecmat"):  # numpy >= 2.2: the cheapest small batched vector-matrix product
     _vecmat = np.vecmat
 else:  # pragma: no cover - older numpy
-    def _vecmat(x: np.ndarray, m: np.ndarray) -> np.ndarray:
-        return np.matmul(x[..., None, :], m)[..., 0, :]
+    def _vecmat(x: np.ndarray, m: np.ndarray, out: np.ndarray) -> np.ndarray:
+        out[...] = np.matmul(x[..., None, :], m)[..., 0, :]
+        return out
 
 
 # Exp-domain scaling is the same iteration as log-domain (u = exp(f/eps), v = exp(g/eps)) and ~3x cheaper; it is
@@ -116,9 +117,9 @@ def _sinkhorn_exp(
     kernel_t = np.ascontiguousarray(kernel.transpose(0, 2, 1))
     u = np.zeros(a.shape)
     v = col_valid.astype(np.float64)
-    for _ in range(iters):  # u = a / (K v), v = b / (K^T u), as row-vector products
-        np.divide(a, _vecmat(v, kernel_t), out=u)
-        np.divide(b, _vecmat(u, kernel), out=v)
+    for _ in range(iters):  # u = a / (K v), v = b / (K^T u), as row-vector products written in place
+        np.divide(a, _vecmat(v, kernel_t, out=u), out=u)
+        np.divide(b, _vecmat(u, kernel, out=v), out=v)
     scaled_rows = kernel * v[:, None, :] * row_valid[:, :, None]
     plan = u[:, :, None] * scaled_rows if with_plan else None
     row_sum = scaled_rows.sum(axis=2, keepdims=True)
