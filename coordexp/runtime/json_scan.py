@@ -1,8 +1,9 @@
 """The byte-level JSON scanner behind :func:`coordexp.runtime.parsing.parse_rollout`.
 
 It lexes the decoded bytes of a rollout and fills one :class:`_Entry` per top-level entry; lexemes map back to
-tokens through the byte offsets of the pieces. A canonical object body is read by one regex (``fast_body``); any
-other body goes through the general recursive scan, which judges every schema problem without repairing anything.
+tokens through the byte offsets of the pieces. A canonical entry is matched whole by one regex
+(``_FAST_ENTRY_RE``, completed in a batch by the parser); any other goes through the general recursive scan,
+which judges every schema problem without repairing anything.
 """
 
 from __future__ import annotations

@@ -212,7 +212,8 @@ def _poly_spans(
     """Global row, start and stop of the spans of rings ``polys`` (even-odd scanline), sorted by row then column.
 
     Ring ``polys[i]``'s canvas row ``r`` is global row ``row_offset[i] + r``. The crossings of every edge with the
-    pixel-row centres it spans are sorted and paired: each pair covers the pixel centres between them.
+    pixel-row centres it spans are sorted and paired (even-odd rule; the half-open edge rule makes every count
+    even): each pair covers the pixel centres between them.
     """
     counts = rings.counts[polys]
     ring_of, k = _ragged_arange(counts)

@@ -266,9 +266,10 @@ def parse_rollout(
 def _scan_top_level(scanner: _Scanner, pos: int, dropped: dict[str, int]):
     """Scan the entries of the top-level object opened just before ``pos``.
 
-    Returns the complete entries, the cut candidates ``(byte_end, n_entries_before)`` (after ``{`` and after every
-    entry whose value is a dict) and whether the text ended inside the structure. A syntax error stops the scan:
-    everything from the broken entry on is unusable.
+    Returns the complete entries (an :class:`_Entry`, or the ``re.Match`` of a canonical entry that
+    :func:`_finish_fast` completes), the cut candidates ``(byte_end, n_entries_before)`` (after ``{`` and after
+    every entry whose value is a dict) and whether the text ended inside the structure. A syntax error stops the
+    scan: everything from the broken entry on is unusable.
     """
     text = scanner.text
     entries: list[_Entry] = []
@@ -405,8 +406,8 @@ def _finish_fast(
     other_at = tuple(np.flatnonzero(scanner.bins_arr < 0).tolist())  # non-coord tokens; others_before indexes them
     replaced = n_kept + 1 if replacement else -1  # token end of the entry whose closing token was re-encoded
     out: list[ParsedObject | None] = []
-    for m, (desc_group, geom_group, arr_group, flat_group), row in zip(matches, fields, rows):
-        (key_start, body_end, arr_start, arr_end, desc_start, desc_end, t_first, t_end, _, _, d_first, d_end,
+    for m, (_, geom_group, _, flat_group), row in zip(matches, fields, rows):
+        (_, _, arr_start, arr_end, desc_start, desc_end, t_first, t_end, _, _, d_first, d_end,
          c_first, c_end, c_arr, c_arr_end, _, _, o_first, o_end, _, _, o_desc, o_desc_end) = row
         n_items = text.count(b"<|", arr_start, arr_end)
         if c_arr_end - c_arr != n_items:

@@ -123,34 +123,34 @@ class PieceTable:
     @property
     def is_stop(self) -> np.ndarray:
         """Boolean ``(len(pieces),)``: whether each id is a stop token (one gather finds them in a rollout)."""
-        mask = self._flags.get("is_stop")
+        mask = self._flags.get(("is_stop",))
         if mask is None:
             mask = np.zeros(len(self.pieces), dtype=bool)
             mask[[i for i in self.stop_ids if 0 <= i < len(self.pieces)]] = True
             mask.setflags(write=False)
-            self._flags["is_stop"] = mask
+            self._flags[("is_stop",)] = mask
         return mask
 
     def bins_table(self, vocab: Any) -> np.ndarray:
         """int32 ``(len(pieces),)``: the coord bin of every id under ``vocab`` (a CoordVocab), -1 for other ids."""
-        cached = self._flags.get("bins_table")
+        cached = self._flags.get(("bins_table",))
         if cached is not None and cached[0] is vocab:
             return cached[1]
         bins = np.full(len(self.pieces), -1, dtype=np.int32)
         lookup = vocab.lookup[: len(self.pieces)]
         bins[: len(lookup)] = lookup
         bins.setflags(write=False)
-        self._flags["bins_table"] = (vocab, bins)  # holds the vocab, so its id is never reused while cached
+        self._flags[("bins_table",)] = (vocab, bins)  # holds the vocab, so its id is never reused while cached
         return bins
 
     def text_of_array(self, ids: np.ndarray, starts: np.ndarray) -> bytes:
         """:meth:`text_of` for an id array in range, given ``starts`` (its pieces' byte offsets, ``T + 1``): one
         gather from all pieces laid end to end, instead of one Python object per token."""
-        blob = self._flags.get("blob")
+        blob = self._flags.get(("blob",))
         if blob is None:
             offsets = np.zeros(len(self.pieces), dtype=np.int64)
             np.cumsum(self.lengths[:-1], out=offsets[1:])
-            blob = self._flags["blob"] = (np.frombuffer(b"".join(self.pieces), dtype=np.uint8), offsets)
+            blob = self._flags[("blob",)] = (np.frombuffer(b"".join(self.pieces), dtype=np.uint8), offsets)
         data, offsets = blob
         shift = np.repeat(offsets[ids] - starts[:-1], self.lengths[ids])
         shift += np.arange(len(shift))
@@ -210,7 +210,7 @@ class PieceTable:
 
         Checked once on probes around every digit count and the contexts a rendered key appears in.
         """
-        cached = self._flags.get("object_numbers")
+        cached = self._flags.get(("object_numbers",))
         if cached is None:
             cached = True
             for before in ('"object_', ', "object_', '"]}, "object_', '"], "desc": "a b"}, "object_', '{"object_'):
@@ -219,7 +219,7 @@ class PieceTable:
                         whole = self.encode(before + number + after)
                         if whole != self.encode(before) + self.encode(number) + self.encode(after):
                             cached = False
-            self._flags["object_numbers"] = cached
+            self._flags[("object_numbers",)] = cached
         return cached
 
     def encode_joined(self, segments: Sequence[str], separator_ids: Sequence[int]) -> tuple[int, ...]:
