@@ -1,8 +1,8 @@
 """Thin ``transformers.Trainer`` subclasses: the glue between the HF loop and the pure stage-2 modules.
 
 Per micro-step (``compute_loss``): encode prompts -> rollouts (stage 2) or GT targets (stage 1) -> per-sample
-``Y_train`` (:mod:`coordexp.runtime.rollout_step`) -> carry buffer + selection (packing) -> ONE forward ->
-:func:`coordexp.runtime.losses.compute_objective`. Rollout counters and loss terms are summed over micro-steps
+``Y_train`` (:mod:`coordexp.runtime.rollout_step`) -> carry buffer + selection (packing) -> ONE forward (LM head
+at the supervised positions only) -> :func:`coordexp.runtime.losses.compute_objective`. Rollout counters and loss terms are summed over micro-steps
 (and ranks) and logged once per logging step. The carry buffer is rank-local, starts empty (also on resume), and
 leftovers at the end of training are dropped (``packing_drop_last: true``, carry-only mode).
 """
