@@ -293,3 +293,22 @@ def test_random_unknown_key_is_reported_at_its_path(stage2_config, data, key):
     report = validate_mapping(full)
     assert [i.path for i in report.errors] == [_dotted((*path, key))]
     assert report.errors[0].message == "unknown key"
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    parts=st.lists(
+        st.one_of(st.from_regex(r"[a-z_][a-z0-9_]{0,8}", fullmatch=True), st.integers(0, 999)), min_size=1, max_size=6
+    ).filter(lambda p: isinstance(p[0], str))
+)
+def test_parse_path_inverts_format_path(parts):
+    from coordexp.schema.errors import format_path, parse_path
+
+    assert parse_path(format_path(parts)) == tuple(parts)
+
+
+def test_parse_path_keeps_wildcard_indices_and_names():
+    from coordexp.schema.errors import parse_path
+
+    assert parse_path("a.objective[*].config.*") == ("a", "objective", "[*]", "config", "*")
+    assert parse_path("m[0][12].x") == ("m", 0, 12, "x")

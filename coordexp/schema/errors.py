@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Optional, Union
 
-__all__ = ["ConfigIssue", "ConfigError", "RuleViolation", "ConfigRuleError", "format_path"]
+__all__ = ["ConfigIssue", "ConfigError", "RuleViolation", "ConfigRuleError", "format_path", "parse_path"]
 
 PathPart = Union[str, int]
 
@@ -19,6 +19,22 @@ def format_path(parts: Iterable[PathPart]) -> str:
         else:
             out += f".{part}" if out else str(part)
     return out
+
+
+def parse_path(dotted: str) -> tuple[PathPart, ...]:
+    """``a.b[0].c`` -> ``("a", "b", 0, "c")``, the inverse of :func:`format_path`. A non-numeric index such as
+    the ``[*]`` of a legacy-key pattern stays the string ``"[*]"``."""
+    parts: list[PathPart] = []
+    for piece in dotted.split("."):
+        while "[" in piece:
+            head, _, rest = piece.partition("[")
+            if head:
+                parts.append(head)
+            index, _, piece = rest.partition("]")
+            parts.append(int(index) if index.isdigit() else f"[{index}]")
+        if piece:
+            parts.append(piece)
+    return tuple(parts)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from typing import Any, Iterator, Optional, Union
 
 from pydantic import BaseModel, ValidationError
 
-from coordexp.schema.errors import ConfigIssue, ConfigRuleError, format_path
+from coordexp.schema.errors import ConfigIssue, ConfigRuleError, format_path, parse_path
 
 __all__ = ["PathTuple", "validation_issues"]
 
@@ -128,7 +128,7 @@ def validation_issues(
         cause = err.get("ctx", {}).get("error") if err["type"] == "value_error" else None
         if isinstance(cause, ConfigRuleError):
             for v in cause.violations:
-                full = (*path, *_split(v.path))
+                full = (*path, *parse_path(v.path))
                 yield full, ConfigIssue(format_path(full), v.message, v.hint)
             continue
         key = str(path[-1]) if path else ""
@@ -136,16 +136,3 @@ def validation_issues(
         message, hint = _hint_for(err, allowed, key)
         yield path, ConfigIssue(format_path(path), message, hint)
 
-
-def _split(dotted: str) -> PathTuple:
-    parts: list = []
-    for piece in dotted.split("."):
-        while "[" in piece:
-            head, _, rest = piece.partition("[")
-            if head:
-                parts.append(head)
-            index, _, piece = rest.partition("]")
-            parts.append(int(index))
-        if piece:
-            parts.append(piece)
-    return tuple(parts)

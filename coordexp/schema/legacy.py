@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Union
 
-from coordexp.schema.errors import ConfigIssue, format_path
+from coordexp.schema.errors import ConfigIssue, format_path, parse_path
 
 __all__ = ["LegacyKey", "LegacyPrefix", "LEGACY_KEYS", "LEGACY_PREFIXES", "LegacyHit", "find_legacy_keys"]
 
@@ -192,21 +192,7 @@ LEGACY_KEYS: tuple[LegacyKey, ...] = (
 )
 
 
-def _parse_pattern(pattern: str) -> tuple[str, ...]:
-    tokens: list[str] = []
-    for part in pattern.split("."):
-        while "[" in part:
-            head, _, rest = part.partition("[")
-            if head:
-                tokens.append(head)
-            index, _, part = rest.partition("]")
-            tokens.append(f"[{index}]")
-        if part:
-            tokens.append(part)
-    return tuple(tokens)
-
-
-def _match(tokens: tuple[str, ...], path: PathTuple) -> Optional[list[str]]:
+def _match(tokens: PathTuple, path: PathTuple) -> Optional[list[str]]:
     """Wildcard captures when ``path`` matches ``tokens`` exactly, else None."""
     if len(tokens) != len(path):
         return None
@@ -225,7 +211,7 @@ def _match(tokens: tuple[str, ...], path: PathTuple) -> Optional[list[str]]:
     return captures
 
 
-_COMPILED = tuple((_parse_pattern(k.pattern), k) for k in LEGACY_KEYS)
+_COMPILED = tuple((parse_path(k.pattern), k) for k in LEGACY_KEYS)
 _PRUNABLE = frozenset(
     [".".join(p.old.split(".")[:n]) for p in LEGACY_PREFIXES for n in range(2, p.old.count(".") + 2)]
     + [k.pattern for k in LEGACY_KEYS if k.container]
