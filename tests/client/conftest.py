@@ -12,6 +12,8 @@ from typing import Callable
 
 import pytest
 
+from coordexp.schema.loader import deep_merge
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -151,11 +153,7 @@ def write_config(tmp_path, tiny_model_dir, dataset):
             "data": {"train_jsonl": str(dataset.train_jsonl), "val_jsonl": None},
             "training": {"output_dir": str(tmp_path / "run")},
         }
-        for key, value in overrides.items():
-            if isinstance(value, dict) and isinstance(config.get(key), dict):
-                config[key] = {**config[key], **value}
-            else:
-                config[key] = value
+        config = deep_merge(config, overrides)
         path = tmp_path / name
         path.write_text(yaml.safe_dump(config), encoding="utf-8")
         return path

@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from coordexp.schema.loader import deep_merge
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -27,11 +29,7 @@ def write_config(tmp_path, tiny_model_dir, dataset):
             "model": {"path": str(tiny_model_dir), "dtype": "float32", "attn_implementation": "sdpa"},
             "data": {"train_jsonl": str(dataset.train_jsonl), "val_jsonl": None},
         }
-        for key, value in overrides.items():
-            if isinstance(value, dict) and isinstance(config.get(key), dict):
-                config[key] = {**config[key], **value}
-            else:
-                config[key] = value
+        config = deep_merge(config, overrides)
         path = tmp_path / name
         path.write_text(yaml.safe_dump(config), encoding="utf-8")
         return path

@@ -14,6 +14,7 @@ import pytest
 import torch
 import yaml
 
+from coordexp.schema.loader import deep_merge
 from coordexp.schema.rollout import RepeatTerminateConfig
 from coordexp.schema.template import TemplateConfig
 
@@ -125,14 +126,7 @@ def write_run_config(model_dir, dataset, tmp_path_factory):
                 "vllm": {"mode": "colocate", "tensor_parallel_size": 1, "max_model_len": 512},
             },
         }
-        for key, value in overrides.items():
-            if isinstance(value, dict) and isinstance(config.get(key), dict):
-                merged = {**config[key], **value}
-                if key == "rollout_matching" and "vllm" in value:
-                    merged["vllm"] = {**config[key]["vllm"], **value["vllm"]}
-                config[key] = merged
-            else:
-                config[key] = value
+        config = deep_merge(config, overrides)
         path = folder / name
         path.write_text(yaml.safe_dump(config), encoding="utf-8")
         return path
