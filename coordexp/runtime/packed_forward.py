@@ -342,10 +342,13 @@ def packed_model_inputs(model: Any, batch: PackedBatch) -> dict[str, Any]:
     return inputs
 
 
-def packed_forward(model: Any, batch: PackedBatch, logits_to_keep: "torch.Tensor | None" = None) -> "torch.Tensor":
+def packed_forward(
+    model: Any, batch: PackedBatch, logits_to_keep: "torch.Tensor | None" = None, *, inputs_from: Any = None
+) -> "torch.Tensor":
     """Logits ``(1, T, V)`` of the one packed forward; segment ``i``'s logits equal those of the sample alone.
-    ``logits_to_keep`` (sorted positions, see ``SupervisionBatch.at_kept_positions``) gives ``(1, K, V)``."""
-    inputs = packed_model_inputs(model, batch)
+    ``logits_to_keep`` (sorted positions, see ``SupervisionBatch.at_kept_positions``) gives ``(1, K, V)``.
+    ``inputs_from``: the model whose config builds the inputs when ``model`` is a wrapper (DDP) without one."""
+    inputs = packed_model_inputs(model if inputs_from is None else inputs_from, batch)
     if logits_to_keep is not None:
         inputs["logits_to_keep"] = logits_to_keep.to(inputs["input_ids"].device)
     return model(**inputs).logits

@@ -2,8 +2,8 @@
 
 Per micro-step (``compute_loss``): encode prompts -> rollouts (stage 2) or GT targets (stage 1) -> per-sample
 ``Y_train`` (:mod:`coordexp.runtime.rollout_step`) -> carry buffer + selection (packing) -> ONE forward (LM head
-at the supervised positions only) -> :func:`coordexp.runtime.losses.compute_objective`. Rollout counters and loss terms are summed over micro-steps
-(and ranks) and logged once per logging step. The carry buffer is rank-local, starts empty (also on resume), and
+at the supervised positions only) -> :func:`coordexp.runtime.losses.compute_objective`. Rollout counters and loss
+terms are summed over micro-steps (and ranks) and logged once per logging step. The carry buffer is rank-local, starts empty (also on resume), and
 leftovers at the end of training are dropped (``packing_drop_last: true``, carry-only mode).
 """
 
@@ -23,7 +23,7 @@ from coordexp.runtime.packed_forward import (
     collate_packed,
     collate_padded,
     mrope_index_of,
-    packed_model_inputs,
+    packed_forward,
     padded_forward,
 )
 from coordexp.runtime.packing import CarryBuffer
@@ -74,12 +74,12 @@ class StepStats:
     def timed(self, stage: str, seconds: float) -> None:
         self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
 
-    def add(self, terms: dict[str, float], trained: int, counters: list, computed: int | None = None) -> None:
+    def add(self, terms: dict[str, float], trained: int, computed: int, counters: list) -> None:
         self.micro_steps += 1
-        self.computed_tokens += trained if computed is None else computed
         for key, value in terms.items():
             self.terms[key] = self.terms.get(key, 0.0) + float(value)
         self.trained_tokens += trained
+        self.computed_tokens += computed
         self.counters.extend(c for c in counters if c is not None)
 
 
@@ -174,8 +174,7 @@ class CoordExpTrainer(Trainer):
         keep, supervision = SupervisionBatch.from_segments(segments, batch.seq_len).at_kept_positions()
         if self.buffer is not None:
             # Inputs are built from the unwrapped model (its config); the call goes through the wrapper (DDP hooks).
-            inputs = packed_model_inputs(unwrapped, batch)
-            logits = model(**inputs, logits_to_keep=keep.to(inputs["input_ids"].device)).logits
+            logits = packed_forward(model, batch, logits_to_keep=keep, inputs_from=unwrapped)
         else:
             logits = padded_forward(model, batch, logits_to_keep=keep)
         supervision = supervision.to(logits.device)
