@@ -35,7 +35,7 @@ DESCS = ["red triangle", "blue square", "green pentagon", "yellow circle", "blac
 
 
 def _random_object(rng: random.Random):
-    from coordexp.runtime.objects import DetObject
+    from coordexp.runtime.core.objects import DetObject
 
     if rng.random() < 0.6:
         x1, y1 = rng.randint(0, 900), rng.randint(0, 900)
@@ -50,7 +50,7 @@ def _random_object(rng: random.Random):
 
 
 def _jitter(obj, rng: random.Random):
-    from coordexp.runtime.objects import DetObject
+    from coordexp.runtime.core.objects import DetObject
 
     c = [int(np.clip(v + rng.randint(-15, 15), 0, 999)) for v in obj.coords]
     if obj.geometry == "bbox_2d":
@@ -60,7 +60,7 @@ def _jitter(obj, rng: random.Random):
 
 def make_samples(tokenizer, n_samples: int, seed: int, n_objects: int | None = None):
     """Synthetic (gt objects, rollout ids) pairs: jittered/dropped GT plus FPs, some truncated, malformed or junk-led."""
-    from coordexp.runtime.serialize import serialize_objects
+    from coordexp.runtime.core.serialize import serialize_objects
 
     rng = random.Random(seed)
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -87,12 +87,12 @@ def make_samples(tokenizer, n_samples: int, seed: int, n_objects: int | None = N
 
 
 def time_pipeline(tokenizer, samples, contract_objects):
-    from coordexp.runtime.matching import match_objects
-    from coordexp.runtime.ot import pair_coord_targets
-    from coordexp.runtime.parsing import parse_rollout
-    from coordexp.runtime.pieces import PieceTable
-    from coordexp.runtime.targets import build_train_target
-    from coordexp.runtime.tokens import CoordVocab
+    from coordexp.runtime.core.matching import match_objects
+    from coordexp.runtime.core.ot import pair_coord_targets
+    from coordexp.runtime.core.parsing import parse_rollout
+    from coordexp.runtime.core.pieces import PieceTable
+    from coordexp.runtime.core.targets import build_train_target
+    from coordexp.runtime.core.tokens import CoordVocab
 
     matching_cfg, ot_cfg, token_ce_cfg = contract_objects
     vocab = CoordVocab.from_tokenizer(tokenizer)
@@ -151,7 +151,7 @@ targets = torch.randint(0, 1000, (n_coord,)).float()
 def kib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 if mode == "ours":
-    from coordexp.runtime.losses import SupervisionBatch, compute_objective
+    from coordexp.runtime.model.losses import SupervisionBatch, compute_objective
     from coordexp.schema.pipeline import PipelineConfig
     pipeline = PipelineConfig.model_validate({"objective": [
         {"name": "coord_reg", "enabled": True, "weight": 1.0, "channels": ["B"], "config": {
@@ -167,7 +167,7 @@ if mode == "ours":
     base = kib()
     loss = compute_objective(logits, batch, coord_ids, pipeline).total
 else:
-    from coordexp.runtime.coord_losses import gaussian_soft_targets
+    from coordexp.runtime.model.coord_losses import gaussian_soft_targets
     base = kib()
     logp_full = torch.log_softmax(logits.float(), dim=-1)          # naive: whole sequence, full vocab
     rows = logp_full[0, positions - 1]
@@ -205,7 +205,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from coordexp.runtime.tiny import build_tiny_tokenizer
+    from coordexp.runtime.toy.tiny import build_tiny_tokenizer
     from coordexp.schema.matching import MatchingConfig, OtConfig
     from coordexp.schema.pipeline import TokenCeConfig
 

@@ -64,13 +64,13 @@ def main() -> None:
     import torch
     from transformers import AutoModelForImageTextToText
 
-    from coordexp.runtime.backends import RolloutRequest
-    from coordexp.runtime.backends.hf import HfRolloutBackend
-    from coordexp.runtime.data import load_records
-    from coordexp.runtime.encoding import encode_prompt, load_processor
-    from coordexp.runtime.synthetic import write_synthetic_dataset
-    from coordexp.runtime.tiny_model import build_tiny_model
-    from coordexp.runtime.vllm_engine import EngineSettings, VllmEngine
+    from coordexp.runtime.rollout.registry import RolloutRequest
+    from coordexp.runtime.rollout.hf import HfRolloutBackend
+    from coordexp.runtime.model.data import load_records
+    from coordexp.runtime.model.encoding import encode_prompt, load_processor
+    from coordexp.runtime.toy.synthetic import write_synthetic_dataset
+    from coordexp.runtime.toy.tiny_model import build_tiny_model
+    from coordexp.runtime.rollout.vllm_engine import EngineSettings, VllmEngine
     from coordexp.schema.rollout import DecodingConfig, RepeatTerminateConfig
     from coordexp.schema.template import TemplateConfig
 

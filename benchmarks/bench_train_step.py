@@ -65,7 +65,7 @@ def _config(tmp: Path, model: Path, data: Path, *, packing: bool, steps: int, ba
 
 
 def run_one(config: Path) -> dict:
-    from coordexp.runtime.launch import build_trainer
+    from coordexp.runtime.train.launch import build_trainer
     from coordexp.schema.contract import load_contract
 
     trainer = build_trainer(load_contract(config))
@@ -114,9 +114,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     args = parser.parse_args()
 
-    from coordexp.runtime.data import load_records
-    from coordexp.runtime.synthetic import write_synthetic_dataset
-    from coordexp.runtime.tiny_model import build_tiny_model
+    from coordexp.runtime.model.data import load_records
+    from coordexp.runtime.toy.synthetic import write_synthetic_dataset
+    from coordexp.runtime.toy.tiny_model import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)

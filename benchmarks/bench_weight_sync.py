@@ -2,7 +2,7 @@
 
 Run: ``.venv/bin/python benchmarks/bench_weight_sync.py [--sizes-gb 0.1 0.25 0.5 1.0] [--reps 5]``
 
-1. Weight sync: a receiver process (:class:`~coordexp.runtime.weight_sync.WeightSyncReceiver`, rank 0) and this
+1. Weight sync: a receiver process (:class:`~coordexp.runtime.rollout.weight_sync.WeightSyncReceiver`, rank 0) and this
    process as the sender (last rank), fp32 parameter sets of the given sizes in 512 MiB single-dtype buckets.
    Printed: GB/s of ``send_full`` (broadcast + the receiver's verdict), best of 3.
 2. /infer/ overhead: ``coordexp serve-rollout --engine hf`` on 127.0.0.1 with the tiny offline model versus the
@@ -36,7 +36,7 @@ def _free_port() -> int:
 
 
 def _receiver(port: int, queue, done) -> None:
-    from coordexp.runtime.weight_sync import WeightSyncReceiver
+    from coordexp.runtime.rollout.weight_sync import WeightSyncReceiver
 
     receiver = WeightSyncReceiver(timeout_s=120, backend="gloo")
     receiver.init("127.0.0.1", port, 2, 0)
@@ -52,7 +52,7 @@ def _receiver(port: int, queue, done) -> None:
 def bench_sync(sizes_gb: list[float]) -> None:
     import torch
 
-    from coordexp.runtime.weight_sync import WeightSyncSender
+    from coordexp.runtime.rollout.weight_sync import WeightSyncSender
 
     ctx = mp.get_context("spawn")
     for size in sizes_gb:
@@ -81,14 +81,14 @@ def bench_sync(sizes_gb: list[float]) -> None:
 def bench_infer(reps: int) -> None:
     import torch
 
-    from coordexp.runtime.backends.base import RolloutRequest
-    from coordexp.runtime.backends.hf import HfRolloutBackend
-    from coordexp.runtime.backends.vllm_server import VllmServerBackend
-    from coordexp.runtime.data import load_records
-    from coordexp.runtime.encoding import encode_prompt, load_processor
-    from coordexp.runtime.server.client import RolloutServerClient
-    from coordexp.runtime.synthetic import write_synthetic_dataset
-    from coordexp.runtime.tiny_model import build_tiny_model
+    from coordexp.runtime.rollout.base import RolloutRequest
+    from coordexp.runtime.rollout.hf import HfRolloutBackend
+    from coordexp.runtime.rollout.vllm_server import VllmServerBackend
+    from coordexp.runtime.model.data import load_records
+    from coordexp.runtime.model.encoding import encode_prompt, load_processor
+    from coordexp.runtime.rollout.client import RolloutServerClient
+    from coordexp.runtime.toy.synthetic import write_synthetic_dataset
+    from coordexp.runtime.toy.tiny_model import build_tiny_model
     from coordexp.schema.contract import load_contract
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_sync_"))

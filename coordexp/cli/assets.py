@@ -36,7 +36,7 @@ def make_tiny_model(
     seed: Annotated[int, typer.Option("--seed", help="Weight-initialisation seed.")] = 0,
 ) -> None:
     """Build a tiny random Qwen-VL checkpoint (tokenizer with coord tokens, processor, model) offline."""
-    from coordexp.runtime.tiny_model import TINY_FAMILIES, build_tiny_model
+    from coordexp.runtime.toy.tiny_model import TINY_FAMILIES, build_tiny_model
 
     if family not in TINY_FAMILIES:
         _fail(f"unknown --family {family!r}", f"Choose one of {', '.join(TINY_FAMILIES)}")
@@ -56,7 +56,7 @@ def expand_vocab(
     if destination.resolve() == source.resolve():
         _fail("SRC and DST are the same directory", "Write the expanded checkpoint to a new directory")
     _require_empty_target(destination)
-    from coordexp.runtime.tiny_model import expand_checkpoint_vocab
+    from coordexp.runtime.model.policy import expand_checkpoint_vocab
 
     added = expand_checkpoint_vocab(source, destination)
     state = f"added {added} coord tokens" if added else "already had all coord tokens; copied unchanged"
@@ -71,7 +71,7 @@ def make_synthetic_data(
     size: Annotated[int, typer.Option("--size", min=28, help="Image width and height in pixels.")] = 112,
 ) -> None:
     """Write a deterministic synthetic shapes dataset (train.jsonl, val.jsonl, images/*.png)."""
-    from coordexp.runtime.synthetic import write_synthetic_dataset
+    from coordexp.runtime.toy.synthetic import write_synthetic_dataset
 
     dataset = write_synthetic_dataset(directory, n_train=n_train, n_val=n_val, seed=seed, image_size=(size, size))
     _out.print(f"[green]✓[/green] {n_train} train / {n_val} val images: {escape(str(dataset.train_jsonl))}, "

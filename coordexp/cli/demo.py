@@ -1,6 +1,6 @@
 """``coordexp demo``: the README's main job, a CPU run of stage 1 then stage 2 on a tiny model and synthetic shapes.
 
-The orchestration lives in :mod:`coordexp.runtime.demo`; this module is the command-line glue and the summary.
+The orchestration lives in :mod:`coordexp.runtime.toy.demo`; this module is the command-line glue and the summary.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ def demo(
             raise typer.Exit(EXIT_INVALID)
 
     from coordexp.cli.train import _one_line, _user_error_types
-    from coordexp.runtime.demo import DemoPlan, result_to_dict, run_demo
-    from coordexp.runtime.progress import ProgressCallback
+    from coordexp.runtime.toy.demo import DemoPlan, result_to_dict, run_demo
+    from coordexp.runtime.train.progress import ProgressCallback
 
     quick = quick or os.environ.get("COORDEXP_DEMO_QUICK") == "1"
     plan = DemoPlan(

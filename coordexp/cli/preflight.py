@@ -34,7 +34,7 @@ def preflight(
                                                 "(default: CUDA_VISIBLE_DEVICES, else 4).")] = None,
 ) -> None:
     """Validate a run before launch: config, model coord tokens, data sample, servers, topology; print wiring."""
-    from coordexp.runtime.preflight import run_preflight
+    from coordexp.runtime.train.preflight import run_preflight
 
     report = run_preflight(config, learner_world_size=learner_world_size, health_timeout_s=health_timeout_s,
                            launch=launch, server_world_size=server_world_size, num_gpus=gpus)

@@ -25,11 +25,11 @@ _err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 # Exception class names that mean "the input is wrong" (exit 2), resolved lazily so this module stays light.
 USER_ERRORS = (
-    ("coordexp.runtime.launch", "LaunchError"),
-    ("coordexp.runtime.data", "DatasetError"),
-    ("coordexp.runtime.encoding", "EncodingError"),
-    ("coordexp.runtime.mrope", "PackingError"),
-    ("coordexp.runtime.backends.base", "BackendUnavailableError"),
+    ("coordexp.runtime.train.launch", "LaunchError"),
+    ("coordexp.runtime.model.data", "DatasetError"),
+    ("coordexp.runtime.model.encoding", "EncodingError"),
+    ("coordexp.runtime.model.mrope", "PackingError"),
+    ("coordexp.runtime.rollout.base", "BackendUnavailableError"),
     ("coordexp.schema.errors", "ConfigError"),
     ("coordexp.schema.errors", "ConfigRuleError"),
 )
@@ -118,12 +118,12 @@ def train(
     except FileNotFoundError as exc:
         _fail(str(exc))
 
-    from coordexp.runtime.progress import ProgressCallback, summarize_history
+    from coordexp.runtime.train.progress import ProgressCallback, summarize_history
 
     progress = ProgressCallback(_err if as_json else None, title=f"{run.trainer_variant}: {config.name}")
     user_errors = _user_error_types()
     try:
-        from coordexp.runtime.launch import run_training
+        from coordexp.runtime.train.launch import run_training
 
         outcome = run_training(
             run,
@@ -173,7 +173,7 @@ def show_rollouts(
     limit: Annotated[int, typer.Option("--limit", min=1, help="Render the last N logged rollouts.")] = 8,
 ) -> None:
     """Render logged rollouts to PNGs: GT green, matched predictions blue, FPs red, FNs orange."""
-    from coordexp.runtime.visualize import ROLLOUT_LOG_NAME, render_rollout_log
+    from coordexp.runtime.train.visualize import ROLLOUT_LOG_NAME, render_rollout_log
 
     if not (run_dir / ROLLOUT_LOG_NAME).is_file():
         _fail(

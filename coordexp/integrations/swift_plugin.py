@@ -4,7 +4,7 @@ For users who keep ms-swift's rollout server. At import (by path, as ms-swift do
 every engine worker) the plugin reads the FULL ``rollout_matching.repeat_terminate`` subtree from
 ``COORDEXP_VLLM_REPEAT_TERMINATE_CONFIG_JSON`` (a JSON object) or ``..._JSON_PATH`` (a file), validated by the
 coordexp schema (config first), and installs the same vLLM V1 batch logits processor that ``coordexp
-serve-rollout`` and colocate use (:mod:`coordexp.runtime.vllm_repeat`: per-row repeat trackers, the offending row is
+serve-rollout`` and colocate use (:mod:`coordexp.runtime.rollout.vllm_repeat`: per-row repeat trackers, the offending row is
 forced to EOS, other rows continue) into every ``VllmEngine`` ms-swift builds. An enabled guard that cannot be
 activated (ms-swift or vLLM missing, bad JSON) fails at start-up with the reason, never silently off.
 Imported as ``coordexp.integrations.swift_plugin`` (tests, tools) nothing is activated; call :func:`install`.
@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from coordexp.runtime.repeat import RepeatGuard
+from coordexp.runtime.core.repeat import RepeatGuard
 from coordexp.schema.rollout import RepeatTerminateConfig
 
 __all__ = ["CONFIG_JSON_ENV", "CONFIG_PATH_ENV", "PluginError", "load_repeat_config", "patch_engine_class",
@@ -88,7 +88,7 @@ def patch_engine_class(engine_class: type, guard: RepeatGuard, *, eos_token_id: 
                        environ: Any = os.environ) -> None:
     """Make ``engine_class._prepare_engine_kwargs`` (ms-swift ``VllmEngine``) install the coordexp logits processor
     and hand it its settings (through the env var vLLM's processor reads). Idempotent."""
-    from coordexp.runtime.vllm_repeat import GUARD_ENV, PROCESSOR_QUALNAME, ProcessorSettings, encode_settings
+    from coordexp.runtime.rollout.vllm_repeat import GUARD_ENV, PROCESSOR_QUALNAME, ProcessorSettings, encode_settings
 
     original = getattr(engine_class, "_prepare_engine_kwargs", None)
     if original is None:

@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="session")
 def dataset(tmp_path_factory):
-    from coordexp.runtime.synthetic import write_synthetic_dataset
+    from coordexp.runtime.toy.synthetic import write_synthetic_dataset
 
     return write_synthetic_dataset(tmp_path_factory.mktemp("e2e_data"), n_train=16, n_val=4, seed=3)
 

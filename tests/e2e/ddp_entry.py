@@ -11,7 +11,7 @@ import torch
 
 
 def main(config_path: str, out_dir: str) -> None:
-    from coordexp.runtime.launch import build_trainer
+    from coordexp.runtime.train.launch import build_trainer
     from coordexp.schema.contract import load_contract
 
     trainer = build_trainer(load_contract(config_path))

@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from coordexp.runtime.launch import build_trainer, run_training
-from coordexp.runtime.visualize import read_rollout_log
+from coordexp.runtime.train.launch import build_trainer, run_training
+from coordexp.runtime.train.visualize import read_rollout_log
 from coordexp.schema.contract import load_contract
 
 pytestmark = pytest.mark.slow

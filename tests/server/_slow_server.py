@@ -11,8 +11,8 @@ import time
 
 import torch
 
-from coordexp.runtime.backends.base import RolloutOutput
-from coordexp.runtime.encoding import load_processor
+from coordexp.runtime.rollout.base import RolloutOutput
+from coordexp.runtime.model.encoding import load_processor
 from coordexp.runtime.server.app import create_app
 from coordexp.runtime.server.serve import bind_socket, serve
 from coordexp.schema.rollout import RepeatTerminateConfig

@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="session")
 def dataset(tmp_path_factory):
-    from coordexp.runtime.synthetic import write_synthetic_dataset
+    from coordexp.runtime.toy.synthetic import write_synthetic_dataset
 
     return write_synthetic_dataset(tmp_path_factory.mktemp("server_data"), n_train=4, n_val=0, seed=5)
 
@@ -40,13 +40,13 @@ def run_contract(server_config):
 
 @pytest.fixture(scope="session")
 def records(dataset):
-    from coordexp.runtime.data import load_records
+    from coordexp.runtime.model.data import load_records
 
     return load_records(dataset.train_jsonl, dataset.root)
 
 
 @pytest.fixture(scope="session")
 def processor(tiny_model_dir):
-    from coordexp.runtime.encoding import load_processor
+    from coordexp.runtime.model.encoding import load_processor
 
     return load_processor(tiny_model_dir)

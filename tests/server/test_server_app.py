@@ -17,12 +17,12 @@ import httpx
 import pytest
 import torch
 
-from coordexp.runtime.backends.base import RolloutRequest
-from coordexp.runtime.backends.hf import HfRolloutBackend
-from coordexp.runtime.encoding import build_messages, encode_prompt
-from coordexp.runtime.server import protocol as p
+from coordexp.runtime.rollout.base import RolloutRequest
+from coordexp.runtime.rollout.hf import HfRolloutBackend
+from coordexp.runtime.model.encoding import build_messages, encode_prompt
+from coordexp.runtime.rollout import protocol as p
 from coordexp.runtime.server.serve import READY_PREFIX
-from coordexp.runtime.weight_sync import RemoteApplyError, WeightSyncSender
+from coordexp.runtime.rollout.weight_sync import RemoteApplyError, WeightSyncSender
 from coordexp.schema.rollout import DecodingConfig
 
 HERE = Path(__file__).parent

@@ -26,11 +26,11 @@ from typing import Any, Callable, Sequence
 from fastapi import FastAPI, HTTPException
 from fastapi.responses import JSONResponse
 
-from coordexp.runtime.backends.base import RolloutOutput, RolloutRequest
-from coordexp.runtime.server import protocol as p
+from coordexp.runtime.rollout.base import RolloutOutput, RolloutRequest
+from coordexp.runtime.rollout import protocol as p
 from coordexp.runtime.server.engine import EngineError, GenerationParams, RolloutEngine
 from coordexp.runtime.server.inputs import InferInputError, request_to_record
-from coordexp.runtime.weight_sync import DEFAULT_TIMEOUT_S, WeightSyncError, WeightSyncReceiver
+from coordexp.runtime.rollout.weight_sync import DEFAULT_TIMEOUT_S, WeightSyncError, WeightSyncReceiver
 from coordexp.schema.rollout import DecodingConfig
 from coordexp.schema.template import TemplateConfig
 
@@ -207,7 +207,7 @@ class RolloutService:
 
     def infer(self, body: p.InferRequestBody) -> list[dict[str, Any]]:
         """Runs on the worker: encode with the trainer's encoder, generate, shape MS310 replies."""
-        from coordexp.runtime.encoding import EncodingError, encode_prompt
+        from coordexp.runtime.model.encoding import EncodingError, encode_prompt
 
         config = body.request_config
         params = self.generation_params(config)

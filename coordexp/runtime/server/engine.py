@@ -2,7 +2,7 @@
 
 The server calls every engine method from ONE worker thread, in arrival order (FIFO), so an engine needs no locks
 and a weight update queued before an ``/infer/`` is applied before it. The vLLM engine
-(``coordexp.runtime.vllm_engine``) implements the same protocol.
+(``coordexp.runtime.rollout.vllm_engine``) implements the same protocol.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
-from coordexp.runtime.backends.base import RolloutOutput, RolloutRequest
+from coordexp.runtime.rollout.base import RolloutOutput, RolloutRequest
 from coordexp.schema.rollout import DecodingConfig, RepeatTerminateConfig
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ class RolloutEngine(Protocol):
 
     def generate(self, requests: Sequence[RolloutRequest], params: GenerationParams) -> list[RolloutOutput]:
         """One output per request, in order; ``prompt_token_ids`` equal ``request.prompt.input_ids`` and
-        ``response_token_ids`` have the stop token stripped (use :func:`~coordexp.runtime.backends.finish_output`)."""
+        ``response_token_ids`` have the stop token stripped (use :func:`~coordexp.runtime.rollout.registry.finish_output`)."""
         ...
 
     def load_weights(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]]) -> None:
@@ -79,7 +79,7 @@ class RolloutEngine(Protocol):
 class HfEngine:
     """A rollout engine on transformers ``generate`` with its OWN copy of the model (not the learner's).
 
-    Generation is :class:`~coordexp.runtime.backends.hf.HfRolloutBackend` (the same decoding, repeat guard and
+    Generation is :class:`~coordexp.runtime.rollout.hf.HfRolloutBackend` (the same decoding, repeat guard and
     stop trimming as the HF rollout backend), one backend per distinct :class:`GenerationParams`.
     """
 
@@ -89,7 +89,7 @@ class HfEngine:
 
     def __init__(self, model: Any, tokenizer: Any, *, decode_batch_size: int,
                  repeat_terminate: RepeatTerminateConfig):
-        from coordexp.runtime.repeat import RepeatGuard
+        from coordexp.runtime.core.repeat import RepeatGuard
 
         self._model = model
         self._tokenizer = tokenizer
@@ -103,7 +103,7 @@ class HfEngine:
     def from_contract(cls, run: "RunContract", *, model: Any = None, processor: Any = None) -> "HfEngine":
         """Load the config's model (``launch.load_policy``) unless given; decoding knobs come per call."""
         if model is None or processor is None:
-            from coordexp.runtime.launch import load_policy
+            from coordexp.runtime.model.policy import load_policy
 
             model, processor = load_policy(run)
         model.eval()
@@ -128,7 +128,7 @@ class HfEngine:
     def _backend(self, params: GenerationParams) -> Any:
         backend = self._backends.get(params)
         if backend is None:
-            from coordexp.runtime.backends.hf import HfRolloutBackend
+            from coordexp.runtime.rollout.hf import HfRolloutBackend
 
             backend = HfRolloutBackend(self._require_model(), self._tokenizer,
                                        decode_batch_size=self.decode_batch_size,

@@ -1,6 +1,6 @@
-"""``/infer/`` request -> encoded prompt, through the trainer's own :func:`~coordexp.runtime.encoding.encode_prompt`.
+"""``/infer/`` request -> encoded prompt, through the trainer's own :func:`~coordexp.runtime.model.encoding.encode_prompt`.
 
-A request is turned back into the (record, template) pair that :func:`~coordexp.runtime.encoding.build_messages`
+A request is turned back into the (record, template) pair that :func:`~coordexp.runtime.model.encoding.build_messages`
 renders: an optional system message (else the config's), ONE user message whose content is the images followed by
 the prompt text (inline ``{"type": "image", ...}`` items, or ``<image>`` tags with the top-level ``images``). The
 prompt is then encoded by the same function the learner uses, so ``prompt_token_ids`` are identical by
@@ -20,8 +20,8 @@ import re
 from pathlib import Path
 from typing import Any, Sequence
 
-from coordexp.runtime.data import DetectionRecord
-from coordexp.runtime.server.protocol import RolloutInferRequest
+from coordexp.runtime.model.data import DetectionRecord
+from coordexp.runtime.rollout.protocol import RolloutInferRequest
 from coordexp.schema.template import TemplateConfig
 
 __all__ = ["InferInputError", "IMAGE_TAG", "request_to_record", "resolve_image"]
@@ -129,7 +129,7 @@ def resolve_image(value: str, image_root: Path | None, scratch: Path, name: str)
 def request_to_record(request: RolloutInferRequest, index: int, template: TemplateConfig,
                       image_root: Path | None, scratch: Path) -> tuple[DetectionRecord, TemplateConfig]:
     """The record (images resolved) and template (system/user prompt of the request) that re-render the request's
-    messages with :func:`~coordexp.runtime.encoding.build_messages`."""
+    messages with :func:`~coordexp.runtime.model.encoding.build_messages`."""
     where = f"infer_requests[{index}]"
     if request.audios or request.videos:
         raise InferInputError(f"{where}: audios/videos are not served; a detection prompt holds images only")

@@ -67,7 +67,7 @@ def resolve_engine_kind(requested: EngineKind | None) -> EngineKind:
     if requested is not None:
         return requested
     has_vllm = importlib.util.find_spec("vllm") is not None
-    has_wrapper = importlib.util.find_spec("coordexp.runtime.vllm_engine") is not None
+    has_wrapper = importlib.util.find_spec("coordexp.runtime.rollout.vllm_engine") is not None
     return "vllm" if has_vllm and has_wrapper else "hf"
 
 
@@ -79,7 +79,7 @@ def build_engine(run: "RunContract", kind: EngineKind) -> RolloutEngine:
 
         return HfEngine.from_contract(run)
     try:
-        module = importlib.import_module("coordexp.runtime.vllm_engine")
+        module = importlib.import_module("coordexp.runtime.rollout.vllm_engine")
     except ModuleNotFoundError as exc:
         raise ServeError(f"--engine vllm needs {exc.name!r}, which is not installed; install vLLM or serve with "
                          "--engine hf") from None
@@ -88,7 +88,7 @@ def build_engine(run: "RunContract", kind: EngineKind) -> RolloutEngine:
         engine_class = getattr(module, "VllmEngine", None)
         factory = getattr(engine_class, "from_contract", None)
     if factory is None:
-        raise ServeError("coordexp.runtime.vllm_engine defines no create_server_engine(run) / VllmEngine.from_contract;"
+        raise ServeError("coordexp.runtime.rollout.vllm_engine defines no create_server_engine(run) / VllmEngine.from_contract;"
                          " the installation is inconsistent: serve with --engine hf")
     engine = factory(run)
     if not isinstance(engine, RolloutEngine):
@@ -100,7 +100,7 @@ def build_engine(run: "RunContract", kind: EngineKind) -> RolloutEngine:
 def build_app(run: "RunContract", engine: RolloutEngine, *, image_root: str | Path | None,
               bind_host: str | None = None) -> "FastAPI":
     """The app of ``run``: the config's template, decoding and max_new_tokens as request defaults."""
-    from coordexp.runtime.encoding import load_processor
+    from coordexp.runtime.model.encoding import load_processor
     from coordexp.runtime.server.app import create_app
 
     rollout = run.rollout_matching

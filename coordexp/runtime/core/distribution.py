@@ -1,0 +1,133 @@
+"""Pure arithmetic of server-mode rollouts: topology feasibility, per-rank chunk, request split across servers, seeds.
+
+Split rule (reconciles spec 004's ``chunk_size = ceil(N / S)`` with issue 5's "proportional to server world sizes"):
+server ``i`` with world size ``w_i`` may take at most ``ceil(N * w_i / sum(w))`` requests, and servers are filled in
+order with contiguous slices. With equal world sizes this is exactly ``ceil(N / S)`` contiguous chunks (trailing
+servers may get zero); with unequal ones no server gets more than its proportional share rounded up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+__all__ = [
+    "SEED_MASK",
+    "InfeasibleTopologyError",
+    "ServerSlice",
+    "normalize_seed",
+    "rollout_seed",
+    "global_request_index",
+    "per_rank_chunk",
+    "split_contiguous",
+    "plan_rounds",
+    "consecutive_seed_runs",
+]
+
+SEED_MASK = 0x7FFFFFFF
+_STEP_STRIDE = 1_000_003  # same stride as coordexp.runtime.rollout.base.request_seed
+
+
+class InfeasibleTopologyError(ValueError):
+    """``decode_batch_size * sum(server world sizes) < learner world size``: some rank could not send a request."""
+
+
+@dataclass(frozen=True)
+class ServerSlice:
+    """Requests ``[start, stop)`` (positions in the caller's list) go to server number ``server``."""
+
+    server: int
+    start: int
+    stop: int
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+
+def normalize_seed(value: int) -> int:
+    """Map any integer into ``1..2**31-1``: ms-swift treats seed 0 as "unset", so 0 is never sent."""
+    return (int(value) & SEED_MASK) or 1
+
+
+def global_request_index(micro_step: int, rank: int, world_size: int, per_rank: int, index: int) -> int:
+    """The position of a request among all requests of one optimizer step (micro-step major, then rank)."""
+    return (int(micro_step) * int(world_size) + int(rank)) * int(per_rank) + int(index)
+
+
+def rollout_seed(training_seed: int, global_step: int, request_index: int) -> int:
+    """The seed of one request, a pure function of (training seed, global step, index within the step; the index
+    encodes the micro-step, see :func:`global_request_index`). Equals ``backends.base.request_seed``."""
+    return normalize_seed(int(training_seed) + int(global_step) * _STEP_STRIDE + int(request_index))
+
+
+def per_rank_chunk(decode_batch_size: int, server_world_sizes: Sequence[int], learner_world_size: int) -> int:
+    """``floor(decode_batch_size * S / W)``: how many requests one learner rank sends at once (``S`` = total server
+    world size), so that all ranks together never exceed ``decode_batch_size`` per rollout GPU.
+
+    Raises :class:`InfeasibleTopologyError` with the three fixes when ``decode_batch_size * S < W``.
+    """
+    if decode_batch_size < 1:
+        raise ValueError(f"decode_batch_size must be >= 1, got {decode_batch_size}")
+    if learner_world_size < 1:
+        raise ValueError(f"learner world size must be >= 1, got {learner_world_size}")
+    if not server_world_sizes or any(int(w) < 1 for w in server_world_sizes):
+        raise ValueError(f"every server must report a world size >= 1, got {list(server_world_sizes)}")
+    total = sum(int(w) for w in server_world_sizes)
+    if decode_batch_size * total < learner_world_size:
+        raise InfeasibleTopologyError(
+            f"decode_batch_size cap is infeasible for this topology: decode_batch_size ({decode_batch_size}) * "
+            f"total server world size ({total}, per server {list(server_world_sizes)}) = {decode_batch_size * total} "
+            f"< learner world size ({learner_world_size}), so some learner rank could not send a single request. "
+            "Increase the rollout server world size (more data-parallel replicas or servers), reduce the learner "
+            "world size (fewer torchrun processes), or increase rollout_matching.decode_batch_size.")
+    return (decode_batch_size * total) // learner_world_size
+
+
+def split_contiguous(n: int, server_world_sizes: Sequence[int]) -> list[ServerSlice]:
+    """Contiguous, order-preserving slices of ``n`` requests over the servers, capacity-proportional (module doc).
+
+    Returns only non-empty slices, in server order; ``n == 0`` gives ``[]`` (nothing is sent).
+    """
+    if n < 0:
+        raise ValueError(f"request count must be >= 0, got {n}")
+    weights = [int(w) for w in server_world_sizes]
+    if not weights or any(w < 1 for w in weights):
+        raise ValueError(f"every server must have a world size >= 1, got {weights}")
+    total = sum(weights)
+    slices: list[ServerSlice] = []
+    start = 0
+    for server, weight in enumerate(weights):
+        if start >= n:
+            break
+        capacity = -(-n * weight // total)  # ceil(n * w / total)
+        stop = min(n, start + capacity)
+        slices.append(ServerSlice(server, start, stop))
+        start = stop
+    return slices
+
+
+def plan_rounds(n: int, chunk: int, server_world_sizes: Sequence[int]) -> list[list[ServerSlice]]:
+    """Rounds of at most ``chunk`` requests (in order), each split over the servers with :func:`split_contiguous`.
+    Slice positions are absolute (into the full list of ``n``)."""
+    if chunk < 1:
+        raise ValueError(f"per-rank chunk must be >= 1, got {chunk}")
+    rounds: list[list[ServerSlice]] = []
+    for begin in range(0, n, chunk):
+        size = min(chunk, n - begin)
+        rounds.append([ServerSlice(s.server, begin + s.start, begin + s.stop)
+                       for s in split_contiguous(size, server_world_sizes)])
+    return rounds
+
+
+def consecutive_seed_runs(seeds: Sequence[int], start: int, stop: int) -> list[tuple[int, int]]:
+    """Split ``[start, stop)`` where ``seeds[k + 1] != seeds[k] + 1``: one ``/infer/`` call carries one base seed
+    and the server gives request ``j`` of the call ``seed + j``, so each call must cover consecutive seeds."""
+    runs: list[tuple[int, int]] = []
+    begin = start
+    for k in range(start + 1, stop):
+        if int(seeds[k]) != int(seeds[k - 1]) + 1:
+            runs.append((begin, k))
+            begin = k
+    if stop > start:
+        runs.append((begin, stop))
+    return runs

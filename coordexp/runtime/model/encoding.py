@@ -1,0 +1,303 @@
+"""The ONE chat-template encoding used for rollout generation and for the teacher-forced forward (spec 004,
+"Canonical encoding and supervision index sanity checks").
+
+The prompt is rendered once (system + user with the images + prompt text), tokenised without added specials, and
+each ``<|image_pad|>`` is expanded to ``prod(image_grid_thw) // merge_size**2`` copies, exactly as the Qwen-VL
+processors do. The teacher-forced sequence is that prompt's ids followed by the assistant ids *as ids*: response text
+is never re-tokenised, so the prompt slice is identical to what generation saw.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+from coordexp.schema.template import TemplateConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from coordexp.runtime.model.data import DetectionRecord
+
+__all__ = [
+    "IMAGE_PAD_TOKEN",
+    "EncodingError",
+    "ImageTextProcessor",
+    "EncodedPrompt",
+    "EncodedSample",
+    "load_processor",
+    "build_messages",
+    "render_prompt",
+    "encode_prompt",
+    "encode_teacher_forced",
+    "check_prompt_alignment",
+    "check_supervised_span",
+]
+
+IMAGE_PAD_TOKEN = "<|image_pad|>"
+_VISION_PLACEHOLDERS = (IMAGE_PAD_TOKEN, "<|video_pad|>")
+
+
+class EncodingError(ValueError):
+    """A prompt or teacher-forced encoding is inconsistent; training on it would silently misalign labels."""
+
+
+@dataclass(frozen=True)
+class ImageTextProcessor:
+    """A tokenizer + image processor pair, used when the family's processor class cannot be built.
+
+    transformers 5 refuses to build any Qwen-VL processor without torchvision (for its video processor). Encoding
+    needs only these two parts, so both kinds of processor encode identically.
+    """
+
+    tokenizer: Any
+    image_processor: Any
+    chat_template: str | None = None
+
+
+@dataclass(frozen=True)
+class EncodedPrompt:
+    """A generation prompt: 1-D ``input_ids``/``attention_mask`` (images expanded) and the vision inputs."""
+
+    input_ids: "torch.Tensor"  # int64 (prompt_len,)
+    attention_mask: "torch.Tensor"  # int64 (prompt_len,), all ones
+    mm_token_type_ids: "torch.Tensor"  # int64 (prompt_len,): 1 at image tokens, else 0 (drives the M-RoPE index)
+    pixel_values: "torch.Tensor"  # float (n_patches, channels * temporal_patch * patch * patch)
+    image_grid_thw: "torch.Tensor"  # int64 (n_images, 3)
+    prompt_len: int
+
+    def model_inputs(self) -> dict[str, "torch.Tensor"]:
+        """Keyword arguments for ``model(...)`` / ``model.generate(...)`` with a batch of one."""
+        return _model_inputs(self)
+
+
+@dataclass(frozen=True)
+class EncodedSample:
+    """A teacher-forced sequence: prompt ids then assistant ids; ``input_ids[assistant_start:]`` is the response."""
+
+    input_ids: "torch.Tensor"  # int64 (prompt_len + n_assistant,)
+    attention_mask: "torch.Tensor"  # int64, all ones
+    mm_token_type_ids: "torch.Tensor"  # int64: 1 at image tokens, else 0
+    pixel_values: "torch.Tensor"
+    image_grid_thw: "torch.Tensor"
+    prompt_len: int
+    assistant_start: int
+
+    def model_inputs(self) -> dict[str, "torch.Tensor"]:
+        """Keyword arguments for ``model(...)`` with a batch of one (add ``labels`` yourself)."""
+        return _model_inputs(self)
+
+    @property
+    def total_len(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def _model_inputs(encoded: EncodedPrompt | EncodedSample) -> dict[str, "torch.Tensor"]:
+    # transformers 5 Qwen-VL models need mm_token_type_ids for the multimodal rope index; without it generate()
+    # silently falls back to text-only positions for the image tokens.
+    return {
+        "input_ids": encoded.input_ids[None],
+        "attention_mask": encoded.attention_mask[None],
+        "mm_token_type_ids": encoded.mm_token_type_ids[None],
+        "pixel_values": encoded.pixel_values,
+        "image_grid_thw": encoded.image_grid_thw,
+    }
+
+
+def load_processor(path: str | Path) -> Any:
+    """``AutoProcessor.from_pretrained(path)``, or an :class:`ImageTextProcessor` of the same files when the
+    processor class cannot be built in this environment (transformers 5 without torchvision)."""
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
+    from transformers.utils import is_torchvision_available
+
+    if is_torchvision_available():
+        return AutoProcessor.from_pretrained(str(path))
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    try:
+        image_processor = AutoImageProcessor.from_pretrained(str(path), backend="pil")
+    except (TypeError, ValueError):
+        image_processor = AutoImageProcessor.from_pretrained(str(path))
+    return ImageTextProcessor(tokenizer=tokenizer, image_processor=image_processor,
+                              chat_template=tokenizer.chat_template)
+
+
+def build_messages(record: "DetectionRecord", template: TemplateConfig) -> list[dict[str, Any]]:
+    """System message, then one user turn with every image of the record followed by the prompt text."""
+    user_content: list[dict[str, Any]] = [{"type": "image"} for _ in record.image_paths]
+    user_content.append({"type": "text", "text": template.user_prompt})
+    return [
+        {"role": "system", "content": template.system_prompt},
+        {"role": "user", "content": user_content},
+    ]
+
+
+def _chat_template(processor: Any) -> str:
+    template = getattr(processor, "chat_template", None) or getattr(processor.tokenizer, "chat_template", None)
+    if not template:
+        raise EncodingError(
+            "the processor has no chat template; save one with the checkpoint (chat_template.jinja or the "
+            "tokenizer's chat_template) so generation and training render the same prompt"
+        )
+    return template
+
+
+def render_prompt(processor: Any, record: "DetectionRecord", template: TemplateConfig) -> str:
+    """The prompt text with ``add_generation_prompt=True`` and one ``<|image_pad|>`` per image (not yet expanded)."""
+    text = processor.tokenizer.apply_chat_template(
+        build_messages(record, template), chat_template=_chat_template(processor), tokenize=False,
+        add_generation_prompt=True,
+    )
+    if text.count(IMAGE_PAD_TOKEN) != len(record.image_paths):
+        raise EncodingError(
+            f"{record.source}: the chat template rendered {text.count(IMAGE_PAD_TOKEN)} {IMAGE_PAD_TOKEN} "
+            f"placeholders for {len(record.image_paths)} image(s); use a Qwen-VL chat template that emits one "
+            "<|vision_start|><|image_pad|><|vision_end|> per image"
+        )
+    return text
+
+
+def load_images(record: "DetectionRecord") -> list[Any]:
+    from PIL import Image
+
+    images = []
+    for path in record.image_paths:
+        try:
+            with Image.open(path) as image:
+                images.append(image.convert("RGB"))
+        except OSError as exc:
+            raise EncodingError(f"{record.source}: cannot read image {path}: {exc}") from None
+    return images
+
+
+def encode_prompt(processor: Any, record: "DetectionRecord", template: TemplateConfig) -> EncodedPrompt:
+    """Encode the generation prompt of ``record``; images are resized within the template's pixel budget."""
+    import torch
+
+    tokenizer, image_processor = processor.tokenizer, processor.image_processor
+    text = render_prompt(processor, record, template)
+    vision = image_processor(
+        images=load_images(record),
+        size={"shortest_edge": template.min_pixels, "longest_edge": template.max_pixels},
+        return_tensors="pt",
+    )
+    grid = torch.as_tensor(vision["image_grid_thw"], dtype=torch.long).reshape(-1, 3)
+    merge = int(getattr(image_processor, "merge_size", 2))
+    per_image = [int(n) for n in (grid.prod(dim=1) // (merge * merge)).tolist()]
+    pad_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD_TOKEN)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    expanded: list[int] = []
+    image_index = 0
+    for token_id in ids:
+        if token_id == pad_id:
+            expanded.extend([pad_id] * per_image[image_index])
+            image_index += 1
+        else:
+            expanded.append(int(token_id))
+    if image_index != len(per_image):
+        raise EncodingError(
+            f"{record.source}: the tokenised prompt has {image_index} {IMAGE_PAD_TOKEN} ids for {len(per_image)} "
+            f"image(s); {IMAGE_PAD_TOKEN} must be a single special token of the tokenizer"
+        )
+    input_ids = torch.tensor(expanded, dtype=torch.long)
+    return EncodedPrompt(
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        mm_token_type_ids=(input_ids == pad_id).long(),
+        pixel_values=torch.as_tensor(vision["pixel_values"]),
+        image_grid_thw=grid,
+        prompt_len=len(expanded),
+    )
+
+
+def encode_teacher_forced(
+    processor: Any,
+    record: "DetectionRecord",
+    template: TemplateConfig,
+    assistant_ids: Sequence[int],
+    *,
+    prompt: EncodedPrompt | None = None,
+) -> EncodedSample:
+    """Prompt ids (``prompt`` if given, e.g. the rollout's own, else :func:`encode_prompt`) + ``assistant_ids``.
+
+    ``assistant_ids`` are appended as ids (``Y_train`` ids, EOS included); they are never decoded and re-encoded.
+    """
+    import torch
+
+    if prompt is None:
+        prompt = encode_prompt(processor, record, template)
+    vocab_size = len(processor.tokenizer)
+    response = [int(i) for i in assistant_ids]
+    bad = [(k, i) for k, i in enumerate(response) if not 0 <= i < vocab_size]
+    if bad:
+        k, i = bad[0]
+        raise EncodingError(
+            f"{record.source}: assistant id {i} at response position {k} is outside the tokenizer's vocabulary "
+            f"(0..{vocab_size - 1}); ids in a model's padded embedding rows have no token: suppress them at "
+            "generation (e.g. suppress_tokens=range(len(tokenizer), vocab_size))"
+        )
+    if not response:
+        raise EncodingError(f"{record.source}: the assistant response is empty; Y_train always ends with EOS")
+    vision_ids = {processor.tokenizer.convert_tokens_to_ids(t) for t in _VISION_PLACEHOLDERS}
+    placeholder = next((k for k, i in enumerate(response) if i in vision_ids), None)
+    if placeholder is not None:
+        raise EncodingError(
+            f"{record.source}: the assistant response holds an image/video placeholder id ({response[placeholder]}) "
+            f"at position {placeholder}; the vision features would be misaligned. Forbid these ids in generation"
+        )
+    response_ids = torch.tensor(response, dtype=torch.long)
+    input_ids = torch.cat([prompt.input_ids, response_ids])
+    return EncodedSample(
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        mm_token_type_ids=torch.cat([prompt.mm_token_type_ids, torch.zeros_like(response_ids)]),
+        pixel_values=prompt.pixel_values,
+        image_grid_thw=prompt.image_grid_thw,
+        prompt_len=prompt.prompt_len,
+        assistant_start=prompt.prompt_len,
+    )
+
+
+def _as_int_list(ids: Any) -> list[int]:
+    if hasattr(ids, "tolist"):
+        ids = ids.tolist()
+    return [int(i) for i in ids]
+
+
+def check_prompt_alignment(generation_prompt_ids: Any, teacher_forced_ids: Any, prompt_len: int) -> None:
+    """Sanity check (a): the teacher-forced prompt slice equals the ids generation was prompted with.
+
+    Raises :class:`EncodingError` naming the first differing position and both lengths.
+    """
+    generated = _as_int_list(generation_prompt_ids)
+    forced = _as_int_list(teacher_forced_ids)
+    if len(generated) != prompt_len or len(forced) < prompt_len:
+        raise EncodingError(
+            f"prompt length mismatch: generation prompt has {len(generated)} ids, teacher-forced sequence has "
+            f"{len(forced)} ids, prompt_len is {prompt_len}; both must come from encode_prompt on the same record "
+            "and template"
+        )
+    for position, (a, b) in enumerate(zip(generated, forced[:prompt_len])):
+        if a != b:
+            raise EncodingError(
+                f"prompt ids differ at position {position} (generation id {a}, teacher-forced id {b}; generation "
+                f"prompt length {len(generated)}, teacher-forced prompt length {prompt_len}); the training forward "
+                "must reuse the generation prompt encoding (same chat template, images and pixel budget)"
+            )
+
+
+def check_supervised_span(positions: Any, prompt_len: int, total_len: int, *, what: str = "supervised") -> None:
+    """Sanity check (b): every supervised index (absolute, into the encoded sequence) lies in the assistant span
+    ``[prompt_len, total_len)``; an index in the prompt/image prefix raises :class:`EncodingError`."""
+    values = _as_int_list(positions)
+    if not 0 <= prompt_len <= total_len:
+        raise EncodingError(f"invalid span: prompt_len {prompt_len} is not within 0..total_len ({total_len})")
+    outside = [p for p in values if not prompt_len <= p < total_len]
+    if outside:
+        inside_prompt = [p for p in outside if p < prompt_len]
+        where = "into the prompt/image prefix" if inside_prompt else "past the end of the sequence"
+        raise EncodingError(
+            f"{len(outside)} {what} index(es) fall outside the assistant span [{prompt_len}, {total_len}) "
+            f"({where}; first: {outside[0]}); supervision positions must be offset by prompt_len and index the "
+            "assistant tokens only"
+        )

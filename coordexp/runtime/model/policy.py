@@ -1,0 +1,127 @@
+"""Loading a policy checkpoint (model + processor with coord tokens) and writing checkpoints back: one path for
+the tiny offline model and a real Qwen-VL checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from coordexp.runtime.core.tokens import CoordVocab, add_coord_tokens
+from coordexp.runtime.model.encoding import ImageTextProcessor, load_processor
+
+if TYPE_CHECKING:
+    from coordexp.schema.contract import RunContract
+
+__all__ = ["LaunchError", "PROCESSOR_CLASS_NAMES", "load_policy", "make_processor", "save_processor",
+           "expand_checkpoint_vocab"]
+
+PROCESSOR_CLASS_NAMES = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}
+_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+class LaunchError(RuntimeError):
+    """The run cannot start (missing model or data, a checkpoint without coord tokens, ...); the text says why."""
+
+
+def _vision_modules(model: Any) -> list[Any]:
+    inner = getattr(model, "model", model)
+    return [m for m in (getattr(inner, "visual", None), getattr(model, "visual", None)) if m is not None]
+
+
+def load_policy(run: "RunContract") -> tuple[Any, Any]:
+    """``(model, processor)`` from ``model.path``; the tokenizer must already hold the 1000 coord tokens."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    cfg = run.model
+    path = Path(cfg.path)
+    if cfg.path.startswith(("/", ".", "~")) and not path.is_dir():
+        raise LaunchError(
+            f"model.path {cfg.path} does not exist; build the tiny model with `coordexp make-tiny-model {cfg.path}` "
+            "or point model.path at a local checkpoint"
+        )
+    processor = load_processor(cfg.path)
+    try:
+        CoordVocab.from_tokenizer(processor.tokenizer)
+    except ValueError as exc:
+        raise LaunchError(
+            f"{cfg.path}: {exc}. Add the coord tokens first: `coordexp expand-vocab {cfg.path} <new dir>`"
+        ) from exc
+    model = AutoModelForImageTextToText.from_pretrained(
+        cfg.path, dtype=getattr(torch, _DTYPES[cfg.dtype]), attn_implementation=cfg.attn_implementation
+    )
+    if cfg.freeze_vision_tower:
+        for module in _vision_modules(model):
+            module.requires_grad_(False)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    return model, processor
+
+
+def make_processor(family: str, tokenizer: Any, image_processor: Any):
+    """The family's processor class around ``tokenizer`` and ``image_processor`` (chat template from the tokenizer)."""
+    if family == "qwen2_vl":
+        from transformers import Qwen2VLProcessor as processor_class
+    elif family == "qwen2_5_vl":
+        from transformers import Qwen2_5_VLProcessor as processor_class
+    else:
+        raise ValueError(f"unknown Qwen-VL family {family!r}; choose one of {sorted(PROCESSOR_CLASS_NAMES)}")
+    extra = {}
+    from transformers.utils import is_torchvision_available
+
+    if is_torchvision_available():  # transformers 5 then requires the video processor too
+        from transformers import Qwen2VLVideoProcessor
+
+        extra["video_processor"] = Qwen2VLVideoProcessor(
+            size=dict(image_processor.size), patch_size=image_processor.patch_size,
+            temporal_patch_size=image_processor.temporal_patch_size, merge_size=image_processor.merge_size)
+    return processor_class(image_processor=image_processor, tokenizer=tokenizer,
+                           chat_template=tokenizer.chat_template, **extra)
+
+
+def save_processor(path: Path, family: str, tokenizer: Any, image_processor: Any) -> None:
+    """Save the family's processor; without torchvision (which transformers 5 needs to build any Qwen-VL processor)
+    save its parts in the transformers-4 layout, which ``AutoProcessor`` reads back once torchvision is present."""
+    try:
+        processor = make_processor(family, tokenizer, image_processor)
+    except (AttributeError, ImportError, TypeError, ValueError):
+        from transformers.utils import is_torchvision_available
+
+        if is_torchvision_available():
+            raise
+        processor = None
+    if processor is not None:
+        processor.save_pretrained(str(path))
+        return
+    tokenizer.save_pretrained(str(path))
+    image_processor.save_pretrained(str(path))
+    config_file = Path(path) / "preprocessor_config.json"
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    config["processor_class"] = PROCESSOR_CLASS_NAMES[family]
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def expand_checkpoint_vocab(source: str | Path, destination: str | Path) -> int:
+    """Load a local checkpoint, add the missing coord tokens (tokenizer + embeddings) and save it to ``destination``.
+
+    Returns the number of tokens added (0 when the checkpoint already had them all: it is then saved unchanged).
+    """
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    source, destination = Path(source), Path(destination)
+    processor = load_processor(source)
+    model = AutoModelForImageTextToText.from_pretrained(str(source), dtype="auto")
+    tokenizer = processor.tokenizer
+    added = add_coord_tokens(tokenizer, model)
+    destination.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(destination))
+    if isinstance(processor, ImageTextProcessor):
+        family = AutoConfig.from_pretrained(str(source)).model_type
+        if family not in PROCESSOR_CLASS_NAMES:
+            raise ValueError(f"{source}: model_type {family!r} is not a supported Qwen-VL family "
+                             f"({sorted(PROCESSOR_CLASS_NAMES)})")
+        save_processor(destination, family, tokenizer, processor.image_processor)
+    else:
+        processor.save_pretrained(str(destination))
+    return added

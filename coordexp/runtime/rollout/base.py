@@ -1,0 +1,133 @@
+"""The rollout backend interface (spec 004, "Rollout backend orchestration uses a backend interface contract").
+
+The trainer talks to every backend (HF ``generate``, vLLM colocate, vLLM server) through :class:`RolloutBackend`
+and gets the same :class:`RolloutOutput` fields back, so strict token-aligned parsing never depends on which one ran.
+:func:`finish_output` is the one place that turns raw generated ids into an output (stop trim and finish reason),
+so every backend trims and labels identically.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal, Sequence
+
+from coordexp.runtime.core.repeat import RepeatGuard, count_object_keys, should_terminate
+
+if TYPE_CHECKING:
+    from coordexp.runtime.model.data import DetectionRecord
+    from coordexp.runtime.model.encoding import EncodedPrompt
+    from coordexp.schema.contract import RolloutMatchingContract
+
+__all__ = [
+    "FinishReason",
+    "RolloutRequest",
+    "RolloutOutput",
+    "RolloutBackend",
+    "BackendUnavailableError",
+    "finish_output",
+    "request_seed",
+]
+
+FinishReason = Literal["stop", "length", "repeat"]
+_SEED_MASK = 0x7FFFFFFF
+_STEP_STRIDE = 1_000_003  # a prime, so (step, index) pairs of nearby steps do not collide
+
+
+@dataclass(frozen=True)
+class RolloutRequest:
+    """One sample to roll out: its encoded prompt (which defines ``prompt_token_ids``), its position in the
+    trainer's batch, and its sampling seed. ``record`` is for backends that must send image paths (vLLM server)."""
+
+    prompt: "EncodedPrompt"
+    index: int
+    seed: int = 0
+    record: "DetectionRecord | None" = None
+
+
+@dataclass(frozen=True)
+class RolloutOutput:
+    """One rollout. ``response_token_ids`` are the generated ids up to, not including, the stop token (no padding);
+    ``prompt_token_ids`` are exactly the request's encoded prompt ids (the trainer's prompt-alignment check).
+
+    ``finish_reason``: ``stop`` (the model ended its turn), ``repeat`` (the repeat guard forced EOS) or ``length``
+    (``max_new_tokens`` reached without a stop).
+    """
+
+    prompt_token_ids: tuple[int, ...]
+    response_token_ids: tuple[int, ...]
+    text: str
+    finish_reason: FinishReason
+
+
+class BackendUnavailableError(RuntimeError):
+    """The configured rollout backend cannot be used in this installation (message says why and what to do)."""
+
+
+class RolloutBackend(ABC):
+    """What the trainer needs from a rollout engine. Outputs come back in request order, one per request.
+
+    Every backend is built with ``cls.from_contract(rollout, model=..., tokenizer=..., **options)`` so the trainer
+    constructs any of them the same way (see :func:`coordexp.runtime.rollout.registry.create_backend`).
+    """
+
+    name: ClassVar[str]
+
+    @classmethod
+    @abstractmethod
+    def from_contract(cls, rollout: "RolloutMatchingContract", *, model: Any, tokenizer: Any,
+                      **options: Any) -> "RolloutBackend":
+        """Build the backend from the resolved ``rollout_matching`` contract and the live policy."""
+
+    @abstractmethod
+    def generate(self, requests: Sequence[RolloutRequest]) -> list[RolloutOutput]:
+        """Roll out every request (no gradients), batching at most ``decode_batch_size`` per decode call."""
+
+    @abstractmethod
+    def sync_weights(self, model: Any) -> None:
+        """Make the next rollouts use ``model``'s current weights (after an optimizer step)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release engines, memory and connections; the backend is unusable afterwards."""
+
+    def __enter__(self) -> "RolloutBackend":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+
+def finish_output(
+    prompt_token_ids: Sequence[int],
+    generated_ids: Sequence[int],
+    *,
+    stop_ids: frozenset[int],
+    decode: Callable[[list[int]], str],
+    guard: RepeatGuard | None = None,
+    pieces: Sequence[bytes] | None = None,
+) -> RolloutOutput:
+    """Cut ``generated_ids`` at the first stop id (dropping it and anything after: padding of finished rows) and
+    name the reason. A stopped response that trips ``guard`` is labelled ``repeat``: the guard forces EOS exactly
+    when the ids before it trip, so this post-hoc check equals "the guard fired" for every backend."""
+    generated = [int(i) for i in generated_ids]
+    cut = next((k for k, token_id in enumerate(generated) if token_id in stop_ids), None)
+    response = generated if cut is None else generated[:cut]
+    reason: FinishReason = "length" if cut is None else "stop"
+    if cut is not None and guard is not None and guard.active:
+        keys = count_object_keys(response, pieces) if guard.max_object_keys and pieces is not None else 0
+        if should_terminate(response, guard, object_key_count=keys):
+            reason = "repeat"
+    return RolloutOutput(
+        prompt_token_ids=tuple(int(i) for i in prompt_token_ids),
+        response_token_ids=tuple(response),
+        text=decode(response),
+        finish_reason=reason,
+    )
+
+
+def request_seed(training_seed: int, global_step: int, request_index: int) -> int:
+    """The sampling seed of one request: a pure function of (seed, step, index), so a rerun (or a resume at the
+    same step) samples the same rollouts whatever the batching. Always in ``1..2**31-1``."""
+    value = (int(training_seed) + int(global_step) * _STEP_STRIDE + int(request_index)) & _SEED_MASK
+    return value or 1

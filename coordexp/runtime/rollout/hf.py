@@ -1,0 +1,273 @@
+"""The HF rollout backend: batched, left-padded ``model.generate`` on the live policy, no gradients.
+
+- Requests are decoded in chunks of ``decode_batch_size`` (the spec's single microbatch knob), in request order.
+- Greedy (``temperature: 0``), sampling, or beam search (``num_beams > 1``: HF returns its best beam, ranked by
+  ``sequences_scores`` = summed log-prob / length**length_penalty with the model's ``length_penalty``).
+- Sampling is seeded PER REQUEST: ``generate`` runs in greedy mode and :class:`SeededSampler`, the last logits
+  processor, draws each row's token with its own ``torch.Generator(seed)``, after the HF temperature / top-k /
+  top-p warpers. A request's rollout therefore depends on its seed only, not on the chunk it lands in, and the
+  global RNG is never touched (HF ``generate`` takes no generator).
+- ``repetition_penalty`` is applied by :class:`PaddingAwareRepetitionPenalty` (prompt + generated ids, like vLLM),
+  which ignores left padding so that batched and per-sample rollouts are identical.
+- ``repeat_terminate`` is :class:`RepeatGuardProcessor`: rows that trip :mod:`coordexp.runtime.core.repeat` get every
+  logit but EOS set to -inf; the other rows continue.
+- Ids the policy must never emit are suppressed: padded embedding rows (``>= len(tokenizer)``) and the
+  image/video placeholders (they would misalign the vision features in the teacher-forced forward).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Sequence
+
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from coordexp.runtime.rollout.base import RolloutBackend, RolloutOutput, RolloutRequest, finish_output
+from coordexp.runtime.core.pieces import PieceTable
+from coordexp.runtime.core.repeat import RepeatGuard, RepeatTracker, count_object_keys, should_terminate
+from coordexp.schema.contract import RolloutMatchingContract
+from coordexp.schema.rollout import DecodingConfig, RepeatTerminateConfig
+
+__all__ = ["HfRolloutBackend", "RepeatGuardProcessor", "SeededSampler", "PaddingAwareRepetitionPenalty"]
+
+END_OF_TURN_TOKEN = "<|im_end|>"
+_NEVER_EMIT_TOKENS = ("<|image_pad|>", "<|video_pad|>")
+
+
+class RepeatGuardProcessor(LogitsProcessor):
+    """Forces EOS for exactly the rows whose generated ids (after column ``prompt_width``) trip ``guard``.
+
+    Rows keep their identity in greedy/sampling decoding, so one :class:`RepeatTracker` per row is updated with
+    the new column (O(1) per step). Beam search reorders rows every step: then each row is re-checked from its ids.
+    """
+
+    def __init__(self, guard: RepeatGuard, *, prompt_width: int, eos_token_id: int,
+                 pieces: Sequence[bytes] | None, rows_reorder: bool):
+        self.guard, self.prompt_width, self.eos_token_id = guard, prompt_width, eos_token_id
+        self.pieces, self.rows_reorder = pieces, rows_reorder
+        self._trackers: list[RepeatTracker] | None = None
+        self._seen = 0
+
+    def _tripped_rows(self, input_ids: torch.Tensor) -> list[bool]:
+        if self.rows_reorder:
+            generated = input_ids[:, self.prompt_width:].tolist()
+            counts = [count_object_keys(g, self.pieces) if self.guard.max_object_keys else 0 for g in generated]
+            return [should_terminate(g, self.guard, object_key_count=c) for g, c in zip(generated, counts)]
+        if self._trackers is None:
+            self._trackers = [RepeatTracker(self.guard, self.pieces) for _ in range(input_ids.shape[0])]
+        new_columns = input_ids[:, self.prompt_width + self._seen:].tolist()
+        self._seen = input_ids.shape[1] - self.prompt_width
+        for tracker, ids in zip(self._trackers, new_columns):
+            for token_id in ids:
+                tracker.push(token_id)
+        return [tracker.triggered for tracker in self._trackers]
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        tripped = self._tripped_rows(input_ids)
+        if not any(tripped):
+            return scores
+        rows = torch.tensor(tripped, dtype=torch.bool, device=scores.device)
+        forced = scores.masked_fill(rows[:, None], float("-inf"))
+        forced[rows, self.eos_token_id] = 0.0
+        return forced
+
+
+class PaddingAwareRepetitionPenalty(LogitsProcessor):
+    """HF's repetition penalty (``score / p`` if positive, ``score * p`` if negative, once per distinct id seen in
+    prompt + generated ids) with left-padding positions ignored; ``pad_lengths`` is per sample, beams share it."""
+
+    def __init__(self, penalty: float, pad_lengths: torch.Tensor, num_beams: int = 1):
+        self.penalty = float(penalty)
+        self.pad_lengths = pad_lengths.repeat_interleave(num_beams)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        pads = self.pad_lengths.to(input_ids.device)
+        columns = torch.arange(input_ids.shape[1], device=input_ids.device)
+        first_real = input_ids.gather(1, pads[:, None])  # padding is replaced by an id the row holds anyway
+        ids = torch.where(columns[None, :] < pads[:, None], first_real, input_ids)
+        seen = scores.gather(1, ids)
+        seen = torch.where(seen < 0, seen * self.penalty, seen / self.penalty)
+        return scores.scatter(1, ids, seen)
+
+
+class SeededSampler(LogitsProcessor):
+    """Samples each row's next token with that row's own generator and leaves only it finite (so the greedy step
+    of ``generate`` picks it). Temperature, top-k and top-p are HF's warpers, applied in that order."""
+
+    def __init__(self, seeds: Sequence[int], decoding: DecodingConfig):
+        self.seeds = [int(s) for s in seeds]
+        self.warpers: list[LogitsProcessor] = [TemperatureLogitsWarper(max(decoding.temperature, 1e-4))]
+        if decoding.top_k > 0:
+            self.warpers.append(TopKLogitsWarper(decoding.top_k))
+        if decoding.top_p < 1.0:
+            self.warpers.append(TopPLogitsWarper(decoding.top_p))
+        self._generators: list[torch.Generator] | None = None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self._generators is None:
+            if len(self.seeds) != scores.shape[0]:
+                raise ValueError(f"SeededSampler has {len(self.seeds)} seeds for {scores.shape[0]} rows")
+            self._generators = [torch.Generator(device=scores.device).manual_seed(s) for s in self.seeds]
+        warped = scores.float()
+        for warper in self.warpers:
+            warped = warper(input_ids, warped)
+        probs = torch.softmax(warped, dim=-1)
+        choices = torch.cat([torch.multinomial(row, 1, generator=g) for row, g in zip(probs, self._generators)])
+        chosen = torch.full_like(scores, float("-inf"))
+        return chosen.scatter(1, choices[:, None], 0.0)
+
+
+def _unwrap(model: Any) -> Any:
+    """The module that owns ``generate`` (DDP / accelerate wrappers hold it as ``.module``)."""
+    while not hasattr(model, "generate") and hasattr(model, "module"):
+        model = model.module
+    if not hasattr(model, "generate"):
+        raise TypeError(f"the HF rollout backend needs a transformers model with generate(); got {type(model)!r}")
+    return model
+
+
+class HfRolloutBackend(RolloutBackend):
+    """Rollouts with the live training model (``sync_weights`` only rebinds: it already has the new weights)."""
+
+    name = "hf"
+
+    def __init__(self, model: Any, tokenizer: Any, *, decode_batch_size: int, max_new_tokens: int,
+                 decoding: DecodingConfig, repeat_terminate: RepeatTerminateConfig | RepeatGuard):
+        if decode_batch_size < 1 or max_new_tokens < 1:
+            raise ValueError(f"decode_batch_size ({decode_batch_size}) and max_new_tokens ({max_new_tokens}) must "
+                             "be >= 1; set rollout_matching.decode_batch_size / max_new_tokens")
+        if decoding.num_beams > 1 and decoding.temperature > 0:
+            raise ValueError(
+                f"rollout_matching.decoding: num_beams {decoding.num_beams} with temperature {decoding.temperature} "
+                "(beam sampling) is not supported by the HF rollout backend; use temperature: 0 for beam search, "
+                "or num_beams: 1 for sampling")
+        self._model = model
+        self._tokenizer = tokenizer
+        self.decode_batch_size = int(decode_batch_size)
+        self.max_new_tokens = int(max_new_tokens)
+        self.decoding = decoding
+        self.guard = repeat_terminate if isinstance(repeat_terminate, RepeatGuard) else RepeatGuard.from_config(
+            repeat_terminate)
+        self._pieces = PieceTable.for_tokenizer(tokenizer).pieces if self.guard.active else None
+        end_of_turn = tokenizer.convert_tokens_to_ids(END_OF_TURN_TOKEN)
+        if end_of_turn is None or end_of_turn == tokenizer.unk_token_id:
+            raise ValueError(f"the tokenizer has no {END_OF_TURN_TOKEN} token; rollouts stop at the end of the "
+                             "assistant turn, so use a Qwen chat tokenizer")
+        self.end_of_turn_id = int(end_of_turn)
+        self.decode_calls = 0  # generate() calls made (one per chunk); telemetry and tests read it
+
+    @classmethod
+    def from_contract(cls, rollout: RolloutMatchingContract, *, model: Any, tokenizer: Any,
+                      **options: Any) -> "HfRolloutBackend":
+        if options:
+            raise TypeError(f"the HF rollout backend takes no options; got {sorted(options)}")
+        return cls(model, tokenizer, decode_batch_size=rollout.decode_batch_size,
+                   max_new_tokens=rollout.max_new_tokens, decoding=rollout.decoding,
+                   repeat_terminate=rollout.repeat_terminate)
+
+    def sync_weights(self, model: Any) -> None:
+        self._model = model
+
+    def close(self) -> None:
+        self._model = None
+
+    def generate(self, requests: Sequence[RolloutRequest]) -> list[RolloutOutput]:
+        if self._model is None:
+            raise RuntimeError("this HF rollout backend was closed; create a new one")
+        outputs: list[RolloutOutput] = []
+        for start in range(0, len(requests), self.decode_batch_size):
+            outputs.extend(self._generate_chunk(list(requests[start:start + self.decode_batch_size])))
+        return outputs
+
+    def _generate_chunk(self, chunk: list[RolloutRequest]) -> list[RolloutOutput]:
+        policy = _unwrap(self._model)
+        was_training = policy.training
+        policy.eval()
+        try:
+            with torch.no_grad():
+                batch, pad_lengths = self._left_padded_batch(policy, chunk)
+                width = batch["input_ids"].shape[1]
+                config, stop_ids = self._generation_config(policy)
+                processors = self._processors(chunk, pad_lengths, width)
+                self.decode_calls += 1
+                result = policy.generate(**batch, generation_config=config,
+                                         logits_processor=LogitsProcessorList(processors))
+        finally:
+            policy.train(was_training)
+        sequences = result if isinstance(result, torch.Tensor) else result.sequences
+        decode = self._decode
+        return [
+            finish_output(request.prompt.input_ids.tolist(), generated, stop_ids=stop_ids, decode=decode,
+                          guard=self.guard, pieces=self._pieces)
+            for request, generated in zip(chunk, sequences[:, width:].tolist())
+        ]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def _pad_id(self, policy: Any) -> int:
+        for candidate in (self._tokenizer.pad_token_id, policy.generation_config.pad_token_id,
+                          self._tokenizer.eos_token_id):
+            if candidate is not None:
+                return int(candidate)
+        return self.end_of_turn_id
+
+    def _left_padded_batch(self, policy: Any, chunk: list[RolloutRequest]) -> tuple[dict, torch.Tensor]:
+        device = next(policy.parameters()).device
+        prompts = [request.prompt for request in chunk]
+        width = max(p.prompt_len for p in prompts)
+        pad_lengths = torch.tensor([width - p.prompt_len for p in prompts], dtype=torch.long)
+        pad_id = self._pad_id(policy)
+
+        def left_pad(tensors: list[torch.Tensor], value: int) -> torch.Tensor:
+            return torch.stack([
+                torch.cat([torch.full((width - t.shape[0],), value, dtype=t.dtype), t]) for t in tensors
+            ]).to(device)
+
+        pixel_values = torch.cat([p.pixel_values for p in prompts]).to(device)
+        if pixel_values.is_floating_point():
+            pixel_values = pixel_values.to(policy.dtype)
+        batch = {
+            "input_ids": left_pad([p.input_ids for p in prompts], pad_id),
+            "attention_mask": left_pad([p.attention_mask for p in prompts], 0),
+            "mm_token_type_ids": left_pad([p.mm_token_type_ids for p in prompts], 0),
+            "pixel_values": pixel_values,
+            "image_grid_thw": torch.cat([p.image_grid_thw for p in prompts]).to(device),
+        }
+        return batch, pad_lengths
+
+    def _generation_config(self, policy: Any) -> tuple[Any, frozenset[int]]:
+        """The model's generation config with every decoding knob taken from the contract (config-first)."""
+        config = copy.deepcopy(policy.generation_config)
+        eos = config.eos_token_id
+        eos_ids = [self.end_of_turn_id] + [int(i) for i in ([] if eos is None else [eos] if isinstance(eos, int)
+                                                              else eos) if int(i) != self.end_of_turn_id]
+        vocab_rows = policy.get_output_embeddings().weight.shape[0]
+        never = {int(self._tokenizer.convert_tokens_to_ids(t)) for t in _NEVER_EMIT_TOKENS
+                 if self._tokenizer.convert_tokens_to_ids(t) not in (None, self._tokenizer.unk_token_id)}
+        never.update(range(len(self._tokenizer), vocab_rows))
+        never.update(int(i) for i in (config.suppress_tokens or []))
+        config.update(
+            max_new_tokens=self.max_new_tokens, max_length=None, min_new_tokens=None, min_length=0,
+            do_sample=False,  # sampling is SeededSampler's job (per-request generators)
+            num_beams=self.decoding.num_beams, num_return_sequences=1,
+            temperature=1.0, top_p=1.0, top_k=None, repetition_penalty=1.0,
+            eos_token_id=eos_ids, pad_token_id=self._pad_id(policy), suppress_tokens=sorted(never),
+            use_cache=True, return_dict_in_generate=True, output_scores=False,
+        )
+        return config, frozenset(eos_ids)
+
+    def _processors(self, chunk: list[RolloutRequest], pad_lengths: torch.Tensor,
+                    width: int) -> list[LogitsProcessor]:
+        beams = self.decoding.num_beams
+        processors: list[LogitsProcessor] = []
+        if self.decoding.repetition_penalty != 1.0:
+            processors.append(PaddingAwareRepetitionPenalty(self.decoding.repetition_penalty, pad_lengths, beams))
+        if self.guard.active:
+            processors.append(RepeatGuardProcessor(self.guard, prompt_width=width, eos_token_id=self.end_of_turn_id,
+                                                   pieces=self._pieces, rows_reorder=beams > 1))
+        if self.decoding.temperature > 0:
+            processors.append(SeededSampler([request.seed for request in chunk], self.decoding))
+        return processors

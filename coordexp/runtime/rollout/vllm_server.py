@@ -1,0 +1,380 @@
+"""The ``vllm_server`` rollout backend: rollouts from pre-launched servers speaking the ms-swift v3.10 protocol
+(``coordexp serve-rollout`` or ``swift rollout``), learner weights pushed in memory after each optimizer step.
+
+- Start-up: every server must answer ``/health/`` within ``timeout_s``; ``/get_world_size/`` is read once per
+  server and cached; the feasibility rule ``decode_batch_size * S >= W`` is checked and the per-rank chunk
+  ``floor(decode_batch_size * S / W)`` fixed (:mod:`coordexp.runtime.core.distribution`).
+- ``generate``: rounds of at most one chunk, each split contiguously over the servers in proportion to their world
+  sizes, POSTed concurrently, reassembled in request order. ``N = 0`` sends nothing. A call's
+  ``request_config.seed`` is the seed of its first request (the server gives request ``j`` ``seed + j``); the
+  trainer's seeds are a pure function of (training seed, global step, micro-step, request index), never 0.
+  A failed call is retried once, then raises :class:`RolloutServerError` naming the server and the rollout step.
+- ``sync_weights``: pushes only when the parameters changed since the last push (optimizer steps bump tensor
+  versions, so gradient-accumulation micro-steps push nothing). Under ``torch.distributed`` every rank runs
+  ``barrier -> rank0 push -> broadcast(outcome) -> barrier`` and, if rank 0 failed, every rank raises the SAME error.
+  Adapter sync that fails falls back to full with one warning and stays full (``sync.fallback_to_full``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from urllib.parse import urlsplit
+
+from coordexp.runtime.rollout.base import RolloutBackend, RolloutOutput, RolloutRequest
+from coordexp.runtime.core.distribution import consecutive_seed_runs, per_rank_chunk, plan_rounds
+from coordexp.runtime.model.encoding import build_messages
+from coordexp.runtime.rollout.client import RolloutServerClient, ServerError
+from coordexp.runtime.rollout.protocol import ProtocolError, item_to_rollout_output, parse_infer_response
+from coordexp.schema.rollout import DecodingConfig
+from coordexp.schema.template import TemplateConfig
+
+if TYPE_CHECKING:
+    from coordexp.schema.contract import RolloutMatchingContract
+
+__all__ = ["VllmServerBackend", "RolloutServerError", "WeightSyncError", "learner_topology"]
+
+logger = logging.getLogger("coordexp.rollout.server")
+
+
+class RolloutServerError(RuntimeError):
+    """A rollout server call failed twice (or its reply is unusable); the message names the server and the step."""
+
+
+class WeightSyncError(RuntimeError):
+    """Pushing learner weights to a rollout server failed; under DDP every rank raises the same one."""
+
+
+def learner_topology() -> tuple[int, int]:
+    """(rank, world size) of the learner: ``torch.distributed`` when initialised, else torchrun's environment."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+    except ImportError:  # pragma: no cover - torch is a dependency of the runtime
+        pass
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def request_config_for(decoding: DecodingConfig, max_new_tokens: int, seed: int) -> dict[str, Any]:
+    """The ms-swift ``RequestConfig`` of one call: the config's decoding, ids returned, one choice."""
+    return {
+        "max_tokens": int(max_new_tokens),
+        "temperature": float(decoding.temperature),
+        "top_p": float(decoding.top_p),
+        "top_k": int(decoding.top_k),
+        "repetition_penalty": float(decoding.repetition_penalty),
+        "n": 1,
+        "seed": int(seed),
+        "stream": False,
+        "return_details": True,
+    }
+
+
+def infer_request_for(request: RolloutRequest, template: TemplateConfig) -> dict[str, Any]:
+    """A ``RolloutInferRequest``: the record's chat messages with empty image items, images as path strings."""
+    if request.record is None:
+        raise ValueError(f"request {request.index} has no record; the vllm_server backend sends the record's "
+                         "messages and image paths, so RolloutRequest.record is required")
+    return {
+        "messages": build_messages(request.record, template),
+        "images": [str(p) for p in request.record.image_paths],
+        "data_dict": {"coordexp_index": int(request.index), "coordexp_seed": int(request.seed)},
+    }
+
+
+class VllmServerBackend(RolloutBackend):
+    """Rollouts through one or more rollout servers (see the module docstring for the exact behaviour)."""
+
+    name = "vllm_server"
+
+    def __init__(
+        self,
+        clients: Sequence[RolloutServerClient],
+        *,
+        decode_batch_size: int,
+        max_new_tokens: int,
+        decoding: DecodingConfig,
+        template: TemplateConfig | None = None,
+        sync_mode: str = "full",
+        fallback_to_full: bool = True,
+        timeout_s: float | None = None,
+        weight_pusher: "Callable[[RolloutServerClient, Any, str], None] | None" = None,
+        topology: Callable[[], tuple[int, int]] = learner_topology,
+    ):
+        if not clients:
+            raise ValueError("the vllm_server backend needs at least one server in rollout_matching.vllm.server.servers")
+        if decoding.num_beams > 1:
+            raise ValueError(f"rollout_matching.decoding.num_beams: {decoding.num_beams} (beam search) is not supported "
+                             "by rollout servers (vLLM ignores it); use num_beams: 1, or rollout_backend: hf")
+        if sync_mode not in ("full", "adapter"):
+            raise ValueError(f"sync_mode must be the resolved 'full' or 'adapter', got {sync_mode!r}")
+        self.clients = list(clients)
+        self.decode_batch_size = int(decode_batch_size)
+        self.max_new_tokens = int(max_new_tokens)
+        self.decoding = decoding
+        self.template = template if template is not None else TemplateConfig()
+        self.sync_mode = sync_mode
+        self.fallback_to_full = bool(fallback_to_full)
+        self.timeout_s = float(timeout_s) if timeout_s is not None else max(c.timeout_s for c in self.clients)
+        self._topology = topology
+        self._pusher = weight_pusher
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.clients)), thread_name_prefix="rollout-server")
+        self.rollout_step = 0
+        self.global_step: int | None = None
+        self.fallback_events: list[str] = []
+        self._pushed_version: tuple | None = None
+        self._closed = False
+        rank, world = self._topology()
+        self._check_health()
+        self.world_sizes = [c.world_size() for c in self.clients]
+        self.chunk = per_rank_chunk(self.decode_batch_size, self.world_sizes, world)
+        logger.info("rollout servers %s, world sizes %s, learner rank %d of %d, per-rank chunk %d, sync mode %s",
+                    self.server_list(), self.world_sizes, rank, world, self.chunk, self.sync_mode)
+
+    @classmethod
+    def from_contract(cls, rollout: "RolloutMatchingContract", *, model: Any, tokenizer: Any,
+                      template: TemplateConfig | None = None, **options: Any) -> "VllmServerBackend":
+        """Connect to ``rollout.vllm.servers`` (fails within ``timeout_s`` naming the URL); ``template`` is the
+        run's template (its prompts go into the request messages)."""
+        vllm = rollout.vllm
+        _, world = options.get("topology", learner_topology)()
+        rollout.require_full_sync_for(world)
+        clients = [RolloutServerClient(s.base_url, group_port=s.group_port, timeout_s=vllm.timeout_s,
+                                       infer_timeout_s=vllm.infer_timeout_s) for s in vllm.servers]
+        return cls(clients, decode_batch_size=rollout.decode_batch_size, max_new_tokens=rollout.max_new_tokens,
+                   decoding=rollout.decoding, template=template, sync_mode=vllm.sync_mode,
+                   fallback_to_full=vllm.fallback_to_full, timeout_s=vllm.timeout_s, **options)
+
+    def set_step(self, global_step: int) -> None:
+        """The trainer's optimizer step, named in error messages so a failure points at the step to resume from
+        (seeds already arrive with the requests)."""
+        self.global_step = int(global_step)
+
+    def _at_step(self) -> str:
+        return f" (training global step {self.global_step})" if self.global_step is not None else ""
+
+    def server_list(self) -> list[str]:
+        return [f"{c.base_url} (group_port {c.group_port})" for c in self.clients]
+
+    def _check_health(self) -> None:
+        futures = [self._pool.submit(c.wait_until_healthy) for c in self.clients]  # each within its timeout_s
+        errors = []
+        for future in futures:
+            try:
+                future.result()
+            except ServerError as exc:
+                errors.append(str(exc))
+        if errors:
+            self._pool.shutdown(wait=False)
+            raise RolloutServerError("; ".join(errors))
+
+    # -- generation -------------------------------------------------------------------------------------------
+    def generate(self, requests: Sequence[RolloutRequest]) -> list[RolloutOutput]:
+        if self._closed:
+            raise RuntimeError("the vllm_server backend is closed")
+        self.rollout_step += 1
+        if not requests:
+            return []
+        seeds = [int(r.seed) for r in requests]
+        bodies = [infer_request_for(r, self.template) for r in requests]
+        calls: list[tuple[int, int, int]] = []  # (server, start, stop)
+        outputs: list[RolloutOutput | None] = [None] * len(requests)
+        for round_slices in plan_rounds(len(requests), self.chunk, self.world_sizes):
+            calls_in_round = [(s.server, a, b) for s in round_slices for a, b in consecutive_seed_runs(seeds, s.start, s.stop)]
+            futures = [self._pool.submit(self._infer_slice, server, bodies[a:b], seeds[a]) for server, a, b in calls_in_round]
+            for (server, a, b), future in zip(calls_in_round, futures):
+                outputs[a:b] = future.result()
+            calls += calls_in_round
+        logger.info("rollout step %d: %d request(s) over %s; calls (server, start, stop, seed): %s; sync mode %s%s",
+                    self.rollout_step, len(requests), self.server_list(),
+                    [(self.clients[s].base_url, a, b, seeds[a]) for s, a, b in calls], self.sync_mode,
+                    f"; fallbacks: {self.fallback_events}" if self.fallback_events else "")
+        return [o for o in outputs if o is not None]
+
+    def _infer_slice(self, server: int, bodies: list[dict], seed: int) -> list[RolloutOutput]:
+        client = self.clients[server]
+        config = request_config_for(self.decoding, self.max_new_tokens, seed)
+        failure: Exception | None = None
+        for _attempt in range(2):  # one retry
+            try:
+                items = parse_infer_response(client.infer(bodies, config), expected=len(bodies))
+                return [item_to_rollout_output(item) for item in items]
+            except (ServerError, ProtocolError) as exc:
+                failure = exc
+        raise RolloutServerError(
+            f"rollout step {self.rollout_step}: server {client.base_url} failed twice on /infer/ for {len(bodies)} "
+            f"request(s) (seed {seed}){self._at_step()}: {failure}. Check that server's log; if it died, restart it "
+            "(coordexp serve-rollout / swift rollout) and resume from the last checkpoint") from failure
+
+    # -- weight sync ------------------------------------------------------------------------------------------
+    def sync_weights(self, model: Any) -> None:
+        rank, world = self._topology()
+        if world <= 1:
+            self._push_if_changed(model)
+            return
+        import torch.distributed as dist
+
+        dist.barrier()
+        outcome: list[Any] = [None]
+        if rank == 0:
+            try:
+                self._push_if_changed(model)
+            except Exception as exc:  # noqa: BLE001 - every rank must learn about ANY rank-0 failure
+                outcome[0] = f"{type(exc).__name__}: {exc}"
+        dist.broadcast_object_list(outcome, src=0)
+        dist.barrier()
+        if outcome[0] is not None:
+            raise WeightSyncError(f"weight sync on learner rank 0 failed{self._at_step()} (raised on every rank): "
+                                  f"{outcome[0]}")
+
+    def _push_if_changed(self, model: Any) -> None:
+        version = _parameter_version(model)
+        if version is not None and version == self._pushed_version:
+            return
+        for client in self.clients:
+            self._push(client, model)
+        self._pushed_version = version
+
+    def _push(self, client: RolloutServerClient, model: Any) -> None:
+        if self._pusher is None:
+            self._pusher = ServerWeightChannel(timeout_s=self.timeout_s)
+        if self.sync_mode == "adapter":
+            try:
+                self._pusher(client, model, "adapter")
+                return
+            except Exception as exc:  # noqa: BLE001 - any adapter failure is the fallback's trigger
+                if not self.fallback_to_full:
+                    raise WeightSyncError(
+                        f"adapter weight sync to {client.base_url} failed ({type(exc).__name__}: {exc}) and "
+                        "rollout_matching.vllm.sync.fallback_to_full is false; set sync.mode: full, or "
+                        "fallback_to_full: true, or start the server with LoRA enabled") from exc
+                event = (f"rollout step {self.rollout_step}: adapter sync to {client.base_url} failed "
+                         f"({type(exc).__name__}: {exc}); falling back to full merged-weight sync for the rest of "
+                         "the run")
+                self.fallback_events.append(event)
+                self.sync_mode = "full"
+                logger.warning(event)
+        self._pusher(client, model, "full")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        closer = getattr(self._pusher, "close", None)
+        if callable(closer):
+            closer()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _parameter_version(model: Any) -> tuple | None:
+    """A cheap change detector: in-place updates (optimizer steps, loads) bump every tensor's ``_version``."""
+    try:
+        return tuple(int(p._version) for p in model.parameters())
+    except (AttributeError, TypeError):
+        return None
+
+
+class ServerWeightChannel:
+    """Learner rank 0's weight-sync state: one :class:`~coordexp.runtime.rollout.weight_sync.WeightSyncSender` per server,
+    opened lazily (``/init_communicator/`` then join), re-opened after a transport failure.
+
+    Called as ``channel(client, model, mode)``: ``full`` sends the merged HF-named state dict in single-dtype
+    buckets; ``adapter`` sends the PEFT adapter (raises if the model has none or the server refuses it). Both end
+    with ``/reset_prefix_cache/``.
+    """
+
+    def __init__(self, *, timeout_s: float = 240.0, backend: str | None = None, bucket_mb: float | None = None):
+        self.timeout_s = float(timeout_s)
+        self.backend = backend
+        self.bucket_mb = bucket_mb
+        self._senders: dict[str, Any] = {}
+        self.reports: list[Any] = []
+
+    def _sender(self, client: RolloutServerClient) -> Any:
+        from coordexp.runtime.rollout.weight_sync import WeightSyncSender
+
+        sender = self._senders.get(client.base_url)
+        if sender is not None and sender.is_open:
+            return sender
+        if sender is not None:
+            sender.close()
+        if client.group_port is None:
+            raise WeightSyncError(f"server {client.base_url} has no group_port; set "
+                                  "rollout_matching.vllm.server.servers[].group_port")
+        sender = WeightSyncSender(timeout_s=self.timeout_s, backend=self.backend)
+        world_size = client.world_size() + 1  # the server's receivers, then this learner as the last rank
+        host = urlsplit(client.base_url).hostname or "127.0.0.1"
+        client.request("POST", "init_communicator",
+                       {"host": host, "port": int(client.group_port), "world_size": world_size,
+                        "client_device_uuid": None, "backend": sender.backend, "timeout_s": self.timeout_s},
+                       timeout=self.timeout_s)
+        sender.init(host, int(client.group_port), world_size)
+        self._senders[client.base_url] = sender
+        return sender
+
+    def __call__(self, client: RolloutServerClient, model: Any, mode: str) -> None:
+        sender = self._sender(client)
+        if mode == "adapter":
+            lora_id, peft_config, tensors = adapter_state(model)
+            report = sender.send_adapter(tensors, announce=lambda m: client.update_adapter_flattened_param(
+                lora_id, peft_config, [x.model_dump(mode="json") for x in m]))
+        else:
+            options = {} if self.bucket_mb is None else {"bucket_mb": self.bucket_mb}
+            with merged_state(model) as tensors:
+                report = sender.send_full(tensors, announce=lambda m: client.update_flattened_params(
+                    [x.model_dump(mode="json") for x in m]), **options)
+        self.reports.append(report)
+        client.reset_prefix_cache()
+        logger.info("weight sync (%s) to %s: %d tensor(s), %.1f MB in %.2f s (%.2f GB/s)", mode, client.base_url,
+                    report.tensors, report.bytes / 1e6, report.seconds, report.gb_per_s)
+
+    def close(self) -> None:
+        for sender in self._senders.values():
+            sender.close()
+        self._senders.clear()
+
+
+@contextmanager
+def merged_state(model: Any) -> Iterator[list[tuple[str, Any]]]:
+    """The model's tensors under HF checkpoint names: a PEFT model is merged for the duration and its keys are
+    rewritten (``base_model.model.`` and ``.base_layer`` dropped, LoRA tensors skipped)."""
+    import torch
+
+    merged = callable(getattr(model, "merge_adapter", None)) and hasattr(model, "peft_config")
+    if merged:
+        model.merge_adapter()
+    try:
+        with torch.no_grad():
+            items = []
+            for name, tensor in model.state_dict().items():
+                if merged:
+                    if "lora_" in name or "original_module" in name:
+                        continue
+                    name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+                    name = name.replace("modules_to_save.default.", "")
+                if isinstance(tensor, torch.Tensor) and tensor.numel():
+                    items.append((name, tensor.detach()))
+            yield items
+    finally:
+        if merged:
+            model.unmerge_adapter()
+
+
+def adapter_state(model: Any) -> tuple[int, dict, list[tuple[str, Any]]]:
+    """(lora id, PEFT config dict, adapter tensors) of a PEFT model; raises when the model has no adapter."""
+    configs = getattr(model, "peft_config", None)
+    if not configs:
+        raise WeightSyncError("adapter sync needs a PEFT (LoRA) model, but the policy has no adapter; use "
+                              "rollout_matching.vllm.sync.mode: full")
+    from peft import get_peft_model_state_dict  # noqa: PLC0415 - only adapter runs need peft
+
+    config = next(iter(configs.values()))
+    tensors = [(k, v.detach()) for k, v in get_peft_model_state_dict(model).items()]
+    plain = json.loads(json.dumps(config.to_dict(), default=lambda v: sorted(v) if isinstance(v, (set, frozenset)) else str(v)))
+    return 1, plain, tensors

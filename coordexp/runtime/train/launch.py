@@ -1,0 +1,139 @@
+"""Build a training run from the normalized contract: policy, processor, data, TrainingArguments, backend, trainer.
+
+The same path loads the tiny offline model and a real checkpoint (``from_pretrained`` on ``model.path``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+from coordexp.runtime.rollout.registry import backend_name_for, create_backend
+from coordexp.runtime.model.data import load_records
+from coordexp.runtime.model.policy import LaunchError, load_policy
+from coordexp.runtime.train.rollout_step import HostContext
+
+if TYPE_CHECKING:
+    from coordexp.runtime.train.trainer import CoordExpTrainer
+    from coordexp.schema.contract import RunContract
+
+__all__ = ["LaunchError", "load_policy", "training_arguments", "build_trainer", "TrainOutcome", "run_training"]
+
+def training_arguments(run: "RunContract", **overrides: Any):
+    """The HF ``TrainingArguments`` of ``training.*`` (DeepSpeed/FSDP settings pass through unchanged)."""
+    import torch
+    from transformers import TrainingArguments
+
+    t = run.training
+    on_cpu = not torch.cuda.is_available()
+    evaluate = run.data.val_jsonl is not None and t.eval_steps is not None
+    kwargs: dict[str, Any] = dict(
+        output_dir=t.output_dir,
+        per_device_train_batch_size=t.per_device_train_batch_size,
+        per_device_eval_batch_size=t.per_device_eval_batch_size,
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        max_steps=t.max_steps if t.max_steps is not None else -1,
+        num_train_epochs=t.num_train_epochs,
+        learning_rate=t.learning_rate,
+        weight_decay=t.weight_decay,
+        adam_beta1=t.adam_beta1,
+        adam_beta2=t.adam_beta2,
+        max_grad_norm=t.max_grad_norm,
+        warmup_steps=t.warmup_ratio if t.warmup_ratio < 1 else 0,
+        lr_scheduler_type=t.lr_scheduler_type,
+        optim=t.optim,
+        seed=t.seed,
+        logging_steps=t.logging_steps,
+        save_steps=t.save_steps,
+        save_total_limit=t.save_total_limit,
+        eval_strategy="steps" if evaluate else "no",
+        eval_steps=t.eval_steps if evaluate else None,
+        dataloader_num_workers=t.dataloader_num_workers,
+        report_to=t.report_to,
+        deepspeed=t.deepspeed,
+        remove_unused_columns=False,
+        use_cpu=on_cpu,
+        ddp_backend="gloo" if on_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
+        ddp_find_unused_parameters=False,
+        disable_tqdm=True,
+        save_only_model=False,
+    )
+    kwargs.update(overrides)
+    return TrainingArguments(**kwargs)
+
+
+def build_trainer(
+    run: "RunContract",
+    *,
+    model: Any = None,
+    processor: Any = None,
+    callbacks: Sequence[Any] = (),
+    rollout_log_every: int = 0,
+    args_overrides: dict[str, Any] | None = None,
+) -> "CoordExpTrainer":
+    """Everything wired: records, backend (stage 2), trainer. Pass ``model``/``processor`` to reuse loaded ones."""
+    from coordexp.runtime.train.trainer import CoordExpTrainer, RecordDataset
+
+    if model is None or processor is None:
+        model, processor = load_policy(run)
+    data = run.data
+    train_records = load_records(data.train_jsonl, data.image_root, max_samples=data.max_train_samples)
+    if not train_records:
+        raise LaunchError(f"{data.train_jsonl} has no records; a run needs at least one training sample")
+    val = None
+    if data.val_jsonl is not None:
+        val = RecordDataset(load_records(data.val_jsonl, data.image_root, max_samples=data.max_val_samples))
+    rollout = run.rollout_matching
+    host = HostContext.create(processor, rollout, run.template)
+    backend = None
+    if run.trainer_variant == "stage2_rollout_aligned" or val is not None:
+        name = backend_name_for(rollout)
+        options: dict[str, Any] = {}
+        if name != "hf":
+            options["template"] = run.template  # vLLM and servers encode prompts themselves: same pixel budget
+        if name == "vllm_colocate":
+            options.update(model_path=run.model.path, dtype=run.model.dtype, seed=run.seed)
+        backend = create_backend(name, rollout, model=model, tokenizer=processor.tokenizer, **options)
+    return CoordExpTrainer(
+        model=model,
+        args=training_arguments(run, **(args_overrides or {})),
+        train_dataset=RecordDataset(train_records),
+        eval_dataset=val,
+        callbacks=list(callbacks),
+        run=run,
+        host=host,
+        backend=backend,
+        rollout_log_every=rollout_log_every,
+    )
+
+
+@dataclass(frozen=True)
+class TrainOutcome:
+    output_dir: Path
+    global_step: int
+    log_history: tuple[dict, ...]
+
+
+def run_training(
+    run: "RunContract",
+    *,
+    resume_from: str | None = None,
+    callbacks: Sequence[Any] = (),
+    rollout_log_every: int = 0,
+    print_logs: bool = True,
+) -> TrainOutcome:
+    """Train, save the final model (with its processor) to ``training.output_dir`` and return the log history."""
+    from transformers.trainer_callback import PrinterCallback
+
+    trainer = build_trainer(run, callbacks=callbacks, rollout_log_every=rollout_log_every)
+    if not print_logs:
+        trainer.remove_callback(PrinterCallback)  # raw log dicts on stdout; the CLI shows its own progress
+    try:
+        trainer.train(resume_from_checkpoint=resume_from)
+        trainer.save_model()
+    finally:
+        if trainer.backend is not None:
+            trainer.backend.close()
+    return TrainOutcome(Path(run.training.output_dir), trainer.state.global_step, tuple(trainer.state.log_history))

@@ -1,0 +1,199 @@
+"""Per-sample host pipeline of stage 2 (and the stage-1 target): rollout -> parse -> match -> Y_train -> encoding.
+
+Pure glue over the core modules; the trainer calls it once per sample and packs the results. Both spec sanity
+checks run here: the generation prompt ids must equal the teacher-forced prompt slice, and every supervised
+position must fall inside the assistant span.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+
+from coordexp.runtime.model.encoding import (
+    EncodedPrompt,
+    EncodedSample,
+    check_prompt_alignment,
+    check_supervised_span,
+    encode_teacher_forced,
+)
+from coordexp.runtime.core.matching import MatchResult, match_objects
+from coordexp.runtime.core.objects import TokenSupervision
+from coordexp.runtime.core.ot import pair_coord_targets
+from coordexp.runtime.core.parsing import RolloutParse, parse_rollout
+from coordexp.runtime.core.pieces import PieceTable
+from coordexp.runtime.core.targets import TrainTarget, build_train_target
+from coordexp.runtime.core.telemetry import RolloutCounters
+from coordexp.runtime.core.tokens import CoordVocab
+from coordexp.runtime.train.visualize import RolloutLogEntry
+from coordexp.schema.pipeline import TokenCeConfig
+
+if TYPE_CHECKING:
+    from coordexp.runtime.rollout.base import RolloutOutput
+    from coordexp.runtime.model.data import DetectionRecord
+    from coordexp.schema.contract import RolloutMatchingContract
+    from coordexp.schema.template import TemplateConfig
+
+__all__ = ["HostContext", "SampleTarget", "build_rollout_sample", "build_gt_sample", "decode_mode_of"]
+
+DecodeMode = Literal["greedy", "sampling", "beam"]
+# Stage 1 is plain SFT: every token of the GT serialization is trained, desc values included.
+_STAGE1_TOKEN_CE = TokenCeConfig(rollout_fn_desc_weight=1.0, rollout_matched_prefix_struct_weight=0.0)
+_NO_PREFIX_CE = TokenCeConfig(rollout_fn_desc_weight=0.0, rollout_matched_prefix_struct_weight=0.0)
+
+
+@dataclass(frozen=True)
+class HostContext:
+    """What the per-sample pipeline reads; built once per run."""
+
+    processor: Any
+    vocab: CoordVocab
+    pieces: PieceTable
+    eos_id: int
+    rollout: "RolloutMatchingContract"
+    template: "TemplateConfig"
+
+    @classmethod
+    def create(cls, processor: Any, rollout: "RolloutMatchingContract", template: "TemplateConfig") -> "HostContext":
+        tokenizer = processor.tokenizer
+        eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        if eos_id is None or eos_id == getattr(tokenizer, "unk_token_id", None):
+            raise ValueError("the tokenizer has no <|im_end|> token; coordexp trains Qwen-style chat models")
+        return cls(
+            processor=processor,
+            vocab=CoordVocab.from_tokenizer(tokenizer),
+            pieces=PieceTable.for_tokenizer(tokenizer),
+            eos_id=int(eos_id),
+            rollout=rollout,
+            template=template,
+        )
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.processor.tokenizer
+
+    @property
+    def token_ce(self) -> TokenCeConfig:
+        module = self.rollout.pipeline.module("token_ce")
+        return module.config if module is not None else _NO_PREFIX_CE
+
+
+@dataclass(frozen=True)
+class SampleTarget:
+    """One sample ready to pack: its teacher-forced encoding, supervision and the evidence behind it."""
+
+    encoded: EncodedSample
+    target: TrainTarget
+    counters: RolloutCounters | None  # None for stage 1 (no rollout)
+    parse: RolloutParse | None = None
+    match: MatchResult | None = None
+    valid_positions: tuple[int, ...] = ()
+
+    @property
+    def supervision(self) -> TokenSupervision:
+        return self.target.supervision
+
+    @property
+    def length(self) -> int:
+        return self.encoded.total_len
+
+    def log_entry(self, record: "DetectionRecord", step: int, tag: str = "train") -> RolloutLogEntry:
+        """The rollout as drawn by ``coordexp show-rollouts`` (predictions are the valid parsed objects)."""
+        preds = () if self.parse is None else tuple(self.parse.objects[i].to_det_object() for i in self.valid_positions)
+        pairs = () if self.match is None else tuple(self.match.pairs)
+        text = "" if self.parse is None else self.parse.prefix_text
+        return RolloutLogEntry(
+            step=step, image=str(record.image_paths[0]), gt=record.objects, predictions=preds, pairs=pairs, text=text, tag=tag
+        )
+
+
+def decode_mode_of(rollout: "RolloutMatchingContract") -> DecodeMode:
+    if rollout.decoding.num_beams > 1:
+        return "beam"
+    return "sampling" if rollout.decoding.temperature > 0 else "greedy"
+
+
+def _check_span(ctx_source: str, target: TrainTarget, encoded: EncodedSample) -> None:
+    sup = target.supervision
+    start = encoded.assistant_start
+    for name, positions in (("CE", sup.ce_positions), ("coord", sup.coord_positions)):
+        check_supervised_span(
+            np.asarray(positions, dtype=np.int64) + start, encoded.prompt_len, encoded.total_len, what=f"{ctx_source} {name}"
+        )
+
+
+def build_rollout_sample(
+    record: "DetectionRecord", prompt: EncodedPrompt, rollout: "RolloutOutput", ctx: HostContext
+) -> SampleTarget:
+    """Stage 2 for one sample: ``Y_train = rollout prefix + FN append + EOS`` with its supervision and counters."""
+    check_prompt_alignment(rollout.prompt_token_ids, prompt.input_ids, prompt.prompt_len)
+    parse = parse_rollout(rollout.response_token_ids, ctx.tokenizer, ctx.vocab, piece_table=ctx.pieces)
+    valid_positions = tuple(i for i, obj in enumerate(parse.objects) if obj.valid)
+    preds = [parse.objects[i].to_det_object() for i in valid_positions]
+    gts = list(record.objects)
+    match = match_objects(preds, gts, ctx.rollout.matching)
+    pair_targets = pair_coord_targets(preds, gts, match.pairs, ctx.rollout.ot)
+    target = build_train_target(
+        parse,
+        gts,
+        [(valid_positions[p], g) for p, g in match.pairs],
+        [pair_targets[pair] for pair in match.pairs],
+        ctx.tokenizer,
+        ctx.vocab,
+        field_order=ctx.rollout.object_field_order,
+        token_ce=ctx.token_ce,
+        eos_id=ctx.eos_id,
+        piece_table=ctx.pieces,
+    )
+    encoded = encode_teacher_forced(ctx.processor, record, ctx.template, target.ids, prompt=prompt)
+    _check_span(record.source, target, encoded)
+    counters = RolloutCounters.for_sample(
+        pred_valid=len(valid_positions),
+        drop_reasons=[reason for reason, n in parse.dropped_by_reason.items() for _ in range(n)],
+        gt_objects=len(gts),
+        matched=len(match.pairs),
+        fn_appended=target.n_fn_appended,
+        gating_rejections=match.gating_rejections,
+        truncated=parse.truncated,
+        prefix_fallback=parse.prefix_fallback,
+        decode_mode=decode_mode_of(ctx.rollout),
+        eos_stopped=parse.stopped_at_eos,
+        rollout_tokens=len(rollout.response_token_ids),
+        cut_fallbacks=parse.cut_fallbacks,
+    )
+    return SampleTarget(encoded, target, counters, parse, match, valid_positions)
+
+
+def build_gt_sample(record: "DetectionRecord", prompt: EncodedPrompt, ctx: HostContext) -> SampleTarget:
+    """Stage 1 for one sample: the GT serialization, every token supervised (the opening ``{`` included).
+
+    Built through the same target builder as stage 2 (an empty rollout prefix ``{`` with every GT object appended),
+    so stage 1 and stage 2 tails tokenize identically.
+    """
+    open_brace = ctx.tokenizer.encode("{", add_special_tokens=False)
+    parse = parse_rollout(open_brace, ctx.tokenizer, ctx.vocab, piece_table=ctx.pieces)
+    target = build_train_target(
+        parse,
+        list(record.objects),
+        [],
+        [],
+        ctx.tokenizer,
+        ctx.vocab,
+        field_order=ctx.rollout.object_field_order,
+        token_ce=_STAGE1_TOKEN_CE,
+        eos_id=ctx.eos_id,
+        piece_table=ctx.pieces,
+    )
+    sup = target.supervision
+    prefix = np.arange(target.prefix_len, dtype=np.int64)
+    supervision = replace(
+        sup,
+        ce_positions=np.concatenate([prefix, np.asarray(sup.ce_positions, dtype=np.int64)]),
+        ce_weights=np.concatenate([np.ones(len(prefix), np.float32), np.asarray(sup.ce_weights, np.float32)]),
+    )
+    target = replace(target, supervision=supervision)
+    encoded = encode_teacher_forced(ctx.processor, record, ctx.template, target.ids, prompt=prompt)
+    _check_span(record.source, target, encoded)
+    return SampleTarget(encoded, target, counters=None)

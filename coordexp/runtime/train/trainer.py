@@ -1,0 +1,290 @@
+"""Thin ``transformers.Trainer`` subclasses: the glue between the HF loop and the pure stage-2 modules.
+
+Per micro-step (``compute_loss``): encode prompts -> rollouts (stage 2) or GT targets (stage 1) -> per-sample
+``Y_train`` (:mod:`coordexp.runtime.train.rollout_step`) -> carry buffer + selection (packing) -> ONE forward (LM head
+at the supervised positions only) -> :func:`coordexp.runtime.model.losses.compute_objective`. Rollout counters and loss
+terms are summed over micro-steps (and ranks) and logged once per logging step. The carry buffer is rank-local, starts empty (also on resume), and
+leftovers at the end of training are dropped (``packing_drop_last: true``, carry-only mode).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+from transformers import Trainer
+
+from coordexp.runtime.rollout.base import RolloutRequest, request_seed
+from coordexp.runtime.model.encoding import encode_prompt
+from coordexp.runtime.model.losses import SupervisionBatch, SupervisionSegment, compute_objective
+from coordexp.runtime.model.packed_forward import (
+    collate_packed,
+    collate_padded,
+    mrope_index_of,
+    packed_forward,
+    padded_forward,
+)
+from coordexp.runtime.core.packing import CarryBuffer
+from coordexp.runtime.train.rollout_step import HostContext, SampleTarget, build_gt_sample, build_rollout_sample
+from coordexp.runtime.core.telemetry import RolloutCounters, sum_counters
+from coordexp.runtime.model.policy import save_processor
+from coordexp.runtime.train.visualize import append_rollout_log
+
+if TYPE_CHECKING:
+    from coordexp.runtime.rollout.base import RolloutBackend
+    from coordexp.runtime.model.data import DetectionRecord
+    from coordexp.schema.contract import RunContract
+
+__all__ = ["CoordExpTrainer", "RecordDataset", "identity_collator", "StepStats"]
+
+
+class RecordDataset(torch.utils.data.Dataset):
+    """Detection records as a map-style dataset; batches stay lists of records (see :func:`identity_collator`)."""
+
+    def __init__(self, records: Sequence["DetectionRecord"]):
+        self.records = list(records)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, index: int) -> "DetectionRecord":
+        return self.records[index]
+
+
+def identity_collator(records: list["DetectionRecord"]) -> list["DetectionRecord"]:
+    return records
+
+
+class StepStats:
+    """Sums over the micro-steps since the last log: loss terms (weighted by micro-step), tokens, counters."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.micro_steps = 0
+        self.terms: dict[str, float] = {}
+        self.trained_tokens = 0
+        self.computed_tokens = 0
+        self.counters: list[RolloutCounters] = []
+        self.seconds: dict[str, float] = {}
+
+    def timed(self, stage: str, seconds: float) -> None:
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
+
+    def add(self, terms: dict[str, float], trained: int, computed: int, counters: list) -> None:
+        self.micro_steps += 1
+        for key, value in terms.items():
+            self.terms[key] = self.terms.get(key, 0.0) + float(value)
+        self.trained_tokens += trained
+        self.computed_tokens += computed
+        self.counters.extend(c for c in counters if c is not None)
+
+
+class CoordExpTrainer(Trainer):
+    """Stage 1 (``stage1_sft``) or stage 2 (``stage2_rollout_aligned``); the variant comes from the contract."""
+
+    # compute_loss returns a per-micro-step mean: the HF loop divides by the accumulation steps.
+    loss_is_scaled_for_ga = False
+
+    def __init__(
+        self,
+        *args: Any,
+        run: "RunContract",
+        host: HostContext,
+        backend: "RolloutBackend | None" = None,
+        rollout_log_every: int = 0,
+        **kwargs: Any,
+    ) -> None:
+        kwargs.setdefault("data_collator", identity_collator)
+        super().__init__(*args, **kwargs)
+        self.run = run
+        self.host = host
+        self.backend = backend
+        self.stage2 = run.trainer_variant == "stage2_rollout_aligned"
+        if self.stage2 and backend is None:
+            raise ValueError("stage2_rollout_aligned needs a rollout backend (rollout_matching.rollout_backend)")
+        packing = run.rollout_matching.packing
+        self.buffer = CarryBuffer(packing.packing_length, packing.buffer) if packing.enabled else None
+        self.rollout_log_every = int(rollout_log_every)
+        self.stats = StepStats()
+        self._micro_step = 0
+        self._coord_ids = torch.tensor(host.vocab.ids, dtype=torch.long)
+
+    def create_optimizer(self, model=None):
+        """The HF optimizer; a backend that offloads around rollouts (vLLM colocate) also gets a handle on it."""
+        optimizer = super().create_optimizer(model)
+        attach = getattr(self.backend, "attach_optimizer", None)
+        if attach is not None and self.run.rollout_matching.offload_active:
+            attach(optimizer)
+        return optimizer
+
+    # -- one micro-step ---------------------------------------------------------------------------------------
+    def build_samples(self, records: Sequence["DetectionRecord"], *, tag: str = "train") -> list[SampleTarget]:
+        """Per-sample targets for ``records``: rollouts through the backend (stage 2) or the GT serialization."""
+        prompts = [encode_prompt(self.host.processor, r, self.host.template) for r in records]
+        if not self.stage2:
+            return [build_gt_sample(r, p, self.host) for r, p in zip(records, prompts, strict=True)]
+        base = self._micro_step * max(1, len(records)) * max(1, self.args.world_size) + self.args.process_index * len(records)
+        requests = [
+            RolloutRequest(prompt=p, index=i, seed=request_seed(self.args.seed, self.state.global_step, base + i), record=r)
+            for i, (r, p) in enumerate(zip(records, prompts, strict=True))
+        ]
+        set_step = getattr(self.backend, "set_step", None)  # optional hook: the step for the backend's errors
+        if callable(set_step):
+            set_step(self.state.global_step)
+        start = time.perf_counter()
+        self.backend.sync_weights(self.accelerator.unwrap_model(self.model))
+        outputs = self.backend.generate(requests)
+        generated = time.perf_counter()
+        samples = [build_rollout_sample(r, p, o, self.host) for r, p, o in zip(records, prompts, outputs, strict=True)]
+        self.stats.timed("rollout", generated - start)
+        self.stats.timed("host", time.perf_counter() - generated)
+        if self.rollout_log_every and self.is_world_process_zero() and self.state.global_step % self.rollout_log_every == 0:
+            append_rollout_log(
+                self.args.output_dir, [s.log_entry(r, self.state.global_step, tag) for r, s in zip(records, samples)]
+            )
+        return samples
+
+    def _select(self, samples: list[SampleTarget]) -> list[SampleTarget]:
+        """Unpacked: all of this micro-step's samples. Packed: add them to the carry buffer, take one selection."""
+        if self.buffer is None:
+            return samples
+        self.buffer.add_many([(s, s.length) for s in samples])
+        return list(self.buffer.pop_packed().items)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        records = list(inputs)
+        samples = self.build_samples(records)
+        started = time.perf_counter()
+        selected = self._select(samples)
+        unwrapped = self.accelerator.unwrap_model(model)
+        rope = mrope_index_of(unwrapped)
+        encoded = [s.encoded for s in selected]
+        if self.buffer is not None:
+            batch = collate_packed(encoded, rope, pad_token_id=self._pad_id())
+        else:
+            batch = collate_padded(encoded, rope, pad_token_id=self._pad_id())
+        segments = [
+            SupervisionSegment(s.supervision, s.target.ids, *batch.placement(i)) for i, s in enumerate(selected)
+        ]
+        # The losses read assistant-span logits only: the LM head runs at those positions (logits_to_keep).
+        keep, supervision = SupervisionBatch.from_segments(segments, batch.seq_len).at_kept_positions()
+        if self.buffer is not None:
+            # Inputs are built from the unwrapped model (its config); the call goes through the wrapper (DDP hooks).
+            logits = packed_forward(model, batch, logits_to_keep=keep, inputs_from=unwrapped)
+        else:
+            logits = padded_forward(model, batch, logits_to_keep=keep)
+        supervision = supervision.to(logits.device)
+        result = compute_objective(logits, supervision, self._coord_ids.to(logits.device), self.run.rollout_matching.pipeline)
+        self.stats.timed("forward", time.perf_counter() - started)
+        self._micro_step += 1
+        self.stats.add(
+            dict(result.terms),
+            trained=batch.num_real_tokens,
+            computed=batch.num_token_slots,
+            counters=[s.counters for s in samples],
+        )
+        return (result.total, logits) if return_outputs else result.total
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """The HF step, timed: ``time/backward`` is the step minus the rollout, host and forward time inside it."""
+        before = dict(self.stats.seconds)
+        start = time.perf_counter()
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        inside = sum(self.stats.seconds.get(k, 0.0) - before.get(k, 0.0) for k in ("rollout", "host", "forward"))
+        self.stats.timed("backward", time.perf_counter() - start - inside)
+        return loss
+
+    def _pad_id(self) -> int:
+        tokenizer = self.host.tokenizer
+        return int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.host.eos_id)
+
+    # -- logging ----------------------------------------------------------------------------------------------
+    def _reduced(self, values: list[float]) -> list[float]:
+        if self.args.world_size <= 1 or not torch.distributed.is_initialized():
+            return values
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.args.device)
+        torch.distributed.all_reduce(tensor)
+        return tensor.tolist()
+
+    def step_log_values(self) -> dict[str, float]:
+        """Loss terms (mean over micro-steps and ranks), counters (summed, ratios from sums), packing, tokens."""
+        stats = self.stats
+        keys = sorted(stats.terms)
+        # Every rank runs the same modules, so every rank has the same term keys in the same order.
+        buffered = len(self.buffer) if self.buffer is not None else 0
+        sums = self._reduced(
+            [stats.terms[k] for k in keys] + [stats.micro_steps, stats.trained_tokens, buffered, stats.computed_tokens]
+        )
+        micro = max(sums[len(keys)], 1.0)
+        logs = {f"loss/{k}": v / micro for k, v in zip(keys, sums[: len(keys)])}
+        logs["tokens/trained"] = sums[len(keys) + 1]
+        # positions the forwards computed (padding included): the padded layout's waste is 1 - trained / computed
+        logs["tokens/computed"] = sums[len(keys) + 3]
+        logs.update({f"time/{k}_s": v for k, v in sorted(stats.seconds.items())})  # this rank's wall time per stage
+        compute = stats.seconds.get("forward", 0.0) + stats.seconds.get("backward", 0.0)
+        if compute > 0:
+            logs["tokens/trained_per_s"] = stats.trained_tokens / compute  # this rank, forward + backward only
+        if self.buffer is not None and stats.micro_steps:
+            # trained tokens over the row capacity of every packed forward (all ranks)
+            logs["packing/fill_ratio"] = sums[len(keys) + 1] / (micro * self.run.rollout_matching.packing.packing_length)
+            logs["packing/buffered"] = sums[len(keys) + 2]  # carried segments, all ranks
+        if self.stage2:
+            counters = sum_counters(stats.counters) if stats.counters else RolloutCounters()
+            if self.args.world_size > 1 and torch.distributed.is_initialized():
+                tensor = counters.to_tensor().to(self.args.device)
+                torch.distributed.all_reduce(tensor)
+                counters = RolloutCounters.from_tensor(tensor.cpu())
+            logs.update(counters.to_log_dict(prefix="rollout/"))
+        return logs
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs and self.stats.micro_steps:
+            logs.update(self.step_log_values())
+            self.stats.reset()
+        super().log(logs, start_time)
+
+    # -- evaluation -------------------------------------------------------------------------------------------
+    def evaluate_rollouts(self, records: Sequence["DetectionRecord"]) -> RolloutCounters:
+        """Roll out ``records`` in chunks of ``decode_batch_size`` through the same parse/match; no training."""
+        if self.backend is None:
+            raise ValueError("rollout evaluation needs a rollout backend")
+        was_stage2, self.stage2 = self.stage2, True
+        chunk = self.run.rollout_matching.decode_batch_size
+        counters: list[RolloutCounters] = []
+        try:
+            for start in range(0, len(records), chunk):
+                counters += [s.counters for s in self.build_samples(records[start : start + chunk], tag="eval")]
+        finally:
+            self.stage2 = was_stage2
+        return sum_counters(counters) if counters else RolloutCounters()
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            return {}
+        records = list(getattr(dataset, "records", dataset))
+        shard = records[self.args.process_index :: max(1, self.args.world_size)]
+        counters = self.evaluate_rollouts(shard)
+        if self.args.world_size > 1 and torch.distributed.is_initialized():
+            tensor = counters.to_tensor().to(self.args.device)
+            torch.distributed.all_reduce(tensor)
+            counters = RolloutCounters.from_tensor(tensor.cpu())
+        metrics = counters.to_log_dict(prefix=f"{metric_key_prefix}/")
+        super().log(dict(metrics))
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """Checkpoints carry the processor too, so a checkpoint loads like any Qwen-VL checkpoint."""
+        super()._save(output_dir, state_dict)
+        out = Path(output_dir or self.args.output_dir)
+        processor = self.host.processor
+        if hasattr(processor, "save_pretrained"):
+            processor.save_pretrained(str(out))
+        else:
+            family = self.accelerator.unwrap_model(self.model).config.model_type
+            save_processor(out, family, processor.tokenizer, processor.image_processor)

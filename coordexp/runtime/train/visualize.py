@@ -1,0 +1,144 @@
+"""Rollout logs and the PNGs a person looks at: GT, matched predictions, false positives and false negatives.
+
+Training writes one JSON line per logged rollout (``RolloutLogEntry``) to ``<output_dir>/rollouts.jsonl``;
+``coordexp show-rollouts RUN_DIR`` renders them. Coordinates are norm1000 bins mapped onto the image's pixels.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from coordexp.runtime.core.objects import DetObject
+
+__all__ = ["RolloutLogEntry", "append_rollout_log", "read_rollout_log", "render_rollout", "render_rollout_log", "COLOURS"]
+
+ROLLOUT_LOG_NAME = "rollouts.jsonl"
+# Colour-blind-safe-ish palette: GT green, matched prediction blue, FP red, FN (unmatched GT) orange.
+COLOURS = {"gt": (0, 170, 80), "matched": (30, 100, 255), "fp": (230, 30, 30), "fn": (255, 150, 0)}
+
+
+@dataclass(frozen=True)
+class RolloutLogEntry:
+    """What a logged rollout needs to be drawn and audited later (no IoU value: matching uses it internally only)."""
+
+    step: int
+    image: str
+    gt: tuple[DetObject, ...]
+    predictions: tuple[DetObject, ...]  # valid parsed objects, appearance order
+    pairs: tuple[tuple[int, int], ...]  # (prediction index, gt index)
+    text: str = ""
+    tag: str = "train"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def fp_indices(self) -> tuple[int, ...]:
+        matched = {p for p, _ in self.pairs}
+        return tuple(i for i in range(len(self.predictions)) if i not in matched)
+
+    @property
+    def fn_indices(self) -> tuple[int, ...]:
+        matched = {g for _, g in self.pairs}
+        return tuple(i for i in range(len(self.gt)) if i not in matched)
+
+    def to_json(self) -> str:
+        payload = asdict(self)
+        for key in ("gt", "predictions"):
+            payload[key] = [{"desc": o.desc, o.geometry: list(o.coords)} for o in getattr(self, key)]
+        return json.dumps(payload, ensure_ascii=False)
+
+    @classmethod
+    def from_json(cls, line: str) -> "RolloutLogEntry":
+        raw = json.loads(line)
+
+        def objects(items: Iterable[dict[str, Any]]) -> tuple[DetObject, ...]:
+            out = []
+            for item in items:
+                geometry = "bbox_2d" if "bbox_2d" in item else "poly"
+                out.append(DetObject(item["desc"], geometry, tuple(int(v) for v in item[geometry])))
+            return tuple(out)
+
+        return cls(
+            step=int(raw["step"]),
+            image=str(raw["image"]),
+            gt=objects(raw["gt"]),
+            predictions=objects(raw["predictions"]),
+            pairs=tuple((int(p), int(g)) for p, g in raw["pairs"]),
+            text=raw.get("text", ""),
+            tag=raw.get("tag", "train"),
+            extra=raw.get("extra", {}),
+        )
+
+
+def append_rollout_log(run_dir: str | Path, entries: Sequence[RolloutLogEntry]) -> Path:
+    """Append entries to ``run_dir/rollouts.jsonl`` (created on first use) and return its path."""
+    path = Path(run_dir) / ROLLOUT_LOG_NAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as handle:
+        for entry in entries:
+            handle.write(entry.to_json() + "\n")
+    return path
+
+
+def read_rollout_log(run_dir: str | Path) -> list[RolloutLogEntry]:
+    """Every entry of ``run_dir/rollouts.jsonl``; a broken line fails with its line number."""
+    path = Path(run_dir) / ROLLOUT_LOG_NAME
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no rollout log at {path}; train with rollout logging on (stage 2 writes it) or pass the run's output_dir"
+        )
+    entries = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            entries.append(RolloutLogEntry.from_json(line))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{path}:{number}: not a rollout log entry ({exc})") from exc
+    return entries
+
+
+def _pixels(obj: DetObject, width: int, height: int) -> list[tuple[float, float]]:
+    return [(x * width / 1000.0, y * height / 1000.0) for x, y in obj.points()]
+
+
+def render_rollout(entry: RolloutLogEntry, out_path: str | Path, *, scale: int = 4) -> Path:
+    """Draw one rollout: GT (green), matched predictions (blue), FPs (red), FNs (orange, thicker)."""
+    from PIL import Image, ImageDraw
+
+    base = Image.open(entry.image).convert("RGB")
+    width, height = base.size
+    canvas = base.resize((width * scale, height * scale), Image.NEAREST)
+    draw = ImageDraw.Draw(canvas)
+    fn = set(entry.fn_indices)
+    fp = set(entry.fp_indices)
+
+    def outline(obj: DetObject, colour: tuple[int, int, int], line_width: int, label: str) -> None:
+        points = [(x * scale, y * scale) for x, y in _pixels(obj, width, height)]
+        draw.line(points + [points[0]], fill=colour, width=line_width)
+        anchor = (points[0][0] + 2, points[0][1] + 1)
+        draw.rectangle(draw.textbbox(anchor, label), fill=(0, 0, 0))
+        draw.text(anchor, label, fill=colour)
+
+    for i, obj in enumerate(entry.gt):
+        outline(obj, COLOURS["fn"] if i in fn else COLOURS["gt"], 3 if i in fn else 2, f"{'FN' if i in fn else 'GT'} {obj.desc}")
+    for i, obj in enumerate(entry.predictions):
+        outline(obj, COLOURS["fp"] if i in fp else COLOURS["matched"], 2, f"{'FP' if i in fp else 'P'} {obj.desc}")
+    legend = "GT green | matched blue | FP red | FN orange"
+    draw.rectangle([0, canvas.height - 12, canvas.width, canvas.height], fill=(0, 0, 0))
+    draw.text((2, canvas.height - 12), legend, fill=(255, 255, 255))
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    canvas.save(out)
+    return out
+
+
+def render_rollout_log(run_dir: str | Path, out_dir: str | Path | None = None, *, limit: int = 8) -> list[Path]:
+    """Render the last ``limit`` logged rollouts of a run into ``out_dir`` (default ``run_dir/rollout_png``)."""
+    entries = read_rollout_log(run_dir)[-limit:]
+    target = Path(out_dir) if out_dir is not None else Path(run_dir) / "rollout_png"
+    return [
+        render_rollout(entry, target / f"{entry.tag}_step{entry.step:06d}_{i:02d}.png") for i, entry in enumerate(entries)
+    ]

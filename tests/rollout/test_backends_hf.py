@@ -1,0 +1,340 @@
+"""The rollout backend interface, its lazy registry, and the HF generate backend on the tiny Qwen2-VL model."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from coordexp.runtime.rollout.registry import (
+    BACKENDS,
+    BackendEntry,
+    BackendUnavailableError,
+    RolloutRequest,
+    backend_name_for,
+    create_backend,
+    finish_output,
+    get_backend_class,
+    request_seed,
+)
+from coordexp.runtime.rollout.hf import HfRolloutBackend, PaddingAwareRepetitionPenalty, RepeatGuardProcessor
+from coordexp.runtime.model.data import load_records
+from coordexp.runtime.model.encoding import encode_prompt
+from coordexp.runtime.core.repeat import RepeatGuard
+from coordexp.schema.contract import load_contract
+from coordexp.schema.rollout import DecodingConfig, RepeatTerminateConfig
+from coordexp.schema.template import TemplateConfig
+
+REPO = Path(__file__).resolve().parents[2]
+MAX_NEW = 10
+GUARD_OFF = RepeatTerminateConfig()
+# different prompt texts and pixel budgets, so a batch needs left padding and mixes image sizes (4 and 16 tokens)
+TEMPLATES = (
+    TemplateConfig(system_prompt="Find shapes.", user_prompt="List them.", min_pixels=28 * 28 * 4,
+                   max_pixels=28 * 28 * 16),
+    TemplateConfig(system_prompt="Find shapes.", user_prompt="List every shape in the picture, in JSON.",
+                   min_pixels=28 * 28, max_pixels=28 * 28 * 4),
+    TemplateConfig(system_prompt="You detect objects.", user_prompt="Go.", min_pixels=28 * 28,
+                   max_pixels=28 * 28 * 4),
+)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_processor):
+    return tiny_processor.tokenizer
+
+
+@pytest.fixture(scope="module")
+def requests_(tiny_processor, synthetic_dataset):
+    records = load_records(synthetic_dataset.train_jsonl)
+    prompts = [encode_prompt(tiny_processor, record, TEMPLATES[k % len(TEMPLATES)])
+               for k, record in enumerate(records[:5])]
+    assert len({p.prompt_len for p in prompts}) == 3  # the batch really is ragged
+    return [RolloutRequest(prompt=p, index=k, seed=100 + k) for k, p in enumerate(prompts)]
+
+
+def backend(model, tokenizer, *, batch=4, decoding=None, guard=GUARD_OFF, max_new=MAX_NEW):
+    return HfRolloutBackend(model, tokenizer, decode_batch_size=batch, max_new_tokens=max_new,
+                            decoding=decoding or DecodingConfig(), repeat_terminate=guard)
+
+
+class Bias(torch.nn.Module):
+    """A test logits processor: from generated step ``from_step`` on, add ``amount`` to ``token`` in ``rows``."""
+
+    def __init__(self, rows, token, amount=100.0, from_step=0):
+        super().__init__()
+        self.rows, self.token, self.amount, self.from_step, self.width = list(rows), token, amount, from_step, None
+
+    def __call__(self, input_ids, scores):
+        self.width = input_ids.shape[1] if self.width is None else self.width
+        if input_ids.shape[1] - self.width < self.from_step:
+            return scores
+        scores = scores.clone()
+        scores[self.rows, self.token] += self.amount
+        return scores
+
+
+@pytest.fixture
+def spy(model, monkeypatch):
+    """Wraps ``model.generate``: records each call's batch size, mode and grad state; ``spy.inject`` adds a logits
+    processor ahead of the backend's own (as the repetition-bias source of the repeat-guard tests)."""
+    original = model.generate
+    record = SimpleNamespace(batch_sizes=[], training=[], grad=[], inject=[], fail=False)
+
+    def generate(**kwargs):
+        record.batch_sizes.append(kwargs["input_ids"].shape[0])
+        record.training.append(model.training)
+        record.grad.append(torch.is_grad_enabled())
+        if record.fail:
+            raise RuntimeError("generation failed")
+        kwargs["logits_processor"][0:0] = list(record.inject)
+        return original(**kwargs)
+
+    monkeypatch.setattr(model, "generate", generate)
+    return record
+
+
+def greedy_reference(model, tokenizer, request, max_new, **generate_kwargs):
+    """Plain one-sample HF greedy decoding, trimmed at <|im_end|> (the independent reference)."""
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    suppress = sorted(set(model.generation_config.suppress_tokens)
+                      | {tokenizer.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>")})
+    out = model.generate(**request.prompt.model_inputs(), max_new_tokens=max_new, do_sample=False, num_beams=1,
+                         eos_token_id=end, suppress_tokens=suppress, **generate_kwargs)
+    ids = out[0, request.prompt.prompt_len:].tolist()
+    return ids[:ids.index(end)] if end in ids else ids
+
+
+def test_batched_greedy_equals_per_sample_generation(model, tokenizer, requests_):
+    batched = backend(model, tokenizer, batch=5).generate(requests_)
+    single = backend(model, tokenizer, batch=1).generate(requests_)
+    assert [o.response_token_ids for o in batched] == [o.response_token_ids for o in single]
+    for request, output in zip(requests_, batched):
+        assert list(output.response_token_ids) == greedy_reference(model, tokenizer, request, MAX_NEW)
+        assert output.prompt_token_ids == tuple(request.prompt.input_ids.tolist())
+        assert output.text == tokenizer.decode(list(output.response_token_ids), skip_special_tokens=False)
+        assert output.finish_reason in ("stop", "length")
+        assert (output.finish_reason == "length") == (len(output.response_token_ids) == MAX_NEW)
+
+
+def test_repetition_penalty_matches_hf_and_ignores_left_padding(model, tokenizer, requests_):
+    penalised = DecodingConfig(repetition_penalty=1.8)
+    batched = backend(model, tokenizer, batch=5, decoding=penalised).generate(requests_)
+    plain = backend(model, tokenizer, batch=5).generate(requests_)
+    assert [o.response_token_ids for o in batched] != [o.response_token_ids for o in plain]  # it does act
+    for request, output in zip(requests_, batched):
+        assert list(output.response_token_ids) == greedy_reference(model, tokenizer, request, MAX_NEW,
+                                                                    repetition_penalty=1.8)
+
+
+def test_repetition_penalty_ignores_left_padding_row_by_row():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    ids = torch.tensor([[0, 0, 5, 6], [7, 5, 5, 6]])  # row 0 is left-padded with id 0 (twice)
+    scores = torch.linspace(-3.0, 3.0, 20).reshape(2, 10)
+    penalised = PaddingAwareRepetitionPenalty(2.0, torch.tensor([2, 0]))(ids, scores.clone())
+    hf = RepetitionPenaltyLogitsProcessor(2.0)
+    assert torch.equal(penalised[0:1], hf(ids[0:1, 2:], scores[0:1].clone()))  # id 0 is not penalised
+    assert torch.equal(penalised[1:2], hf(ids[1:2], scores[1:2].clone()))
+    beams = PaddingAwareRepetitionPenalty(2.0, torch.tensor([2, 0]), num_beams=2)
+    assert torch.equal(beams(ids.repeat_interleave(2, 0), scores.repeat_interleave(2, 0)),
+                       penalised.repeat_interleave(2, 0))
+
+
+def test_requests_are_chunked_by_decode_batch_size_in_order(model, tokenizer, requests_, spy):
+    rollouts = backend(model, tokenizer, batch=2)
+    outputs = rollouts.generate(requests_)
+    assert spy.batch_sizes == [2, 2, 1] and rollouts.decode_calls == 3
+    assert [o.prompt_token_ids for o in outputs] == [tuple(r.prompt.input_ids.tolist()) for r in requests_]
+    assert backend(model, tokenizer, batch=8).generate([]) == []
+
+
+def test_eval_and_no_grad_during_generation_and_training_mode_restored(model, tokenizer, requests_, spy):
+    model.train()
+    try:
+        backend(model, tokenizer, batch=5).generate(requests_[:2])
+        assert spy.training == [False] and spy.grad == [False]
+        assert model.training and all(m.training for m in model.modules())
+        spy.fail = True
+        with pytest.raises(RuntimeError, match="generation failed"):
+            backend(model, tokenizer).generate(requests_[:2])
+        assert model.training and all(m.training for m in model.modules())
+    finally:
+        spy.fail = False
+        model.eval()
+    backend(model, tokenizer).generate(requests_[:1])
+    assert not model.training  # an eval-mode model stays in eval mode
+
+
+def test_beam_search_returns_only_the_best_beam(model, tokenizer, requests_):
+    beams = 3
+    outputs = backend(model, tokenizer, batch=2, decoding=DecodingConfig(num_beams=beams)).generate(requests_[:2])
+    assert len(outputs) == 2
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    suppress = sorted(set(model.generation_config.suppress_tokens)
+                      | {tokenizer.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>")})
+    for request, output in zip(requests_[:2], outputs):
+        every = model.generate(**request.prompt.model_inputs(), max_new_tokens=MAX_NEW, num_beams=beams,
+                               num_return_sequences=beams, do_sample=False, eos_token_id=end,
+                               suppress_tokens=suppress, return_dict_in_generate=True, output_scores=True)
+        best = int(every.sequences_scores.argmax())
+        ids = every.sequences[best, request.prompt.prompt_len:].tolist()
+        ids = ids[:ids.index(end)] if end in ids else [i for i in ids if i != tokenizer.pad_token_id]
+        assert list(output.response_token_ids) == ids
+
+
+def test_sampling_is_seeded_per_request_and_leaves_the_global_rng_alone(model, tokenizer, requests_):
+    sampling = DecodingConfig(temperature=1.5, top_k=200, top_p=0.95)
+    before = torch.get_rng_state()
+    first = backend(model, tokenizer, batch=5, decoding=sampling).generate(requests_)
+    assert torch.equal(torch.get_rng_state(), before)
+    again = backend(model, tokenizer, batch=2, decoding=sampling).generate(requests_)
+    assert [o.response_token_ids for o in first] == [o.response_token_ids for o in again]  # batching-independent
+    reseeded = [RolloutRequest(prompt=r.prompt, index=r.index, seed=r.seed + 7) for r in requests_]
+    other = backend(model, tokenizer, batch=5, decoding=sampling).generate(reseeded)
+    assert [o.response_token_ids for o in other] != [o.response_token_ids for o in first]
+    greedy = backend(model, tokenizer, batch=5).generate(requests_)
+    assert [o.response_token_ids for o in greedy] != [o.response_token_ids for o in first]
+
+
+def test_repeat_guard_stops_only_the_offending_sequence(model, tokenizer, requests_, spy):
+    coord = tokenizer.convert_tokens_to_ids("<|coord_7|>")
+    guard = RepeatTerminateConfig(enabled=True, min_new_tokens=0, max_consecutive_token_repeats=3, ngram_size=4,
+                                  ngram_repeats=2)
+    free = backend(model, tokenizer, batch=3, max_new=12).generate(requests_[:3])
+    assert all(o.finish_reason != "repeat" for o in free)  # the unbiased rows never trip this guard by themselves
+    spy.inject = [Bias(rows=[1], token=coord, from_step=2)]
+    guarded = backend(model, tokenizer, batch=3, guard=guard, max_new=12).generate(requests_[:3])
+    first_two = list(free[1].response_token_ids[:2])
+    assert list(guarded[1].response_token_ids) == first_two + [coord] * 3 and guarded[1].finish_reason == "repeat"
+    assert [guarded[0], guarded[2]] == [free[0], free[2]]  # the other rows are untouched
+    unguarded = backend(model, tokenizer, batch=3, max_new=12).generate(requests_[:3])
+    assert unguarded[1].response_token_ids == tuple(first_two + [coord] * 10)
+    assert unguarded[1].finish_reason == "length"
+
+
+def test_stop_token_trims_one_row_and_suppressed_ids_are_never_emitted(model, tokenizer, requests_, spy):
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    image_pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    free = backend(model, tokenizer, batch=3).generate(requests_[:3])
+    spy.inject = [Bias(rows=[0], token=end, from_step=3), Bias(rows=[1, 2], token=image_pad),
+                  Bias(rows=[1, 2], token=len(tokenizer) + 3)]  # a padded embedding row: no token at all
+    outputs = backend(model, tokenizer, batch=3).generate(requests_[:3])
+    assert outputs[0].response_token_ids == free[0].response_token_ids[:3] and outputs[0].finish_reason == "stop"
+    assert end not in outputs[0].response_token_ids
+    for output in outputs:
+        assert image_pad not in output.response_token_ids
+        assert all(0 <= i < len(tokenizer) for i in output.response_token_ids)
+
+
+def test_guard_processor_forces_eos_on_tripped_rows_in_tracker_and_beam_modes():
+    guard = RepeatGuard(enabled=True, max_consecutive_token_repeats=2)
+    ids = torch.tensor([[0, 0, 5, 6], [0, 9, 5, 5], [0, 0, 6, 6]])  # prompt width 2; rows 1 and 2 end in a run
+    for reorder in (False, True):
+        processor = RepeatGuardProcessor(guard, prompt_width=2, eos_token_id=3, pieces=None, rows_reorder=reorder)
+        processor(ids[:, :3], torch.zeros(3, 8))
+        scores = processor(ids, torch.zeros(3, 8))
+        assert torch.equal(scores[0], torch.zeros(8))
+        for row in (1, 2):
+            assert scores[row, 3] == 0 and torch.isinf(scores[row]).sum() == 7
+    assert torch.equal(processor(ids[:, :3], torch.zeros(3, 8)), torch.zeros(3, 8))
+
+
+def test_guard_processor_counts_object_keys_split_across_tokens(tokenizer):
+    from coordexp.runtime.core.pieces import PieceTable
+
+    pieces = PieceTable.for_tokenizer(tokenizer).pieces
+    one = tokenizer('{"object_1": {"desc": "cat"}', add_special_tokens=False)["input_ids"]
+    two = tokenizer(', "object_2": {"desc', add_special_tokens=False)["input_ids"]
+    assert b'"object_' not in b"".join(pieces[i] for i in one if b"object" in pieces[i])  # split over ids
+    guard = RepeatGuard(enabled=True, max_object_keys=1)
+    ids = torch.tensor([[9] + one + two])
+    for reorder in (False, True):
+        processor = RepeatGuardProcessor(guard, prompt_width=1, eos_token_id=3, pieces=pieces, rows_reorder=reorder)
+        for end in range(2, ids.shape[1] + 1):
+            scores = processor(ids[:, :end], torch.zeros(1, 8))
+            second_opened = end - 1 >= len(one) + len(tokenizer(', "object_', add_special_tokens=False)["input_ids"])
+            assert bool(torch.isinf(scores).any()) == second_opened
+
+
+def test_finish_output_trims_at_the_first_stop_and_names_the_reason():
+    decode = lambda ids: ",".join(map(str, ids))  # noqa: E731
+    stop = finish_output([1, 2], [7, 8, 99, 0, 0], stop_ids=frozenset({99}), decode=decode)
+    assert (stop.prompt_token_ids, stop.response_token_ids, stop.text, stop.finish_reason) == (
+        (1, 2), (7, 8), "7,8", "stop")
+    assert finish_output([1], [7, 8], stop_ids=frozenset({99}), decode=decode).finish_reason == "length"
+    guard = RepeatGuard(enabled=True, max_consecutive_token_repeats=2)
+    repeat = finish_output([1], [8, 8, 99], stop_ids=frozenset({99}), decode=decode, guard=guard)
+    assert repeat.finish_reason == "repeat" and repeat.response_token_ids == (8, 8)
+    # a repeat run that ends by length was not cut by the guard
+    assert finish_output([1], [8, 8], stop_ids=frozenset({99}), decode=decode, guard=guard).finish_reason == "length"
+
+
+def test_request_seed_is_deterministic_positive_and_distinct():
+    seeds = {request_seed(42, step, index) for step in range(4) for index in range(64)}
+    assert len(seeds) == 256 and all(1 <= s < 2 ** 31 for s in seeds)
+    assert request_seed(42, 3, 5) == request_seed(42, 3, 5) == 42 + 3 * 1_000_003 + 5
+    assert request_seed(-(2 ** 31), 0, 0) == 1  # 0 is never a seed
+
+
+def test_registry_builds_hf_from_the_contract(model, tokenizer):
+    rollout = load_contract(REPO / "examples" / "stage2_cpu_hf.yaml").rollout_matching
+    assert backend_name_for(rollout) == "hf" and get_backend_class("hf") is HfRolloutBackend
+    with create_backend("hf", rollout, model=model, tokenizer=tokenizer) as built:
+        assert (built.decode_batch_size, built.max_new_tokens) == (rollout.decode_batch_size, rollout.max_new_tokens)
+        assert built.guard == RepeatGuard.from_config(rollout.repeat_terminate) and built.guard.active
+    with pytest.raises(RuntimeError, match="closed"):
+        built.generate([])
+    with pytest.raises(TypeError, match="no options"):
+        create_backend("hf", rollout, model=model, tokenizer=tokenizer, gpu_memory_utilization=0.5)
+    assert backend_name_for(SimpleNamespace(rollout_backend="vllm", vllm_mode="server")) == "vllm_server"
+    assert backend_name_for(SimpleNamespace(rollout_backend="vllm", vllm_mode="colocate")) == "vllm_colocate"
+
+
+@pytest.mark.parametrize("name", ["vllm_colocate", "vllm_server"])
+def test_backend_whose_module_is_missing_fails_with_guidance(name, monkeypatch):
+    """A registered backend whose module is absent from this install (e.g. a trimmed build) names the fallback."""
+    entry = BACKENDS[name]
+    monkeypatch.setitem(BACKENDS, name, dataclasses.replace(entry, module="coordexp.runtime.rollout.registry._absent"))
+    with pytest.raises(BackendUnavailableError, match="not available yet") as info:
+        get_backend_class(name)
+    assert "rollout_matching.rollout_backend: hf" in str(info.value)
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+
+
+def test_missing_dependency_and_unknown_names_fail_with_guidance(tmp_path, monkeypatch):
+    (tmp_path / "fake_backend_module.py").write_text("import vllm_not_installed_anywhere\n", encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(BACKENDS, "fake", BackendEntry("fake_backend_module", "Backend", "vllm"))
+    with pytest.raises(BackendUnavailableError, match=r"needs the Python package 'vllm_not_installed_anywhere'.*"
+                                                       r"pip install vllm.*rollout_backend: hf"):
+        get_backend_class("fake")
+    (tmp_path / "hollow_backend_module.py").write_text("Backend = object\n", encoding="utf-8")
+    monkeypatch.setitem(BACKENDS, "hollow", BackendEntry("hollow_backend_module", "Backend"))
+    with pytest.raises(BackendUnavailableError, match="defines no RolloutBackend class"):
+        get_backend_class("hollow")
+    with pytest.raises(BackendUnavailableError, match="unknown rollout backend 'tpu'; known backends: .*hf"):
+        get_backend_class("tpu")
+
+
+def test_beam_sampling_is_rejected_when_the_backend_is_built(model, tokenizer):
+    with pytest.raises(ValueError, match="beam sampling"):
+        backend(model, tokenizer, decoding=DecodingConfig(num_beams=2, temperature=0.7))
+
+
+def test_registry_import_is_light():
+    code = ("import sys, coordexp.runtime.rollout.registry as b; b.get_backend_class; "
+            "assert not {'torch', 'transformers'} & set(sys.modules), sorted(sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)

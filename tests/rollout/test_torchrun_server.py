@@ -1,0 +1,191 @@
+"""A 2-process torchrun learner (gloo on CPU) against ONE real ``coordexp serve-rollout --engine hf`` process.
+
+Server mode under DDP: every rank rolls out through the server, rank 0 alone pushes the weights after each
+optimizer step (barrier -> push -> broadcast of the outcome -> barrier), and a push failure on rank 0 ends EVERY
+rank with the same error instead of a hang. Also: the stage-2 server example config trains single-process against
+a loopback server. Everything listens on 127.0.0.1; every wait is bounded and every process is killed at teardown.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.importorskip("coordexp.runtime.server.app", reason="coordexp serve-rollout is not part of this build yet")
+
+from coordexp.runtime.rollout.client import RolloutServerClient, ServerUnreachableError  # noqa: E402
+
+from testkit import REPO, free_port, server_rollout  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+ENTRY = Path(__file__).with_name("torchrun_server_entry.py")
+TORCHRUN_TIMEOUT_S = 300
+SINGLE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+TRAINING = {
+    "per_device_train_batch_size": 2,
+    "gradient_accumulation_steps": 1,
+    "max_steps": 3,
+    "logging_steps": 1,
+    "save_steps": 1000,
+    "packing": True,
+    "packing_buffer": 64,
+}
+ROLLOUT = {"decode_batch_size": 2, "max_new_tokens": 16}
+# Generous transport/infer limits for 3 processes sharing 2 CPU cores; each is still a bound.
+SERVER_LIMITS = {"timeout_s": 60.0, "infer_timeout_s": 120.0}
+
+
+class ServerProcess:
+    """``python -m coordexp serve-rollout CFG --engine hf`` on a free loopback port, in its own process group."""
+
+    def __init__(self, config: Path, log: Path):
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        with open(log, "wb") as sink:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "coordexp", "serve-rollout", str(config), "--engine", "hf", "--port",
+                 str(self.port), "--log-level", "warning"],
+                stdout=sink, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **SINGLE_THREAD})
+
+    def wait_healthy(self, timeout: float = 120.0) -> None:
+        try:
+            RolloutServerClient(self.base_url, timeout_s=timeout).wait_until_healthy()
+        except ServerUnreachableError:
+            raise AssertionError(f"server did not start:\n{self.log.read_text(errors='replace')[-3000:]}") from None
+
+    def sync_status(self) -> dict:
+        with urllib.request.urlopen(f"{self.base_url}/coordexp/sync_status/", timeout=10) as reply:
+            return json.loads(reply.read())
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+
+@pytest.fixture()
+def start_server(tmp_path, write_config):
+    """Start one server for ``model_dir`` (default: the learner's tiny model); killed at teardown."""
+    started: list[ServerProcess] = []
+
+    def start(model_dir: Path | None = None) -> ServerProcess:
+        overrides: dict = {"rollout_matching": {**ROLLOUT}}
+        if model_dir is not None:
+            overrides["model"] = {"path": str(model_dir), "dtype": "float32", "attn_implementation": "sdpa"}
+        server = ServerProcess(write_config(overrides, name=f"server{len(started)}.yaml"),
+                               tmp_path / f"server{len(started)}.log")
+        started.append(server)
+        server.wait_healthy()
+        return server
+
+    yield start
+    for server in started:
+        server.kill()
+
+
+def learner_config(write_config, tmp_path: Path, server: ServerProcess) -> Path:
+    rollout = server_rollout([(server.base_url, free_port())], server=SERVER_LIMITS, **ROLLOUT)
+    return write_config({"training": {**TRAINING, "output_dir": str(tmp_path / "run")}, "global_max_length": 1024,
+                         "rollout_matching": rollout}, name="learner.yaml")
+
+
+def run_torchrun(config: Path, out_dir: Path) -> tuple[int, str, float]:
+    """(exit code, combined stderr, seconds) of a 2-process torchrun; the whole process group dies on timeout."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ENTRY), str(config), str(out_dir)]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, env={**os.environ, **SINGLE_THREAD}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=TORCHRUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=30)
+        raise AssertionError(f"torchrun did not finish within {TORCHRUN_TIMEOUT_S} s (deadlock?):\n{stderr[-4000:]}")
+    return proc.returncode, stderr, time.monotonic() - start
+
+
+def test_two_rank_learner_trains_three_steps_against_one_server(tmp_path, write_config, start_server):
+    server = start_server()
+    code, stderr, _ = run_torchrun(learner_config(write_config, tmp_path, server), tmp_path)
+    assert code == 0, stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert all(r["distributed"] and r["world_size"] == 2 for r in ranks)
+    assert [r["global_step"] for r in ranks] == [3, 3]
+    assert ranks[0]["params_sha256"] == ranks[1]["params_sha256"]  # DDP replicas agree after every step
+    assert ranks[0]["rollout_samples"] == [4, 4, 4]  # 2 ranks x batch 2, every one rolled out by the server
+    status = server.sync_status()
+    # Rank 0 alone pushed before each of the 3 steps' rollouts (initial weights, after step 1, after step 2):
+    # one communicator set-up, then one full-weight receive per push (the tiny model fits in one bucket).
+    assert status["communicator"] == "ready" and status["failed"] == 0 and status["last_error"] is None
+    assert status["weights_version"] == 3
+    assert [op["op"] for op in status["recent"]] == ["init_communicator"] + ["update_flattened_params"] * 3
+    assert all(op["ok"] for op in status["recent"])
+
+
+def test_rank0_push_failure_ends_both_ranks_with_the_same_error(tmp_path, write_config, start_server):
+    from coordexp.runtime.toy.tiny_model import build_tiny_model
+
+    # The server serves a 1-layer model: the learner's layer-1 weights have no place there, so the very first
+    # push is refused by the server's engine and reported back to rank 0 through the transport.
+    other = build_tiny_model(tmp_path / "one_layer_model", family="qwen2_vl", seed=0, num_layers=1)
+    server = start_server(other)
+    code, stderr, seconds = run_torchrun(learner_config(write_config, tmp_path, server), tmp_path)
+    assert code != 0
+    assert seconds < TORCHRUN_TIMEOUT_S
+    errors = [json.loads((tmp_path / f"rank{r}.error.json").read_text()) for r in (0, 1)]
+    assert not any((tmp_path / f"rank{r}.json").exists() for r in (0, 1))  # nobody trained past the failure
+    assert errors[0]["type"] == errors[1]["type"] == "WeightSyncError"
+    assert errors[0]["message"] == errors[1]["message"]
+    message = errors[0]["message"]
+    # The trainer's set_step hook names the optimizer step the run stopped at (the first push, step 0).
+    assert message.startswith("weight sync on learner rank 0 failed (training global step 0) (raised on every rank)")
+    assert "not parameters of the served model" in message and "layers.1." in message
+    for rank in (0, 1):  # each rank printed it on its own line of torchrun's combined stderr
+        assert f"[rank {rank}] WeightSyncError: {message.splitlines()[0]}" in stderr
+    status = server.sync_status()
+    assert status["failed"] == 1 and status["weights_version"] == 0
+    assert "not parameters of the served model" in status["last_error"]
+
+
+def test_stage2_server_example_trains_two_steps_single_process(tmp_path, tiny_model_dir, dataset, start_server):
+    from coordexp.runtime.train.launch import run_training
+    from coordexp.schema.contract import load_contract
+    from coordexp.schema.loader import validate_config_file
+
+    server = start_server()
+    config = {
+        "extends": str(REPO / "examples" / "stage2_server_3v1.yaml"),
+        "global_max_length": 1024,
+        "model": {"path": str(tiny_model_dir), "dtype": "float32", "attn_implementation": "sdpa"},
+        "template": {"max_pixels": 12544, "min_pixels": 3136},
+        "data": {"train_jsonl": str(dataset.train_jsonl), "val_jsonl": None},
+        "training": {**TRAINING, "max_steps": 2, "output_dir": str(tmp_path / "run"), "packing_buffer": 32},
+        "rollout_matching": {"decode_batch_size": 2, "max_new_tokens": 16,
+                             "repeat_terminate": {"min_new_tokens": 8, "max_consecutive_token_repeats": 16,
+                                                  "ngram_size": 8, "ngram_repeats": 3, "max_object_keys": 20},
+                             "vllm": {"server": {"servers": [{"base_url": server.base_url,
+                                                              "group_port": free_port()}], **SERVER_LIMITS}}},
+    }
+    path = tmp_path / "stage2_server.yaml"
+    path.write_text(yaml.safe_dump(config), encoding="utf-8")
+    report = validate_config_file(path)
+    assert report.ok, report.errors
+    run = load_contract(path)
+    assert run.rollout_matching.vllm.mode == "server" and run.rollout_matching.vllm.sync_mode == "full"
+    outcome = run_training(run, print_logs=False)
+    assert outcome.global_step == 2
+    assert [log["rollout/samples"] for log in outcome.log_history if "loss" in log] == [2, 2]
+    status = server.sync_status()
+    assert status["failed"] == 0 and status["weights_version"] == 2  # pushed before step 1 and step 2

@@ -1,0 +1,121 @@
+"""Test helpers shared by several folders: stub rollout servers (stdlib http.server on 127.0.0.1, in a thread),
+a free loopback port, and the server-mode rollout override. Importable as ``testkit`` (pytest's pythonpath)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable
+
+from coordexp.schema.loader import deep_merge
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class StubServer:
+    """``behaviour[path]`` maps a request (method, path, JSON body) to (status, body bytes) or a callable action.
+    Every received call is recorded in ``calls`` as (method, path, body)."""
+
+    def __init__(self, world_size: int = 1):
+        self.calls: list[tuple[str, str, object]] = []
+        self.behaviour: dict[str, Callable] = {}
+        self.world_size = world_size
+        self.release = threading.Event()  # set to free a hung handler at teardown
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # keep pytest output clean
+                pass
+
+            def _handle(self, method):
+                length = int(self.headers.get("Content-Length") or 0)
+                raw = self.rfile.read(length) if length else b""
+                body = json.loads(raw) if raw else None
+                stub.calls.append((method, self.path, body))
+                action = stub.behaviour.get(self.path) or stub.default
+                result = action(self, body)
+                if result is None:
+                    return
+                status, payload = result
+                data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._handle("GET")
+
+            def do_POST(self):
+                self._handle("POST")
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def default(self, handler, body):
+        path = handler.path
+        if path == "/health/":
+            return 200, {"status": "ok"}
+        if path == "/get_world_size/":
+            return 200, {"world_size": self.world_size}
+        if path == "/get_engine_type/":
+            return 200, {"engine_type": "LLMEngine", "enable_multi_turn": False, "use_gym_env": False,
+                         "enable_lora": False}
+        if path == "/infer/":
+            seed = body["request_config"].get("seed")
+            return 200, [echo_output(r, seed + j if seed else None) for j, r in enumerate(body["infer_requests"])]
+        return 200, {"message": "ok"}
+
+    def hang(self, handler, body):
+        self.release.wait(30)
+        return None
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.release.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def echo_output(request: dict, seed: int | None) -> dict:
+    """A RolloutOutput whose token ids encode the request's tag (data_dict.tag) and the seed it got."""
+    tag = int(request.get("data_dict", {}).get("tag", 0))
+    token_ids = [tag, seed or 0, 2]
+    return {"response": {"model": "stub", "object": "chat.completion", "id": "x", "created": 0,
+                         "choices": [{"index": 0, "message": {"role": "assistant", "content": "t"},
+                                      "finish_reason": "stop", "logprobs": None, "token_ids": token_ids}],
+                         "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4},
+                         "prompt_token_ids": [7, 7, tag]},
+            "messages": None, "response_token_ids": [], "response_loss_mask": [], "rollout_infos": {}}
+
+
+@contextmanager
+def stub_server(world_size: int = 1):
+    with StubServer(world_size) as server:
+        yield server
+
+def server_rollout(servers: list[tuple[str, int]], **extra) -> dict:
+    """A rollout_matching override for vLLM server mode with the given (base_url, group_port) servers."""
+    server = {"servers": [{"base_url": u, "group_port": p} for u, p in servers], "timeout_s": 5.0,
+              "infer_timeout_s": None}
+    server.update(extra.pop("server", {}))
+    return {"rollout_backend": "vllm", "vllm": {"mode": "server", "sync": {"mode": "full", "fallback_to_full": True},
+                                                "server": server, **extra.pop("vllm", {})}, **extra}
+
+
+REPO = Path(__file__).resolve().parents[1]

@@ -1,0 +1,113 @@
+"""coordexp preflight: config, model coord tokens, data sample, servers, topology; exit codes and wiring JSON."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from coordexp.cli.app import app
+from coordexp.runtime.train.preflight import coord_tokens_missing, run_preflight, suggest_device_split
+
+from testkit import free_port, server_rollout, stub_server
+
+runner = CliRunner()
+
+
+def invoke(*args):
+    result = runner.invoke(app, ["preflight", *map(str, args)])
+    return result.exit_code, result.output
+
+
+def test_hf_config_passes_without_server_checks(write_config):
+    code, out = invoke(write_config({}), "--json")
+    assert code == 0, out
+    report = json.loads(out)
+    assert report["ok"] and [c["name"] for c in report["checks"]] == ["config", "model", "train data", "servers"]
+
+
+def test_server_mode_reports_wiring(write_config):
+    with stub_server(world_size=3) as a:
+        cfg = write_config({"rollout_matching": server_rollout([(a.base_url, 51216)], decode_batch_size=8)})
+        code, out = invoke(cfg, "--json", "--learner-world-size", 1, "--gpus", 4)
+    assert code == 0, out
+    wiring = json.loads(out)["wiring"]
+    assert wiring["server_base_urls"] == [a.base_url] and wiring["group_ports"] == [51216]
+    assert wiring["server_world_sizes"] == [3] and wiring["per_rank_chunk"] == 24
+    split = wiring["suggested_device_split"]
+    assert split["server_cuda_visible_devices"] == "0,1,2" and split["learner_cuda_visible_devices"] == "3"
+
+
+def test_invalid_config_exits_2(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rollout_matching: {decode_batch_size: -3}\n", encoding="utf-8")
+    code, out = invoke(bad, "--json")
+    assert code == 2 and json.loads(out)["checks"][0]["name"] == "config"
+
+
+def test_unreachable_server_exits_3_naming_the_url(write_config):
+    url = f"http://127.0.0.1:{free_port()}"
+    cfg = write_config({"rollout_matching": server_rollout([(url, 51216)])})
+    code, out = invoke(cfg, "--json", "--health-timeout", 0.5)
+    assert code == 3
+    assert url in json.loads(out)["checks"][-1]["detail"]
+
+
+def test_infeasible_topology_exits_4(write_config):
+    with stub_server(world_size=1) as a, stub_server(world_size=1) as b:
+        cfg = write_config({"rollout_matching": server_rollout([(a.base_url, 1), (b.base_url, 2)],
+                                                               decode_batch_size=1)})
+        code, out = invoke(cfg, "--json", "--learner-world-size", 4)
+    assert code == 4, out
+    assert "decode_batch_size" in json.loads(out)["checks"][-1]["detail"]
+
+
+def test_launch_mode_checks_free_ports_and_exits_5_when_busy(write_config):
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        busy = held.getsockname()[1]
+        cfg = write_config({"rollout_matching": server_rollout([(f"http://127.0.0.1:{free_port()}", busy)])})
+        code, out = invoke(cfg, "--json", "--launch")
+    assert code == 5 and f"port {busy}" in out
+    code, out = invoke(cfg, "--json", "--launch", "--server-world-size", 3)
+    assert code == 0 and json.loads(out)["wiring"]["per_rank_chunk"] == 6  # decode_batch_size 2 * 3 / 1
+
+
+def test_model_without_coord_tokens_exits_2(write_config, tmp_path, tiny_model_dir):
+    bare = tmp_path / "bare_model"
+    bare.mkdir()
+    (bare / "config.json").write_text("{}", encoding="utf-8")
+    (bare / "tokenizer.json").write_text(json.dumps({"added_tokens": [{"content": "<|coord_0|>"}]}), encoding="utf-8")
+    assert len(coord_tokens_missing(bare)) == 999 and coord_tokens_missing(tiny_model_dir) == []
+    report = run_preflight(write_config({"model": {"path": str(bare)}}))
+    assert report.exit_code == 2 and "999 of 1000 coord tokens missing" in report.checks[-1].detail
+
+
+def test_unreadable_image_exits_2(write_config, tmp_path, dataset):
+    lines = dataset.train_jsonl.read_text(encoding="utf-8").splitlines()
+    record = json.loads(lines[0])
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(b"not a png")
+    record["images"] = [str(broken)]
+    jsonl = tmp_path / "train.jsonl"
+    jsonl.write_text(json.dumps(record) + "\n", encoding="utf-8")
+    report = run_preflight(write_config({"data": {"train_jsonl": str(jsonl), "val_jsonl": None}}))
+    assert report.exit_code == 2 and "not a readable image" in report.checks[-1].detail
+
+
+def test_device_split_suggestions():
+    assert suggest_device_split(4, 1)["server_devices"] == [0, 1, 2]
+    assert suggest_device_split(8, 2)["learner_devices"] == [6, 7]
+    assert suggest_device_split(1, 1)["server_devices"] == []
+
+
+def test_preflight_does_not_import_torch(write_config):
+    cfg = write_config({})
+    code = ("import sys; from coordexp.runtime.train.preflight import run_preflight; r = run_preflight(sys.argv[1]); "
+            "assert r.ok, r; assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code, str(cfg)], check=True, timeout=60)
