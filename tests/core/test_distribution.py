@@ -17,6 +17,7 @@ from coordexp.runtime.core.distribution import (
     normalize_seed,
     per_rank_chunk,
     plan_rounds,
+    rank_allotment,
     rollout_seed,
     split_contiguous,
 )
@@ -119,3 +120,46 @@ def test_consecutive_seed_runs_split_where_the_server_offset_would_differ():
     assert consecutive_seed_runs([2**31 - 2, 2**31 - 1, 1, 2], 0, 4) == [(0, 2), (2, 4)]
     assert consecutive_seed_runs([9, 3, 4], 1, 3) == [(1, 3)]
     assert consecutive_seed_runs([1, 2], 1, 1) == []
+
+
+@pytest.mark.parametrize(("dbs", "sizes", "w", "expected"), [
+    # the two overloads seen in the issue: every rank used to start filling at server 0
+    (1, [1, 1], 2, [[1, 0], [0, 1]]),
+    (2, [1, 1, 1, 1], 4, [[2, 0, 0, 0], [0, 2, 0, 0], [0, 0, 2, 0], [0, 0, 0, 2]]),
+    (4, [2, 1], 1, [[8, 4]]),
+    (3, [1, 2], 2, [[3, 1], [0, 4]]),
+])
+def test_rank_allotments_are_disjoint_slots_in_server_order(dbs, sizes, w, expected):
+    assert [rank_allotment(dbs, sizes, w, r) for r in range(w)] == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(sizes=world_sizes, w=st.integers(1, 12), dbs=st.integers(1, 6), data=st.data())
+def test_concurrent_load_per_server_never_exceeds_its_capacity(sizes, w, dbs, data):
+    if dbs * sum(sizes) < w:
+        with pytest.raises(InfeasibleTopologyError):
+            rank_allotment(dbs, sizes, w, 0)
+        return
+    chunk = per_rank_chunk(dbs, sizes, w)
+    load = [0] * len(sizes)
+    for rank in range(w):
+        allotment = rank_allotment(dbs, sizes, w, rank)
+        assert allotment == rank_allotment(dbs, sizes, w, rank)  # deterministic
+        assert sum(allotment) == chunk
+        n = data.draw(st.integers(0, 3 * chunk), label=f"requests of rank {rank}")
+        rank_peak = [0] * len(sizes)
+        for round_slices in plan_rounds(n, chunk, allotment):
+            assert [k for s in round_slices for k in range(s.start, s.stop)] == list(
+                range(round_slices[0].start, round_slices[-1].stop))  # order kept inside a round
+            for s in round_slices:
+                assert len(s) <= allotment[s.server]
+                rank_peak[s.server] = max(rank_peak[s.server], len(s))
+        load = [a + b for a, b in zip(load, rank_peak)]
+    # every rank sending its largest round at the same moment still fits every server
+    assert all(load[i] <= dbs * sizes[i] for i in range(len(sizes)))
+
+
+def test_split_skips_servers_outside_the_allotment():
+    assert split_contiguous(3, [0, 2, 0, 1]) == [ServerSlice(1, 0, 2), ServerSlice(3, 2, 3)]
+    with pytest.raises(ValueError, match="at least one"):
+        split_contiguous(1, [0, 0])

@@ -4,6 +4,11 @@ Split rule (reconciles spec 004's ``chunk_size = ceil(N / S)`` with issue 5's "p
 server ``i`` with world size ``w_i`` may take at most ``ceil(N * w_i / sum(w))`` requests, and servers are filled in
 order with contiguous slices. With equal world sizes this is exactly ``ceil(N / S)`` contiguous chunks (trailing
 servers may get zero); with unequal ones no server gets more than its proportional share rounded up.
+
+Rank-aware capacity (``rank_allotment``): the ``decode_batch_size x sum(w)`` request slots of all servers are laid
+out in server order and learner rank ``r`` owns slots ``[r * chunk, (r + 1) * chunk)``. Each rank splits its
+requests over the servers in proportion to the slots it owns there, so the ranks' shares are disjoint and the
+concurrent load on server ``i`` never exceeds ``decode_batch_size x w_i`` (see docs/design.md, server mode).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ __all__ = [
     "rollout_seed",
     "global_request_index",
     "per_rank_chunk",
+    "rank_allotment",
     "split_contiguous",
     "plan_rounds",
     "consecutive_seed_runs",
@@ -83,22 +89,42 @@ def per_rank_chunk(decode_batch_size: int, server_world_sizes: Sequence[int], le
     return (decode_batch_size * total) // learner_world_size
 
 
+def rank_allotment(decode_batch_size: int, server_world_sizes: Sequence[int], learner_world_size: int,
+                   rank: int) -> list[int]:
+    """How many of learner rank ``rank``'s concurrent requests each server may take (module doc): the rank's
+    ``per_rank_chunk`` slots, counted per server. Allotments of different ranks never share a slot."""
+    chunk = per_rank_chunk(decode_batch_size, server_world_sizes, learner_world_size)
+    if not 0 <= rank < learner_world_size:
+        raise ValueError(f"rank must be in [0, {learner_world_size}), got {rank}")
+    first, stop = rank * chunk, (rank + 1) * chunk
+    allotment = []
+    begin = 0
+    for size in server_world_sizes:
+        end = begin + decode_batch_size * int(size)
+        allotment.append(max(0, min(stop, end) - max(first, begin)))
+        begin = end
+    return allotment
+
+
 def split_contiguous(n: int, server_world_sizes: Sequence[int]) -> list[ServerSlice]:
     """Contiguous, order-preserving slices of ``n`` requests over the servers, capacity-proportional (module doc).
 
-    Returns only non-empty slices, in server order; ``n == 0`` gives ``[]`` (nothing is sent).
+    A weight may be 0 (a server outside this rank's allotment gets nothing). Returns only non-empty slices, in server
+    order; ``n == 0`` gives ``[]`` (nothing is sent).
     """
     if n < 0:
         raise ValueError(f"request count must be >= 0, got {n}")
     weights = [int(w) for w in server_world_sizes]
-    if not weights or any(w < 1 for w in weights):
-        raise ValueError(f"every server must have a world size >= 1, got {weights}")
+    if not weights or any(w < 0 for w in weights) or sum(weights) < 1:
+        raise ValueError(f"server weights must be >= 0 with at least one >= 1, got {weights}")
     total = sum(weights)
     slices: list[ServerSlice] = []
     start = 0
     for server, weight in enumerate(weights):
         if start >= n:
             break
+        if weight == 0:
+            continue
         capacity = -(-n * weight // total)  # ceil(n * w / total)
         stop = min(n, start + capacity)
         slices.append(ServerSlice(server, start, stop))
