@@ -6,6 +6,8 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from coordexp.runtime.core.objects import DetObject
 from coordexp.runtime.core.parsing import parse_rollout
@@ -73,7 +75,7 @@ def test_serialize_append_geometry_first_numbers_from_start_index():
 
 
 @pytest.mark.parametrize("field_order", ["desc_first", "geometry_first"])
-@pytest.mark.parametrize("lead_prefix", ["{", '{"object_1": {}}'])
+@pytest.mark.parametrize("lead_prefix", ["{", '{"object_1": {}'])
 def test_rendered_append_spans_point_at_the_desc_values_and_coord_tokens(field_order, lead_prefix):
     from coordexp.runtime.core.serialize import render_append
 
@@ -257,3 +259,44 @@ def test_check_supervision_in_span_catches_misaligned_positions(tiny_tokenizer, 
     )
     with pytest.raises(ValueError, match="both as text"):
         check_supervision_in_span(clash)
+
+
+@pytest.mark.parametrize("prefix, why", [
+    ('{"object_1": {"desc": "a", "bbox_2d": []}}', "closed"),
+    ('{"object_1": {"desc": "a", "bbox_2d": []}} ', "closed"),
+    ('{"object_1": {"desc": "a", "inner": {}', "nested"),
+    ('{"object_1": {"desc": "a", "bbox_2d": [{},', "nested"),
+    ('{"object_1": {"desc": "a}', "unterminated"),
+    ('x {"object_1": {}', "start with"),
+])
+def test_serialize_append_refuses_a_closed_or_nested_prefix(prefix, why):
+    # regression: a prefix whose top-level object was already closed got a fragment that made Y_train invalid JSON
+    for objects in ([CAT], []):
+        with pytest.raises(ValueError, match=why):
+            serialize_append(objects, 2, prefix)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet='{}[]",: ab\\', max_size=30))
+def test_serialize_append_either_refuses_or_yields_json(prefix):
+    """Decision 3 as a property: whatever the prefix, the append is refused or ``prefix + append`` parses."""
+    try:
+        tail = serialize_append([CAT], 2, prefix)
+    except ValueError:
+        return
+    try:
+        json.loads(prefix + tail)
+    except json.JSONDecodeError:
+        # only prefixes that were not JSON-shaped to begin with may still fail (e.g. '{a}' keys without quotes)
+        assert not _is_json_object_prefix(prefix)
+
+
+def _is_json_object_prefix(prefix: str) -> bool:
+    """Whether some completion of ``prefix`` as ``{... "k": 1}`` parses: the prefix is well-formed so far."""
+    for completion in ("}", '"k": 1}', ' "k": 1}', "1}"):
+        try:
+            json.loads(prefix + completion)
+            return True
+        except json.JSONDecodeError:
+            pass
+    return False

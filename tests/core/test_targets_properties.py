@@ -241,7 +241,7 @@ KEYISH_DESCS = st.sampled_from(['object_12": {', '"object_3": {"x', "a 7 b", "42
 @given(
     objects=st.lists(det_objects() | st.builds(DetObject, KEYISH_DESCS, st.just("bbox_2d"), st.just((1, 2, 3, 4))), max_size=6),
     start_index=st.integers(1, 12000),
-    prefix=st.sampled_from(["{", '{"object_1": {}}', "{ ", '{"object_1": {},']),
+    prefix=st.sampled_from(["{", '{"object_1": {}', "{ ", '{"object_1": {},']),
     field_order=st.sampled_from(["desc_first", "geometry_first"]),
 )
 @SETTINGS

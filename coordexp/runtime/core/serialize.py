@@ -152,12 +152,33 @@ def serialize_objects(objects: Sequence[DetObject], field_order: FieldOrder = "d
     return render_entries(objects, 1, field_order, lead="{", tail="}").text
 
 
+_JSON_STRING_RE = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
+def _check_open_top_level(stripped: str) -> None:
+    """An append-ready prefix is inside the still-open top-level object (depth 1, no open array or string), so
+    ``prefix + append`` parses (decision 3: ``Y_train`` always parses as JSON)."""
+    if not stripped.lstrip().startswith("{"):
+        raise ValueError("the rollout prefix does not start with '{'; use the '{' fallback (see parse_rollout)")
+    skeleton = _JSON_STRING_RE.sub("", stripped)
+    if '"' in skeleton:
+        raise ValueError("the rollout prefix ends inside an unterminated string; it is not append-ready")
+    depth = skeleton.count("{") - skeleton.count("}")
+    if depth != 1 or skeleton.count("[") != skeleton.count("]"):
+        where = "closed" if depth <= 0 else "inside a nested object or array"
+        raise ValueError(f"the rollout prefix is not append-ready: its top-level object is {where}; appending "
+                         "after it would give invalid JSON (cut the rollout with coordexp.runtime.core.parsing."
+                         "parse_rollout)")
+
+
 def append_lead(prefix_text: str, n_objects: int) -> str:
     """The comma rule of SerializeAppend, from the last non-whitespace character of the decoded prefix."""
     stripped = prefix_text.rstrip()
     if not stripped:
         raise ValueError("the rollout prefix is empty; an append-ready prefix starts with '{' (use the '{' fallback)")
     last = stripped[-1]
+    if last in "{},":
+        _check_open_top_level(stripped)
     if last == "}":
         return ", " if n_objects else ""
     if last == "{":
@@ -190,7 +211,7 @@ _BARE_COORD_RE = re.compile(r'(?<!")(<\|coord_[0-9]{1,4}\|>)(?!")')
 
 
 def loads_coord_json(text: str):
-    """``json.loads`` for CoordJSON: bare coord tokens (accepted from rollouts, decision 3) are read as strings.
+    """``json.loads`` for CoordJSON: bare coord tokens (read from rollouts, docs/design.md, decision 3) stay strings.
 
     A ``Y_train`` whose rollout prefix uses only quoted coord tokens is plain JSON; one that keeps bare tokens
     from the model's own output is plain JSON after this quoting.
