@@ -15,7 +15,7 @@ ObjectFieldOrder = Literal["desc_first", "geometry_first"]
 
 
 class CustomConfig(StrictModel):
-    """Project-specific switches (decision 2: stage 1 is teacher-forced SFT, stage 2 is rollout matching)."""
+    """Project-specific switches (docs/design.md, decision 2: stage 1 teacher-forced SFT, stage 2 rollout matching)."""
 
     trainer_variant: TrainerVariant = Field(
         description="stage1_sft: teacher-forced SFT on the ground truth; stage2_rollout_aligned: rollout matching."

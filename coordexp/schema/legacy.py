@@ -65,7 +65,7 @@ LEGACY_KEYS: tuple[LegacyKey, ...] = (
         None,
         "Remove it: beam search always trains on the single best beam.",
     ),
-    # batch-size knobs (spec 004: one decode_batch_size)
+    # batch-size knobs (one decode_batch_size: docs/design.md, decode microbatching)
     *(
         LegacyKey(f"{_RM}.{k}", f"{_RM}.decode_batch_size", "One knob controls decode microbatching.")
         for k in ("rollout_generate_batch_size", "rollout_infer_batch_size", "channel_b_decode_batch_size")
@@ -156,7 +156,7 @@ LEGACY_KEYS: tuple[LegacyKey, ...] = (
         "of rollout_matching.pipeline.objective.",
         container=True,
     ),
-    # pipeline config aliases (spec 004: aliases are rejected)
+    # pipeline config aliases (rejected: docs/design.md, decision 5)
     *(
         LegacyKey(
             f"{_RM}.pipeline.objective[*].config.{old}",

@@ -10,7 +10,7 @@ from coordexp.schema.base import StrictModel
 
 
 class MatchingConfig(StrictModel):
-    """Hungarian matching with AABB candidate reduction and maskIoU gating (spec 004, Matching baseline)."""
+    """Hungarian matching with AABB candidate reduction and maskIoU gating (docs/design.md, matching)."""
 
     candidate_top_k: int = Field(10, ge=1, description="GT candidates kept per prediction by AABB IoU.")
     maskiou_gate: float = Field(0.3, ge=0.0, le=1.0, description="Pairs with maskIoU below this are infeasible.")

@@ -1,4 +1,4 @@
-"""Loss pipeline modules (`rollout_matching.pipeline.*`, decision 5): explicit, complete, no defaults.
+"""Loss pipeline modules (`rollout_matching.pipeline.*`, docs/design.md, decision 5): explicit, complete, no defaults.
 
 Every entry authors ``name, enabled, weight, channels, config``; each ``config`` holds exactly its module's
 allowlist (no defaults, so a missing key fails as well as an unknown one).

@@ -83,7 +83,7 @@ class VllmServerEntry(StrictModel):
 
 
 class VllmServerConfig(StrictModel):
-    """``vllm.server``: an explicit list of servers (decision 7; the paired-list form is legacy)."""
+    """``vllm.server``: an explicit list of servers (docs/design.md, decision 7; the paired-list form is legacy)."""
 
     servers: list[VllmServerEntry] = Field(min_length=1, description="Non-empty list of {base_url, group_port}.")
     timeout_s: float = Field(240.0, gt=0.0, description="Reachability and communicator-init timeout, seconds.")
@@ -110,7 +110,7 @@ class VllmServerConfig(StrictModel):
 
 
 class VllmConfig(StrictModel):
-    """``rollout_matching.vllm``: colocated engine settings (spec defaults) or the external server list."""
+    """``rollout_matching.vllm``: colocate settings (docs/design.md, rollout backend interface) or the server list."""
 
     mode: Literal["colocate", "server"] = Field("colocate", description="colocate (default) or server.")
     gpu_memory_utilization: float = Field(0.45, gt=0.0, le=1.0, description="Colocate: VRAM share for vLLM.")
@@ -172,7 +172,7 @@ class OffloadConfig(StrictModel):
 
 
 class RolloutMatchingConfig(StrictModel):
-    """``rollout_matching``: every stage-2 rollout, matching and loss-pipeline key of spec 004."""
+    """``rollout_matching``: every stage-2 rollout, matching and loss-pipeline key (docs/design.md)."""
 
     rollout_backend: Literal["vllm", "hf"] = Field("vllm", description="vllm (default) or hf generate().")
     decode_batch_size: int = Field(1, ge=1, description="Max sequences per rollout GPU in one decode call.")

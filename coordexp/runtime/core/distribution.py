@@ -1,6 +1,6 @@
 """Pure arithmetic of server-mode rollouts: topology feasibility, per-rank chunk, request split across servers, seeds.
 
-Split rule (reconciles spec 004's ``chunk_size = ceil(N / S)`` with issue 5's "proportional to server world sizes"):
+Split rule (docs/design.md, server mode: reconciles ``chunk_size = ceil(N / S)`` with "proportional to world sizes"):
 server ``i`` with world size ``w_i`` may take at most ``ceil(N * w_i / sum(w))`` requests, and servers are filled in
 order with contiguous slices. With equal world sizes this is exactly ``ceil(N / S)`` contiguous chunks (trailing
 servers may get zero); with unequal ones no server gets more than its proportional share rounded up.

@@ -1,4 +1,4 @@
-"""Hungarian matching of predicted to ground-truth objects with AABB candidates and maskIoU gating (spec 004).
+"""Hungarian matching of predictions to ground truth with AABB candidates and maskIoU gating (docs/design.md, matching).
 
 Pipeline per sample: clamp every coordinate to [0, 999] -> AABB IoU -> top-k GT candidates per prediction ->
 rasterise every shape once on an ``R x R`` canvas -> maskIoU of candidate pairs -> gate (``maskIoU < gate`` is

@@ -1,6 +1,6 @@
 """Plain data shared between the pure stages (parsing, matching, targets, losses).
 
-Coordinates are norm1000 integer bins 0..999 everywhere (decision 9).
+Coordinates are norm1000 integer bins 0..999 everywhere (docs/design.md, decision 9).
 """
 
 from __future__ import annotations

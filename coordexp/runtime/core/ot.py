@@ -1,4 +1,4 @@
-"""Self-context coord targets for matched pairs: Sinkhorn OT + barycentric projection only (spec 004).
+"""Self-context coord targets for matched pairs: Sinkhorn OT + barycentric projection only (docs/design.md, OT).
 
 For a pair involving a polygon (poly<->poly, bbox<->poly, poly<->bbox) both shapes become point sets (a bbox is its
 corners (x1,y1),(x2,y1),(x2,y2),(x1,y2)), an entropic OT plan ``T`` between uniform marginals is computed on an L1

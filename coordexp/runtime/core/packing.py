@@ -1,4 +1,4 @@
-"""Post-rollout packing (decision 8): which buffered ``Y_train`` segments go into the next packed forward.
+"""Post-rollout packing (docs/design.md, decision 8): the buffered ``Y_train`` segments of the next packed forward.
 
 A segment is atomic. The selection always includes the oldest buffered segment (no starvation), fits
 ``packing_length``, never totals less than the FIFO-greedy baseline, and is deterministic. Leftovers stay in a

@@ -1,4 +1,4 @@
-"""Strict, token-aligned parsing of one rollout into objects and an append-ready prefix (spec 004, decision 3).
+"""Strict, token-aligned parsing of one rollout into objects and an append-ready prefix (docs/design.md, decision 3).
 
 One left-to-right pass lexes the concatenated token pieces (bytes, from the cached :class:`PieceTable`); every
 lexeme maps back to its token through the piece offsets, so coord-slot indices come from token ids, never from

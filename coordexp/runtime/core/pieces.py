@@ -263,7 +263,7 @@ class PieceTable:
         return cached
 
     def open_brace_ids(self) -> tuple[int, ...]:
-        """Ids of the empty prefix ``{`` (the fallback prefix of decision 3)."""
+        """Ids of the empty prefix ``{`` (the fallback prefix of docs/design.md, decision 3)."""
         ids = self.reencode(b"{")
         if ids is None:
             raise ValueError("the tokenizer cannot encode '{' so that it decodes back to '{'; it cannot serve JSON output")

@@ -1,7 +1,7 @@
 """The repeat guard (``rollout_matching.repeat_terminate``): when must a rollout be forced to EOS?
 
 One pure definition, shared by every backend (the HF logits processor and the vLLM V1 logits processor), so the
-same YAML subtree stops the same sequences everywhere (spec 004, "Repeat-termination contract is backend-parity").
+same YAML subtree stops the same sequences everywhere (docs/design.md, repeat guard).
 No torch: the vLLM server plugin imports this module too.
 
 A sequence's generated ids ``g`` (prompt excluded) trip the guard when ``enabled``, ``len(g) >= min_new_tokens``

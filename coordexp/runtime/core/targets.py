@@ -1,4 +1,4 @@
-"""Build ``Y_train = rollout prefix + SerializeAppend(FN) + EOS`` and its per-token supervision (spec 004).
+"""``Y_train = rollout prefix + SerializeAppend(FN) + EOS`` and its supervision (docs/design.md, target construction).
 
 Positions are label positions into ``TrainTarget.ids`` (the assistant ids): position ``p`` supervises the
 prediction of ``ids[p]``. The trainer shifts by the prompt length and re-checks the assistant span.

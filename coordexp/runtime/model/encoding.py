@@ -1,5 +1,5 @@
-"""The ONE chat-template encoding used for rollout generation and for the teacher-forced forward (spec 004,
-"Canonical encoding and supervision index sanity checks").
+"""The ONE chat-template encoding used for rollout generation and for the teacher-forced forward (see
+docs/design.md, encoding and sanity checks).
 
 The prompt is rendered once (system + user with the images + prompt text), tokenised without added specials, and
 each ``<|image_pad|>`` is expanded to ``prod(image_grid_thw) // merge_size**2`` copies, exactly as the Qwen-VL

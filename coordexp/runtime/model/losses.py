@@ -1,6 +1,6 @@
 """The rollout-channel objective: ``token_ce``, ``coord_reg``, ``bbox_geo`` and the ``coord_diag`` diagnostics.
 
-Normalisation (decision 8: a packed row gives the same loss as its segments unpacked): every term is a mean
+Normalisation (docs/design.md, decision 8: a packed row's loss is its segments' unpacked loss): every term is a mean
 over the supervised positions (or boxes) of the whole micro-batch, pooled across segments and rows. No term
 depends on where a segment sits in a row, on padding, or on how segments are grouped into rows, so laying out
 the same segments packed or unpacked yields the same loss and the same gradient on each supervised logit.

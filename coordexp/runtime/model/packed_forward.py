@@ -3,7 +3,7 @@
 A packed batch is ONE row: the samples' ids back to back, their images in the same order, and positions that
 restart at every segment (the M-RoPE rows from the model's own ``get_rope_index`` per sample, plus plain text
 positions). Attention is block-diagonal and causal within each segment, so each segment's logits equal those of
-the sample run alone (spec decision 8: a packed row's loss equals its segments' loss unpacked):
+the sample run alone (docs/design.md, decision 8: a packed row's loss equals its segments' loss unpacked):
 
 * ``sdpa`` / ``eager``: an explicit 4-D mask ``(1, 1, T, T)`` (bool for sdpa, additive float for eager), which
   transformers' mask creation passes through unchanged. On CPU the sdpa mask is tagged with its block sizes, and

@@ -1,4 +1,4 @@
-"""The rollout backend interface (spec 004, "Rollout backend orchestration uses a backend interface contract").
+"""The rollout backend interface (docs/design.md, rollout backend interface).
 
 The trainer talks to every backend (HF ``generate``, vLLM colocate, vLLM server) through :class:`RolloutBackend`
 and gets the same :class:`RolloutOutput` fields back, so strict token-aligned parsing never depends on which one ran.

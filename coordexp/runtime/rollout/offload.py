@@ -1,4 +1,4 @@
-"""Offload context for colocated vLLM rollouts (``rollout_matching.offload.*``, spec 004).
+"""Offload context for colocated vLLM rollouts (``rollout_matching.offload.*``, docs/design.md, offload).
 
 While the colocated engine starts, receives weights and generates, the training model's parameters (and buffers)
 and the optimizer state can leave the accelerator so the engine has the memory; they come back, bit-identical and

@@ -1,4 +1,4 @@
-"""The rollout-server wire protocol: the ms-swift v3.10 (``swift rollout``) JSON shapes, as pydantic models.
+"""The rollout-server wire protocol: ms-swift 3.10's ``swift rollout`` JSON (docs/design.md#ms310) as pydantic models.
 
 Clients written for ``swift rollout`` talk to ``coordexp serve-rollout`` unchanged, and the coordexp client
 (``vllm_server`` backend) speaks the same JSON. Paths, methods, bodies and the acknowledgement ``message`` strings are

@@ -8,7 +8,7 @@ Server rank 0 hosts a ``TCPStore`` at ``(host, group_port)``; the sender connect
 One transfer (a "bucket") is, on every rank, in this order:
 
 1. the sender broadcasts one flat 1-D tensor of ONE dtype (its layout was announced over HTTP first:
-   :class:`~coordexp.runtime.rollout.protocol.FlattenedTensorMetadata`, element offsets, MS310 semantics);
+   :class:`~coordexp.runtime.rollout.protocol.FlattenedTensorMetadata`, element offsets as in docs/design.md#ms310);
 2. each receiver rebuilds the named tensors (views) and applies them (``engine.load_weights`` / ``load_adapter``);
 3. every rank joins a status all-reduce (a ``world_size``-long int vector, 1 at a failed rank); a failed receiver
    first writes its error text into the store. The sender raises :class:`RemoteApplyError` with that text.

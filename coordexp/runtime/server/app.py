@@ -2,7 +2,7 @@
 
 Every engine and weight-sync operation runs on ONE worker thread, first in first out: the event loop only parses,
 queues and answers, so ``GET /health/`` answers while an ``/infer/`` runs, and a weight update acknowledged before
-an ``/infer/`` is applied before it (MS310's ordering). Weight-sync endpoints acknowledge first and execute in the
+an ``/infer/`` is applied before it (docs/design.md#ms310). Weight-sync endpoints acknowledge first and execute in the
 queue (swift clients broadcast right after the reply); anything that can be checked before the broadcast
 (metadata, a missing communicator, no LoRA support) is a 4xx instead, so the client never blocks on a receive that
 will not happen. A failure after the acknowledgement is reported to the sender by the transport and listed by
