@@ -1,8 +1,42 @@
-"""Base model shared by every config section: strict scalars, unknown keys rejected, immutable."""
+"""Base model shared by every config section (strict, closed, frozen) and the constrained-number vocabulary.
+
+Every number in the schema is finite and bounded by what the runtime can hold; the caps below are the documented
+limits (``coordexp schema`` shows them as ``minimum``/``maximum``). Bounds live in one place, here, instead of
+per-field validators, so a new field picks a type from this vocabulary and is bounded by construction.
+"""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from typing import Annotated, Optional
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+__all__ = [
+    "StrictModel",
+    "PATH_MARKER",
+    "path_extra",
+    "MAX_SEED",
+    "MAX_TOKENS",
+    "MAX_BATCH",
+    "MAX_COUNT",
+    "MAX_PIXELS",
+    "MAX_WEIGHT",
+    "MAX_SECONDS",
+    "MAX_BEAMS",
+    "MAX_DEVICES",
+    "MAX_WORKERS",
+    "int_in",
+    "float_in",
+    "FiniteFloat",
+    "NonNegFloat",
+    "Probability",
+    "Weight",
+    "Seed",
+    "TokenLength",
+    "BatchSize",
+    "Count",
+    "PathStr",
+]
 
 
 class StrictModel(BaseModel):
@@ -19,3 +53,58 @@ the directory of the YAML file that set it (``"hub-or-path"``: only values start
 def path_extra(kind: str = "path") -> dict:
     """``json_schema_extra`` marking a field as a config-relative path (``kind``: ``path`` or ``hub-or-path``)."""
     return {PATH_MARKER: kind}
+
+
+# --- documented caps ------------------------------------------------------------------------------------------
+MAX_SEED = 2**32 - 1
+"""Seeds: ``numpy.random.seed`` takes 0..2**32-1 (``random`` and ``torch.manual_seed`` take more)."""
+MAX_TOKENS = 1_048_576
+"""Any token length or token count (2**20): beyond every model's context, and int32 positions stay exact."""
+MAX_BATCH = 65_536
+"""Batch-like sizes (samples, sequences, segments, accumulation steps): far beyond any device's memory."""
+MAX_COUNT = 2**53
+"""Step and record counters: exact as float64 (JSON, logged metrics) and as int64 (torch)."""
+MAX_PIXELS = 16_384 * 16_384
+"""Image pixel budgets (a 16384 x 16384 image, 268M pixels)."""
+MAX_WEIGHT = 1e6
+"""Loss weights and matching costs: weighted sums of per-token losses stay far from float32 overflow."""
+MAX_SECONDS = 7 * 24 * 3600.0
+"""Timeouts (one week); socket and thread waits overflow on values near 2**63 nanoseconds."""
+MAX_BEAMS = 64
+"""Beam width: every beam is a full sequence in memory per rollout."""
+MAX_DEVICES = 1024
+"""Devices per engine (``tensor_parallel_size``)."""
+MAX_WORKERS = 256
+"""Data-loader worker processes per rank."""
+
+
+def int_in(ge: int, le: int):
+    """An int in ``[ge, le]`` (both bounds in one place: pydantic keeps only one ``ge`` when two are stacked)."""
+    return Annotated[int, Field(ge=ge, le=le)]
+
+
+def float_in(
+    ge: Optional[float] = None, le: Optional[float] = None, *, gt: Optional[float] = None, lt: Optional[float] = None
+):
+    """A finite float (inf and nan refused) within the given bounds."""
+    return Annotated[float, Field(ge=ge, le=le, gt=gt, lt=lt, allow_inf_nan=False)]
+
+
+FiniteFloat = float_in()
+NonNegFloat = float_in(ge=0.0)
+Probability = float_in(ge=0.0, le=1.0)
+Weight = float_in(ge=0.0, le=MAX_WEIGHT)
+Seed = int_in(0, MAX_SEED)
+TokenLength = int_in(1, MAX_TOKENS)
+BatchSize = int_in(1, MAX_BATCH)
+Count = int_in(1, MAX_COUNT)
+
+
+def _no_nul(value: str) -> str:
+    if "\x00" in value:
+        raise ValueError("a path cannot contain a NUL byte (\\x00); the operating system refuses it")
+    return value
+
+
+PathStr = Annotated[str, Field(min_length=1), AfterValidator(_no_nul)]
+"""A filesystem path (or hub id) as written: non-empty, no NUL byte."""

@@ -108,8 +108,10 @@ def _hint_for(err: dict, allowed: Optional[list[str]], key: str) -> tuple[str, s
         return msg + got, "Use one of the listed values exactly (case-sensitive)."
     if kind == "union_tag_invalid" or kind == "union_tag_not_found":
         return msg + got, "Set `name:` to one of the module names listed."
+    if kind == "finite_number":
+        return msg + got, "inf and nan are not allowed here; write a finite number."
     if kind.startswith(("greater", "less", "too_short", "too_long")):
-        return msg + got, "Change the value to satisfy the bound."
+        return msg + got, "Change the value to satisfy the bound (the limits are in `coordexp schema`)."
     if kind == "value_error":
         text = str(err.get("ctx", {}).get("error", msg))
         return text + got, "Fix the value as described."

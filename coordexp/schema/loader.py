@@ -207,8 +207,8 @@ def _resolve_paths(data: dict, merged: MergedConfig) -> dict:
         for part in key_path[:-1]:
             parent = parent.get(part) if isinstance(parent, dict) else None
         value = parent.get(key_path[-1]) if isinstance(parent, dict) else None
-        if not isinstance(value, str) or not value:
-            continue
+        if not isinstance(value, str) or not value or "\x00" in value:
+            continue  # a NUL byte is refused by the schema (PathStr); expanduser would raise on it
         if kind == "hub-or-path" and not value.startswith((".", "/", "~")):
             continue  # a hub id such as Qwen/Qwen2.5-VL-3B-Instruct
         expanded = Path(os.path.expanduser(value))

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from coordexp.schema.base import StrictModel, path_extra
+from coordexp.schema.base import PathStr, StrictModel, path_extra
 
 __all__ = ["ModelConfig"]
 
@@ -14,8 +14,7 @@ __all__ = ["ModelConfig"]
 class ModelConfig(StrictModel):
     """The policy model (a Qwen-VL family checkpoint whose vocabulary has the 1000 coord tokens)."""
 
-    path: str = Field(
-        min_length=1,
+    path: PathStr = Field(
         description="Hub id (org/name) or local directory. Values starting with '.', '/' or '~' are filesystem "
         "paths, resolved against the directory of the YAML file that sets them.",
         json_schema_extra=path_extra("hub-or-path"),

@@ -10,10 +10,11 @@ from typing import Annotated, Literal, Optional, Union
 
 from pydantic import Field, field_validator, model_validator
 
-from coordexp.schema.base import StrictModel
+from coordexp.schema.base import StrictModel, Weight, float_in
 
 Channel = Literal["A", "B"]
-NonNegFloat = Annotated[float, Field(ge=0.0)]
+NonNegFloat = Weight  # every loss weight: finite, in [0, MAX_WEIGHT]
+Bins = float_in(gt=0.0, le=1000.0)  # a width on the 1000-bin coord axis
 
 
 class TokenCeConfig(StrictModel):
@@ -35,10 +36,12 @@ class CoordRegConfig(StrictModel):
     w1_weight: NonNegFloat = Field(description="1-D Wasserstein distance via CDFs, normalised by 999.")
     coord_gate_weight: NonNegFloat = Field(description="Penalty on full-vocab mass outside coord ids at coord slots.")
     text_gate_weight: NonNegFloat = Field(description="Penalty on coord-vocab mass at supervised text positions.")
-    temperature: float = Field(gt=0.0, description="Softmax temperature for coord distributions and gates.")
-    target_sigma: float = Field(gt=0.0, description="Gaussian soft-target sigma, in bins.")
-    target_truncate: Optional[float] = Field(
-        ge=0.0, description="Zero the target beyond this many bins from the centre; null keeps the full Gaussian."
+    temperature: float_in(ge=1e-3, le=1e3) = Field(
+        description="Softmax temperature for coord distributions and gates, in [1e-3, 1e3]."
+    )
+    target_sigma: Bins = Field(description="Gaussian soft-target sigma, in bins (0, 1000].")
+    target_truncate: Optional[float_in(ge=0.0, le=1000.0)] = Field(
+        description="Zero the target beyond this many bins from the centre; null keeps the full Gaussian."
     )
 
 

@@ -7,7 +7,17 @@ from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
-from coordexp.schema.base import StrictModel
+from coordexp.schema.base import (
+    MAX_BEAMS,
+    MAX_DEVICES,
+    MAX_SECONDS,
+    MAX_TOKENS,
+    BatchSize,
+    StrictModel,
+    TokenLength,
+    float_in,
+    int_in,
+)
 from coordexp.schema.errors import RuleViolation, raise_violations
 from coordexp.schema.matching import MatchingConfig, OtConfig
 from coordexp.schema.pipeline import PipelineConfig
@@ -27,11 +37,11 @@ __all__ = [
 class DecodingConfig(StrictModel):
     """Rollout sampling. ``temperature: 0`` is greedy; ``num_beams > 1`` is beam search (HF only)."""
 
-    temperature: float = Field(0.0, ge=0.0, description="0 = greedy; > 0 samples.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass in (0, 1].")
-    top_k: int = Field(-1, description="-1 disables top-k; otherwise >= 1.")
-    num_beams: int = Field(1, ge=1, description="> 1 runs beam search and trains on the best beam.")
-    repetition_penalty: float = Field(1.0, gt=0.0, description="1.0 disables the penalty.")
+    temperature: float_in(ge=0.0, le=100.0) = Field(0.0, description="0 = greedy; > 0 samples (at most 100).")
+    top_p: float_in(gt=0.0, le=1.0) = Field(1.0, description="Nucleus mass in (0, 1].")
+    top_k: int_in(-1, MAX_TOKENS) = Field(-1, description="-1 disables top-k; otherwise >= 1 (at most 2**20).")
+    num_beams: int_in(1, MAX_BEAMS) = Field(1, description="> 1 runs beam search and trains on the best beam.")
+    repetition_penalty: float_in(gt=0.0, le=100.0) = Field(1.0, description="1.0 disables the penalty.")
 
     @field_validator("top_k")
     @classmethod
@@ -45,11 +55,11 @@ class RepeatTerminateConfig(StrictModel):
     """Per-sequence repeat guard: an offending sequence is forced to EOS; others in the batch continue."""
 
     enabled: bool = Field(False, description="Activate the guard for HF and vLLM rollouts alike.")
-    min_new_tokens: int = Field(256, ge=0, description="Never trigger before this many new tokens.")
-    max_consecutive_token_repeats: int = Field(64, ge=1, description="Trigger on this many identical tokens.")
-    ngram_size: int = Field(64, ge=1, description="n-gram length watched for repeats.")
-    ngram_repeats: int = Field(2, ge=2, description="Trigger when the last n-gram occurs this many times.")
-    max_object_keys: Optional[int] = Field(None, ge=1, description="Trigger after this many object_N keys.")
+    min_new_tokens: int_in(0, MAX_TOKENS) = Field(256, description="Never trigger before this many new tokens.")
+    max_consecutive_token_repeats: TokenLength = Field(64, description="Trigger on this many identical tokens.")
+    ngram_size: TokenLength = Field(64, description="n-gram length watched for repeats.")
+    ngram_repeats: int_in(2, MAX_TOKENS) = Field(2, description="Trigger when the last n-gram occurs this many times.")
+    max_object_keys: Optional[TokenLength] = Field(None, description="Trigger after this many object_N keys.")
 
 
 class VllmSyncConfig(StrictModel):
@@ -70,6 +80,8 @@ class VllmServerEntry(StrictModel):
     @field_validator("base_url")
     @classmethod
     def _http_url_with_host(cls, value: str) -> str:
+        if any(ord(c) < 32 or ord(c) == 127 for c in value):
+            raise ValueError("base_url must not contain control characters (NUL, newline, tab, ...)")
         parts = urlsplit(value)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"base_url must be an http:// or https:// URL with a host (got {value!r})")
@@ -86,9 +98,11 @@ class VllmServerConfig(StrictModel):
     """``vllm.server``: an explicit list of servers (docs/design.md, decision 7; the paired-list form is legacy)."""
 
     servers: list[VllmServerEntry] = Field(min_length=1, description="Non-empty list of {base_url, group_port}.")
-    timeout_s: float = Field(240.0, gt=0.0, description="Reachability and communicator-init timeout, seconds.")
-    infer_timeout_s: Optional[float] = Field(
-        None, description="HTTP timeout for /infer/; null or <= 0 means no timeout."
+    timeout_s: float_in(gt=0.0, le=MAX_SECONDS) = Field(
+        240.0, description="Reachability and communicator-init timeout, seconds (at most a week)."
+    )
+    infer_timeout_s: Optional[float_in(ge=-MAX_SECONDS, le=MAX_SECONDS)] = Field(
+        None, description="HTTP timeout for /infer/; null or <= 0 means no timeout (at most a week)."
     )
 
     @model_validator(mode="after")
@@ -113,15 +127,15 @@ class VllmConfig(StrictModel):
     """``rollout_matching.vllm``: colocate settings (docs/design.md, rollout backend interface) or the server list."""
 
     mode: Literal["colocate", "server"] = Field("colocate", description="colocate (default) or server.")
-    gpu_memory_utilization: float = Field(0.45, gt=0.0, le=1.0, description="Colocate: VRAM share for vLLM.")
-    tensor_parallel_size: int = Field(4, ge=1, description="Colocate: GPUs per engine.")
-    max_model_len: Optional[int] = Field(
-        None, ge=16, description="Prompt + generation cap; null means global_max_length."
+    gpu_memory_utilization: float_in(gt=0.0, le=1.0) = Field(0.45, description="Colocate: VRAM share for vLLM.")
+    tensor_parallel_size: int_in(1, MAX_DEVICES) = Field(4, description="Colocate: GPUs per engine.")
+    max_model_len: Optional[int_in(16, MAX_TOKENS)] = Field(
+        None, description="Prompt + generation cap; null means global_max_length."
     )
     enable_lora: bool = Field(False, description="Serve the policy as base + LoRA adapter.")
     enable_prefix_caching: bool = Field(True, description="Colocate: reuse KV cache of shared prompt prefixes.")
     enforce_eager: bool = Field(False, description="Colocate: disable CUDA graphs.")
-    max_num_seqs: Optional[int] = Field(None, ge=1, description="Colocate: engine batch cap; null = vLLM default.")
+    max_num_seqs: Optional[BatchSize] = Field(None, description="Colocate: engine batch cap; null = vLLM default.")
     sync: VllmSyncConfig = Field(default_factory=VllmSyncConfig)
     server: Optional[VllmServerConfig] = Field(None, description="Required when mode is server.")
 
@@ -175,8 +189,8 @@ class RolloutMatchingConfig(StrictModel):
     """``rollout_matching``: every stage-2 rollout, matching and loss-pipeline key (docs/design.md)."""
 
     rollout_backend: Literal["vllm", "hf"] = Field("vllm", description="vllm (default) or hf generate().")
-    decode_batch_size: int = Field(1, ge=1, description="Max sequences per rollout GPU in one decode call.")
-    max_new_tokens: int = Field(512, ge=1, description="Generation cap per rollout.")
+    decode_batch_size: BatchSize = Field(1, description="Max sequences per rollout GPU in one decode call.")
+    max_new_tokens: TokenLength = Field(512, description="Generation cap per rollout.")
     decoding: DecodingConfig = Field(default_factory=DecodingConfig)
     repeat_terminate: RepeatTerminateConfig = Field(default_factory=RepeatTerminateConfig)
     vllm: VllmConfig = Field(default_factory=VllmConfig)
@@ -194,6 +208,16 @@ class RolloutMatchingConfig(StrictModel):
                     "decoding.num_beams",
                     f"num_beams: {self.decoding.num_beams} (beam search) is not supported by rollout_backend: vllm",
                     "Use rollout_backend: hf for beam search, or decoding.num_beams: 1.",
+                )
+            )
+        decoding = self.decoding
+        if self.rollout_backend == "hf" and decoding.num_beams > 1 and decoding.temperature > 0:
+            violations.append(
+                RuleViolation(
+                    "decoding.num_beams",
+                    f"num_beams: {decoding.num_beams} (beam search) with temperature: {decoding.temperature} "
+                    "(sampling) is not supported by rollout_backend: hf (beam search here is deterministic)",
+                    "Set decoding.temperature: 0 for beam search, or decoding.num_beams: 1 to sample.",
                 )
             )
         max_len = self.vllm.max_model_len

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from coordexp.schema.base import StrictModel
+from coordexp.schema.base import MAX_TOKENS, StrictModel, int_in
 from coordexp.schema.custom import CustomConfig
 from coordexp.schema.data import DataConfig
 from coordexp.schema.errors import ConfigIssue, RuleViolation, raise_violations
@@ -19,8 +19,8 @@ __all__ = ["CoordExpConfig", "config_warnings"]
 class CoordExpConfig(StrictModel):
     """A whole run. Every key has exactly one owner here; the runtime reads the contract built from it."""
 
-    global_max_length: int = Field(
-        ge=16, description="Token cap of one encoded sample / packed row (packing_length unless template.max_length)."
+    global_max_length: int_in(16, MAX_TOKENS) = Field(
+        description="Token cap of one encoded sample / packed row (packing_length unless template.max_length)."
     )
     model: ModelConfig
     template: TemplateConfig = Field(default_factory=TemplateConfig)

@@ -6,7 +6,7 @@ from typing import Optional
 
 from pydantic import Field, model_validator
 
-from coordexp.schema.base import StrictModel
+from coordexp.schema.base import MAX_PIXELS, MAX_TOKENS, StrictModel, int_in
 from coordexp.schema.errors import RuleViolation, raise_violations
 
 __all__ = ["TemplateConfig", "DEFAULT_SYSTEM_PROMPT", "DEFAULT_USER_PROMPT"]
@@ -23,12 +23,12 @@ class TemplateConfig(StrictModel):
 
     system_prompt: str = Field(DEFAULT_SYSTEM_PROMPT, description="System message prepended to every sample.")
     user_prompt: str = Field(DEFAULT_USER_PROMPT, description="User text that follows the image.")
-    max_pixels: int = Field(
-        1_003_520, ge=28 * 28, description="Upper bound on resized image pixels (Qwen-VL processor)."
+    max_pixels: int_in(28 * 28, MAX_PIXELS) = Field(
+        1_003_520, description="Upper bound on resized image pixels (Qwen-VL processor)."
     )
-    min_pixels: int = Field(3_136, ge=28 * 28, description="Lower bound on resized image pixels.")
-    max_length: Optional[int] = Field(
-        None, ge=16, description="Token cap per encoded sample; null means global_max_length."
+    min_pixels: int_in(28 * 28, MAX_PIXELS) = Field(3_136, description="Lower bound on resized image pixels.")
+    max_length: Optional[int_in(16, MAX_TOKENS)] = Field(
+        None, description="Token cap per encoded sample; null means global_max_length."
     )
 
     @model_validator(mode="after")
