@@ -3,10 +3,11 @@ exit code a script sees (standard library only, so every layer, the schema inclu
 
 - :class:`UserInputError` (exit 2): the config, the data, an encoding or packing limit, the launch inputs.
 - :class:`ExternalSystemError` (exit 3): a rollout server, weight sync, the device topology, an unavailable
-  backend, offload: something outside coordexp failed or cannot do what was asked.
+  backend or package, offload, a busy port: something outside coordexp failed or cannot do what was asked.
 - Anything else is a bug in coordexp (exit 1).
 
-Classes keep their historical bases too (``ValueError``, ``RuntimeError``), so existing ``except`` clauses hold.
+Classes keep their historical bases too (``ValueError``, ``RuntimeError``, ``ImportError``) as a second base, so
+existing ``except`` clauses hold: ``class DatasetError(UserInputError, ValueError)``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ __all__ = [
     "CoordexpError",
     "UserInputError",
     "ExternalSystemError",
+    "MissingDependencyError",
     "exit_code_for",
 ]
 
@@ -32,11 +34,9 @@ class CoordexpError(Exception):
 
     def __init__(self, message: str = "", *args: object, hint: str = "") -> None:
         super().__init__(message, *args)
+        # Plain attributes (not properties): several historical subclasses assign ``self.message`` themselves.
+        self.message = str(message)
         self.hint = hint
-
-    @property
-    def message(self) -> str:
-        return str(self.args[0]) if self.args else ""
 
     def __str__(self) -> str:
         # The historical classes were plain exceptions whose str() was their first argument: keep that.
@@ -53,6 +53,10 @@ class ExternalSystemError(CoordexpError):
     """A system coordexp depends on failed or refused (server, transport, devices, installed packages): exit 3."""
 
     exit_code = EXIT_EXTERNAL
+
+
+class MissingDependencyError(ExternalSystemError, ImportError):
+    """An optional package the configuration needs is not installed; the hint names the ``pip install``."""
 
 
 def exit_code_for(exc: BaseException) -> int:

@@ -1,9 +1,11 @@
-"""``coordexp`` command line: ``validate``, ``schema``, ``migrate``; ``train``, ``show-rollouts`` and ``demo`` (the
-embedded default job) live in :mod:`coordexp.cli.train` and :mod:`coordexp.cli.demo`.
+"""``coordexp`` command line: ``validate``, ``schema``, ``migrate``; the other commands live in their own modules
+(:mod:`coordexp.cli.train`, :mod:`coordexp.cli.demo`, ...) and register themselves here.
 
 Module-level imports stay light (typer, rich, the schema package): ``validate`` and ``schema`` must never pay
-for torch/transformers/vllm. Commands that need the runtime import it inside their bodies.
-Exit codes: 0 ok, 2 invalid input (config problems, usage errors), 1 internal error.
+for torch/transformers/vllm. Commands that need the runtime import it inside their bodies. Every command runs in
+:mod:`coordexp.cli.frame` (consoles, safe printing of user strings, the guarded runner).
+Exit codes: 0 ok; 2 invalid input (config, data, usage); 3 an external system failed (rollout server, weight sync,
+topology, a missing package, a busy port); 1 internal error (a bug in coordexp).
 """
 
 from __future__ import annotations
@@ -15,18 +17,28 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
-from rich.markup import escape
 
-from coordexp.cli.assets import register as _register_assets
-from coordexp.cli.demo import register as _register_demo
-from coordexp.cli.preflight import register as _register_preflight
-from coordexp.cli.serve import register as _register_serve
-from coordexp.cli.train import register as _register_train
+from coordexp.cli.assets import register as register_assets
+from coordexp.cli.demo import register as register_demo
+from coordexp.cli.frame import (
+    EXIT_EXTERNAL,
+    EXIT_INTERNAL,
+    EXIT_INTERRUPTED,
+    EXIT_INVALID,
+    EXIT_OK,
+    err,
+    guarded,
+    issue_line,
+    out,
+    print_invalid_report,
+    report_exception,
+    safe,
+)
+from coordexp.cli.preflight import register as register_preflight
+from coordexp.cli.serve import register as register_serve
+from coordexp.cli.train import register as register_train
 
-__all__ = ["app", "main", "EXIT_OK", "EXIT_INTERNAL", "EXIT_INVALID"]
-
-EXIT_OK, EXIT_INTERNAL, EXIT_INVALID = 0, 1, 2
+__all__ = ["app", "main", "EXIT_OK", "EXIT_INTERNAL", "EXIT_INVALID", "EXIT_EXTERNAL"]
 
 app = typer.Typer(
     name="coordexp",
@@ -37,31 +49,10 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-_out = Console(highlight=False, soft_wrap=True)
-_err = Console(stderr=True, highlight=False, soft_wrap=True)
-
 ConfigArgs = Annotated[list[Path], typer.Argument(help="YAML config file(s) to check.", show_default=False)]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output (one JSON list on stdout).")]
 
 
-def _issue_line(issue, top_file: Optional[str]) -> str:
-    where = escape(issue.path or "<top level>")
-    text = f"[bold]{where}[/bold]: {escape(issue.message)}"
-    if issue.hint:
-        text += f". [dim]{escape(issue.hint)}[/dim]"
-    if issue.file and issue.file != top_file:
-        text += f" [dim](in {escape(issue.file)})[/dim]"
-    return text
-
-
-def print_invalid_report(console: Console, shown: str, report) -> None:
-    """The ``✗ FILE: N problem(s)`` line and one bullet per error, as every command that validates prints them."""
-    console.print(f"[red]✗[/red] {escape(shown)}: {len(report.errors)} problem(s)")
-    for issue in report.errors:
-        console.print("  [red]•[/red] " + _issue_line(issue, report.path))
-
-
-@app.command()
 def validate(
     configs: ConfigArgs,
     as_json: JsonOpt = False,
@@ -96,17 +87,16 @@ def validate(
         for shown, report, contract in results:
             top = report.path
             if report.ok:
-                _out.print(f"[green]✓[/green] {escape(shown)}")
+                out.print(f"[green]✓[/green] {safe(shown)}")
             else:
-                print_invalid_report(_out, shown, report)
+                print_invalid_report(out, shown, report)
             for warning in report.warnings:
-                _out.print("  [yellow]! warning[/yellow] " + _issue_line(warning, top))
+                out.print("  [yellow]! warning[/yellow] " + issue_line(warning, top))
             if contract is not None:
                 sys.stdout.write(json.dumps(contract, indent=2) + "\n")
     raise typer.Exit(EXIT_OK if all(r.ok for _, r, _ in results) else EXIT_INVALID)
 
 
-@app.command()
 def schema(
     indent: Annotated[int, typer.Option(help="JSON indentation.", min=0, max=8)] = 2,
 ) -> None:
@@ -123,7 +113,6 @@ def schema(
     sys.stdout.write(json.dumps(document, indent=indent or None) + "\n")
 
 
-@app.command()
 def migrate(
     config: Annotated[Path, typer.Argument(help="Legacy YAML config to rewrite.", show_default=False)],
     in_place: Annotated[
@@ -139,7 +128,7 @@ def migrate(
     from coordexp.schema.yaml_io import YamlReadError, read_yaml_file
 
     if in_place and output is not None:
-        _err.print("[red]error[/red]: use either --in-place or --output, not both")
+        err.print("[red]error[/red]: use either --in-place or --output, not both")
         raise typer.Exit(EXIT_INVALID)
     try:
         data = read_yaml_file(config)
@@ -149,25 +138,25 @@ def migrate(
         target = config if in_place else output
         new_text, migration = migrate_text(text, config, target)
     except YamlReadError as exc:
-        _err.print(f"[red]✗[/red] {escape(str(config))}: {escape(exc.message)}. [dim]{escape(exc.hint)}[/dim]")
+        err.print(f"[red]✗[/red] {safe(str(config))}: {safe(exc.message)}. [dim]{safe(exc.hint)}[/dim]")
         raise typer.Exit(EXIT_INVALID) from None
 
     for change in migration.changes:
-        _err.print(f"  [green]moved[/green]  {escape(change)}")
+        err.print(f"  [green]moved[/green]  {safe(change)}")
     for left in migration.unresolved:
-        _err.print(f"  [yellow]left[/yellow]   {escape(left)}")
+        err.print(f"  [yellow]left[/yellow]   {safe(left)}")
     if not migration.changed:
-        _err.print(f"[green]✓[/green] {escape(str(config))}: nothing to migrate")
+        err.print(f"[green]✓[/green] {safe(str(config))}: nothing to migrate")
 
     if in_place:
         if migration.changed:
             backup = config.with_name(config.name + ".bak")
             backup.write_text(text, encoding="utf-8")
             _write_atomic(config, new_text)
-            _err.print(f"wrote {escape(str(config))} (backup: {escape(str(backup))})")
+            err.print(f"wrote {safe(str(config))} (backup: {safe(str(backup))})")
     elif output is not None:
         _write_atomic(output, new_text)
-        _err.print(f"wrote {escape(str(output))}")
+        err.print(f"wrote {safe(str(output))}")
     else:
         sys.stdout.write(new_text)
 
@@ -175,20 +164,13 @@ def migrate(
     if written is not None:
         report = validate_config_file(written)
         if report.ok:
-            _err.print(f"[green]✓[/green] {escape(str(written))} validates")
+            err.print(f"[green]✓[/green] {safe(str(written))} validates")
         else:
-            _err.print(f"[red]✗[/red] {escape(str(written))} still has {len(report.errors)} problem(s):")
+            err.print(f"[red]✗[/red] {safe(str(written))} still has {len(report.errors)} problem(s):")
             for issue in report.errors:
-                _err.print("  [red]•[/red] " + _issue_line(issue, report.path))
+                err.print("  [red]•[/red] " + issue_line(issue, report.path))
             raise typer.Exit(EXIT_INVALID)
     raise typer.Exit(EXIT_INVALID if migration.unresolved else EXIT_OK)
-
-
-_register_assets(app)
-_register_train(app)
-_register_demo(app)
-_register_serve(app)
-_register_preflight(app)
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -197,21 +179,28 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+app.command("validate")(guarded(validate))
+app.command("schema")(guarded(schema))
+app.command("migrate")(guarded(migrate))
+register_assets(app)
+register_train(app)
+register_demo(app)
+register_serve(app)
+register_preflight(app)
+
+
 def main(argv: Optional[list[str]] = None) -> None:
-    """Console-script entry: never a bare traceback (set COORDEXP_DEBUG=1 to see one)."""
+    """Console-script entry: commands report their own errors (:func:`coordexp.cli.frame.guarded`); this reports
+    what escapes outside a command the same way, so a bare traceback never reaches the user."""
     try:
         app(args=argv, prog_name="coordexp")
     except SystemExit:
         raise
     except KeyboardInterrupt:
-        _err.print("interrupted")
-        sys.exit(130)
+        err.print("interrupted")
+        sys.exit(EXIT_INTERRUPTED)
     except Exception as exc:  # noqa: BLE001 - the last line of defence of the CLI
-        if os.environ.get("COORDEXP_DEBUG") == "1":
-            raise
-        _err.print(f"[red]internal error[/red]: {escape(type(exc).__name__)}: {escape(str(exc))}")
-        _err.print("[dim]This is a bug in coordexp. Re-run with COORDEXP_DEBUG=1 for the traceback; report it.[/dim]")
-        sys.exit(EXIT_INTERNAL)
+        sys.exit(report_exception(exc))
 
 
 if __name__ == "__main__":

@@ -9,24 +9,15 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
-from rich.markup import escape
+
+from coordexp.cli.frame import fail, guarded, out, safe
 
 __all__ = ["register", "make_tiny_model", "expand_vocab", "make_synthetic_data"]
-
-EXIT_OK, EXIT_INTERNAL, EXIT_INVALID = 0, 1, 2
-_out = Console(highlight=False, soft_wrap=True)
-_err = Console(stderr=True, highlight=False, soft_wrap=True)
-
-
-def _fail(message: str, hint: str = "") -> None:
-    _err.print(f"[red]✗[/red] {escape(message)}" + (f". [dim]{escape(hint)}[/dim]" if hint else ""))
-    raise typer.Exit(EXIT_INVALID)
 
 
 def _require_empty_target(path: Path) -> None:
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        _fail(f"{path} already exists and is not an empty directory", "Choose a new or empty output directory")
+        fail(f"{path} already exists and is not an empty directory", "Choose a new or empty output directory")
 
 
 def make_tiny_model(
@@ -39,10 +30,10 @@ def make_tiny_model(
     from coordexp.runtime.toy.tiny_model import TINY_FAMILIES, build_tiny_model
 
     if family not in TINY_FAMILIES:
-        _fail(f"unknown --family {family!r}", f"Choose one of {', '.join(TINY_FAMILIES)}")
+        fail(f"unknown --family {family!r}", f"Choose one of {', '.join(TINY_FAMILIES)}")
     _require_empty_target(directory)
     build_tiny_model(directory, family=family, seed=seed)
-    _out.print(f"[green]✓[/green] tiny {family} model written to {escape(str(directory))}")
+    out.print(f"[green]✓[/green] tiny {family} model written to {safe(directory)}")
 
 
 def expand_vocab(
@@ -51,16 +42,16 @@ def expand_vocab(
 ) -> None:
     """Add the 1000 coord tokens to a local checkpoint's tokenizer and embeddings and save the result."""
     if not (source / "config.json").is_file():
-        _fail(f"{source} is not a checkpoint directory (no config.json)",
+        fail(f"{source} is not a checkpoint directory (no config.json)",
               "Pass a local directory saved with save_pretrained; download hub models beforehand")
     if destination.resolve() == source.resolve():
-        _fail("SRC and DST are the same directory", "Write the expanded checkpoint to a new directory")
+        fail("SRC and DST are the same directory", "Write the expanded checkpoint to a new directory")
     _require_empty_target(destination)
     from coordexp.runtime.model.policy import expand_checkpoint_vocab
 
     added = expand_checkpoint_vocab(source, destination)
     state = f"added {added} coord tokens" if added else "already had all coord tokens; copied unchanged"
-    _out.print(f"[green]✓[/green] {escape(str(destination))}: {state}")
+    out.print(f"[green]✓[/green] {safe(destination)}: {state}")
 
 
 def make_synthetic_data(
@@ -74,12 +65,12 @@ def make_synthetic_data(
     from coordexp.runtime.toy.synthetic import write_synthetic_dataset
 
     dataset = write_synthetic_dataset(directory, n_train=n_train, n_val=n_val, seed=seed, image_size=(size, size))
-    _out.print(f"[green]✓[/green] {n_train} train / {n_val} val images: {escape(str(dataset.train_jsonl))}, "
-               f"{escape(str(dataset.val_jsonl))}")
+    out.print(f"[green]✓[/green] {n_train} train / {n_val} val images: {safe(dataset.train_jsonl)}, "
+               f"{safe(dataset.val_jsonl)}")
 
 
 def register(app: typer.Typer) -> None:
     """Add the asset commands to ``app``."""
-    app.command("make-tiny-model")(make_tiny_model)
-    app.command("expand-vocab")(expand_vocab)
-    app.command("make-synthetic-data")(make_synthetic_data)
+    app.command("make-tiny-model")(guarded(make_tiny_model))
+    app.command("expand-vocab")(guarded(expand_vocab))
+    app.command("make-synthetic-data")(guarded(make_synthetic_data))

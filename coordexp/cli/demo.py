@@ -13,15 +13,12 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
-from rich.console import Console
-from rich.markup import escape
+
+from coordexp.cli.frame import EXIT_OK, err, guarded, load_run, out, safe
 
 __all__ = ["register", "demo", "EXAMPLES_DIR"]
 
-EXIT_OK, EXIT_INTERNAL, EXIT_INVALID = 0, 1, 2
 EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"
-_out = Console(highlight=False, soft_wrap=True)
-_err = Console(stderr=True, highlight=False, soft_wrap=True)
 QUICK_STEPS = {"stage1": 4, "stage2": 2, "eval_records": 4, "eval_every": 2, "n_train": 16}
 
 
@@ -45,16 +42,9 @@ def demo(
 ) -> None:
     """Build the tiny model and data (reused when present), train stage 1 until rollouts parse, then stage 2 from
     that checkpoint; print before/after rollout health and the paths of rollout PNGs."""
-    from coordexp.cli.app import print_invalid_report
-    from coordexp.schema.loader import validate_config_file
-
     for path in (stage1, stage2):
-        report = validate_config_file(path)
-        if not report.ok:
-            print_invalid_report(_err, str(path), report)
-            raise typer.Exit(EXIT_INVALID)
+        load_run(path, as_json=as_json)  # both files checked before anything is built or loaded
 
-    from coordexp.cli.train import _one_line, _user_error_types
     from coordexp.runtime.toy.demo import DemoPlan, result_to_dict, run_demo
     from coordexp.runtime.train.progress import ProgressCallback
 
@@ -74,19 +64,13 @@ def demo(
             else {}
         ),
     )
-    console = _err if as_json else _out
+    console = err if as_json else out
 
     def log(message: str) -> None:
-        console.print(f"[cyan]demo[/cyan] {escape(message)}")
+        console.print(f"[cyan]demo[/cyan] {safe(message)}")
 
     started = time.monotonic()
-    try:
-        result = run_demo(
-            plan, callbacks_for=lambda stage: [ProgressCallback(console, title=stage)], log=log
-        )
-    except _user_error_types() as exc:
-        _err.print(f"[red]✗[/red] {escape(type(exc).__name__)}: {escape(_one_line(exc))}")
-        raise typer.Exit(EXIT_INVALID) from None
+    result = run_demo(plan, callbacks_for=lambda stage: [ProgressCallback(console, title=safe(stage))], log=log)
     total = time.monotonic() - started
     summary = result_to_dict(result)
     summary["seconds"]["total"] = total
@@ -112,17 +96,17 @@ def _print_summary(result: Any, total: float) -> None:
     table.add_row("FN appended", str(b.counters.fn_appended), str(a.counters.fn_appended))
     table.add_row("truncated rollouts", f"{b.counters.truncated_rollouts}/{b.counters.samples}",
                   f"{a.counters.truncated_rollouts}/{a.counters.samples}")
-    _out.print(table)
+    out.print(table)
     reached = "reached" if result.stage1_reached_target else "did not reach"
-    _out.print(f"stage 1: {result.stage1_steps} steps ({reached} the parse target) -> {escape(str(result.stage1_dir))}")
-    _out.print(f"stage 2: {result.stage2_steps} steps -> {escape(str(result.stage2_dir))}")
+    out.print(f"stage 1: {result.stage1_steps} steps ({reached} the parse target) -> {safe(result.stage1_dir)}")
+    out.print(f"stage 2: {result.stage2_steps} steps -> {safe(result.stage2_dir)}")
     times = ", ".join(f"{name} {seconds:.0f}s" for name, seconds in result.seconds.items())
-    _out.print(f"time: {total:.0f}s ({times})")
-    _out.print("rollout PNGs (GT green, matched blue, FP red, FN orange):")
+    out.print(f"time: {total:.0f}s ({times})")
+    out.print("rollout PNGs (GT green, matched blue, FP red, FN orange):")
     for path in result.pngs:
-        _out.print(f"  {escape(str(path))}")
+        out.print(f"  {safe(path)}")
 
 
 def register(app: typer.Typer) -> None:
     """Add ``demo`` to ``app``."""
-    app.command("demo")(demo)
+    app.command("demo")(guarded(demo))

@@ -1,7 +1,8 @@
 """``coordexp preflight CFG [--json] [--learner-world-size W]``: launch-script checks and wiring.
 
-Exit codes (distinct, for scripts): 0 ready; 2 invalid config, model directory or data; 3 a rollout server is
-unreachable; 4 infeasible topology (``decode_batch_size * S < W``); 5 (``--launch`` only) a port is busy.
+Every problem found is listed (not only the first). Exit codes, the error family's: 0 ready; 2 something the user
+must fix (config, model directory, data); 3 an external system is not ready (a rollout server unreachable, an
+infeasible topology ``decode_batch_size * S < W``, with ``--launch`` a busy port). 2 wins when both kinds occur.
 """
 
 from __future__ import annotations
@@ -11,30 +12,30 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
-from rich.markup import escape
+
+from coordexp.cli.frame import guarded, out, safe
 
 __all__ = ["register", "preflight"]
-
-_out = Console(highlight=False, soft_wrap=True)
 
 
 def preflight(
     config: Annotated[Path, typer.Argument(help="YAML run config.", show_default=False)],
-    as_json: Annotated[bool, typer.Option("--json", help="Print the report (checks + wiring) as one JSON object.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report (checks + wiring) as one JSON object.")
+                       ] = False,
     learner_world_size: Annotated[int, typer.Option("--learner-world-size", min=1,
                                                     help="torchrun processes of the learner (W).")] = 1,
     launch: Annotated[bool, typer.Option("--launch", help="Servers are not started yet: check that their ports "
                                          "are free instead of their health.")] = False,
     server_world_size: Annotated[int, typer.Option("--server-world-size", min=1, help="With --launch: replicas "
                                                    "(tp*dp) each server will have.")] = 1,
-    health_timeout_s: Annotated[Optional[float], typer.Option("--health-timeout", help="Seconds to wait for each "
-                                                              "server's /health/ (default: the config's timeout_s).")] = None,
+    health_timeout_s: Annotated[Optional[float], typer.Option(
+        "--health-timeout", help="Seconds to wait for each server's /health/ (default: the config's timeout_s).")
+    ] = None,
     gpus: Annotated[Optional[int], typer.Option("--gpus", help="GPUs on the node, for the suggested device split "
                                                 "(default: CUDA_VISIBLE_DEVICES, else 4).")] = None,
 ) -> None:
     """Validate a run before launch: config, model coord tokens, data sample, servers, topology; print wiring."""
-    from coordexp.runtime.train.preflight import run_preflight
+    from coordexp.runtime.train.preflight import EXIT_CODES, run_preflight
 
     report = run_preflight(config, learner_world_size=learner_world_size, health_timeout_s=health_timeout_s,
                            launch=launch, server_world_size=server_world_size, num_gpus=gpus)
@@ -43,12 +44,15 @@ def preflight(
     else:
         for check in report.checks:
             mark = "[green]✓[/green]" if check.ok else "[red]✗[/red]"
-            _out.print(f"{mark} [bold]{escape(check.name)}[/bold]: {escape(check.detail)}")
+            out.print(f"{mark} [bold]{safe(check.name)}[/bold]: {safe(check.detail, multiline=True)}")
         if report.wiring:
-            _out.print(escape(json.dumps(report.wiring)))
+            out.print(safe(json.dumps(report.wiring)))
+        if not report.ok:
+            out.print(f"[red]{len(report.problems)} problem(s)[/red]: {safe(EXIT_CODES[report.exit_code])} "
+                      f"(exit {report.exit_code})")
     raise typer.Exit(report.exit_code)
 
 
 def register(app: typer.Typer) -> None:
     """Add ``preflight`` to the main CLI."""
-    app.command("preflight")(preflight)
+    app.command("preflight")(guarded(preflight))

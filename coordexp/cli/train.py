@@ -2,58 +2,21 @@
 
 Registered on the main app by :func:`register`. The config is validated before anything heavy is imported, so an
 invalid file fails in well under a second with every problem listed (exit 2). Under ``torchrun`` every rank
-trains; only rank 0 prints.
+trains; only rank 0 prints. Errors are reported by :func:`coordexp.cli.frame.guarded` (2 input, 3 external, 1 bug).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
-from rich.console import Console
-from rich.markup import escape
 
-__all__ = ["register", "train", "show_rollouts", "resolve_resume", "USER_ERRORS"]
+from coordexp.cli.frame import EXIT_OK, err, fail, guarded, is_rank_zero, load_run, out, safe
 
-EXIT_OK, EXIT_INTERNAL, EXIT_INVALID = 0, 1, 2
-_out = Console(highlight=False, soft_wrap=True)
-_err = Console(stderr=True, highlight=False, soft_wrap=True)
-
-# Exception class names that mean "the input is wrong" (exit 2), resolved lazily so this module stays light.
-USER_ERRORS = (
-    ("coordexp.runtime.train.launch", "LaunchError"),
-    ("coordexp.runtime.model.data", "DatasetError"),
-    ("coordexp.runtime.model.encoding", "EncodingError"),
-    ("coordexp.runtime.model.mrope", "PackingError"),
-    ("coordexp.runtime.rollout.base", "BackendUnavailableError"),
-    ("coordexp.schema.errors", "ConfigError"),
-    ("coordexp.schema.errors", "ConfigRuleError"),
-)
-
-
-def _is_rank_zero() -> bool:
-    return int(os.environ.get("RANK", "0")) == 0
-
-
-def _user_error_types() -> tuple[type, ...]:
-    import importlib
-
-    return tuple(getattr(importlib.import_module(module), name) for module, name in USER_ERRORS)
-
-
-def _fail(message: str, hint: str = "", code: int = EXIT_INVALID) -> None:
-    if _is_rank_zero():
-        _err.print(f"[red]✗[/red] {escape(message)}" + (f". [dim]{escape(hint)}[/dim]" if hint else ""))
-    raise typer.Exit(code)
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return text or type(exc).__name__
+__all__ = ["register", "train", "show_rollouts", "resolve_resume"]
 
 
 def resolve_resume(resume: Optional[str], output_dir: str) -> Optional[str]:
@@ -101,51 +64,24 @@ def train(
     as_json: Annotated[bool, typer.Option("--json", help="Print the final summary as JSON on stdout.")] = False,
 ) -> None:
     """Train from a YAML config (stage 1 or stage 2); everything else comes from the file."""
-    from coordexp.cli.app import print_invalid_report
-    from coordexp.schema.contract import build_contract
-    from coordexp.schema.loader import validate_config_file
-
-    report = validate_config_file(config)
-    if not report.ok:
-        if _is_rank_zero():
-            print_invalid_report(_err, str(config), report)
-            _err.print(f"[dim]Nothing was loaded. Fix the file (`coordexp validate {escape(str(config))}`).[/dim]")
-        raise typer.Exit(EXIT_INVALID)
-    run = build_contract(report.config)
-
+    run = load_run(config, as_json=as_json)
     try:
         resume_from = resolve_resume(resume, run.training.output_dir)
     except FileNotFoundError as exc:
-        _fail(str(exc))
+        fail(str(exc))
 
+    from coordexp.runtime.train.launch import run_training
     from coordexp.runtime.train.progress import ProgressCallback, summarize_history
 
-    progress = ProgressCallback(_err if as_json else None, title=f"{run.trainer_variant}: {config.name}")
-    user_errors = _user_error_types()
-    try:
-        from coordexp.runtime.train.launch import run_training
-
-        outcome = run_training(
-            run,
-            resume_from=resume_from,
-            callbacks=[progress],
-            rollout_log_every=run.training.logging_steps,
-            print_logs=False,
-        )
-    except user_errors as exc:
-        _fail(f"{type(exc).__name__}: {_one_line(exc)}", "Fix the config or data named above and re-run")
-    except (KeyboardInterrupt, typer.Exit):
-        raise
-    except Exception as exc:  # noqa: BLE001 - reported as an internal error with a debug switch
-        if os.environ.get("COORDEXP_DEBUG") == "1":
-            raise
-        _fail(
-            f"internal error: {type(exc).__name__}: {_one_line(exc)}",
-            "This is a bug in coordexp. Re-run with COORDEXP_DEBUG=1 for the traceback; report it",
-            EXIT_INTERNAL,
-        )
-
-    if not _is_rank_zero():
+    progress = ProgressCallback(err if as_json else None, title=f"{run.trainer_variant}: {safe(config.name)}")
+    outcome = run_training(
+        run,
+        resume_from=resume_from,
+        callbacks=[progress],
+        rollout_log_every=run.training.logging_steps,
+        print_logs=False,
+    )
+    if not is_rank_zero():
         raise typer.Exit(EXIT_OK)
     summary = summarize_history(outcome.log_history)
     summary["global_step"] = outcome.global_step
@@ -160,11 +96,11 @@ def train(
     table.add_column("value", justify="right")
     for name, value in _summary_rows(summary):
         table.add_row(name, value)
-    _out.print(table)
-    _out.print(f"[green]✓[/green] model saved to {escape(str(outcome.output_dir))}")
+    out.print(table)
+    out.print(f"[green]✓[/green] model saved to {safe(outcome.output_dir)}")
     rollout_log = Path(outcome.output_dir) / "rollouts.jsonl"
     if rollout_log.is_file():
-        _out.print(f"  rollouts logged: `coordexp show-rollouts {escape(str(outcome.output_dir))}`")
+        out.print(f"  rollouts logged: `coordexp show-rollouts {safe(outcome.output_dir)}`")
 
 
 def show_rollouts(
@@ -176,21 +112,22 @@ def show_rollouts(
     from coordexp.runtime.train.visualize import ROLLOUT_LOG_NAME, render_rollout_log
 
     if not (run_dir / ROLLOUT_LOG_NAME).is_file():
-        _fail(
+        fail(
             f"no {ROLLOUT_LOG_NAME} in {run_dir}",
             "Pass the output_dir of a `coordexp train` / `coordexp demo` run (stage 2 logs its rollouts)",
         )
     try:
         paths = render_rollout_log(run_dir, out, limit=limit)
     except (ValueError, OSError) as exc:
-        _fail(_one_line(exc), "The rollout log or an image it names is unreadable; re-run training to rewrite it")
+        fail(" ".join(str(exc).split()) or type(exc).__name__,
+             "The rollout log or an image it names is unreadable; re-run training to rewrite it")
     if not paths:
-        _fail(f"{run_dir / ROLLOUT_LOG_NAME} is empty", "Train for at least one logging step with stage 2")
+        fail(f"{run_dir / ROLLOUT_LOG_NAME} is empty", "Train for at least one logging step with stage 2")
     for path in paths:
-        _out.print(escape(str(path)))
+        out.print(safe(path))
 
 
 def register(app: typer.Typer) -> None:
     """Add ``train`` and ``show-rollouts`` to ``app``."""
-    app.command("train")(train)
-    app.command("show-rollouts")(show_rollouts)
+    app.command("train")(guarded(train))
+    app.command("show-rollouts")(guarded(show_rollouts))

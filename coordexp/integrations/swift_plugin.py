@@ -20,6 +20,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
+from coordexp.errors import ExternalSystemError
 from coordexp.runtime.core.repeat import RepeatGuard
 from coordexp.schema.rollout import RepeatTerminateConfig
 
@@ -33,7 +34,7 @@ SWIFT_ENGINE_MODULES = ("swift.llm.infer.infer_engine.vllm_engine", "swift.llm")
 logger = logging.getLogger("coordexp.swift_plugin")
 
 
-class PluginError(RuntimeError):
+class PluginError(ExternalSystemError, RuntimeError):
     """The repeat guard is required by the config but cannot be activated; the message says why and how to fix."""
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Optional, Union
 
+from coordexp.errors import UserInputError
+
 __all__ = ["ConfigIssue", "ConfigError", "RuleViolation", "ConfigRuleError", "format_path", "parse_path"]
 
 PathPart = Union[str, int]
@@ -56,7 +58,7 @@ class ConfigIssue:
         return {"path": self.path, "message": self.message, "hint": self.hint, "file": self.file}
 
 
-class ConfigError(ValueError):
+class ConfigError(UserInputError, ValueError):
     """A config failed to load or validate; ``issues`` holds every problem found, not just the first."""
 
     def __init__(self, issues: Iterable[ConfigIssue]):
@@ -78,7 +80,7 @@ class RuleViolation:
     hint: str = ""
 
 
-class ConfigRuleError(ValueError):
+class ConfigRuleError(UserInputError, ValueError):
     """Raised by model validators so the loader can report every violated rule at its own dotted path."""
 
     def __init__(self, violations: Iterable[RuleViolation]):

@@ -1,6 +1,8 @@
 """YAML reading and writing with YAML 1.2 scalars: ``yes``/``on``/``010``/``1:30`` stay strings, not bool/int.
 
-Duplicate keys and non-string keys are errors instead of silently keeping the last value.
+Duplicate keys and non-string keys are errors instead of silently keeping the last value. Reading is bounded so
+that no file can hang ``validate``: at most :data:`MAX_CONFIG_BYTES` per file, and at most :data:`MAX_YAML_NODES`
+nodes per document with every alias expanded (a 334-byte alias bomb expands to 10**9 nodes).
 """
 
 from __future__ import annotations
@@ -11,10 +13,17 @@ from typing import Any
 
 import yaml
 
-__all__ = ["YamlReadError", "read_yaml_file", "parse_yaml_text", "dump_yaml"]
+from coordexp.errors import UserInputError
+
+__all__ = ["YamlReadError", "read_yaml_file", "parse_yaml_text", "dump_yaml", "MAX_CONFIG_BYTES", "MAX_YAML_NODES"]
+
+MAX_CONFIG_BYTES = 256 * 1024
+"""Size cap of one config file (the examples are about 2 KiB): parsing up to the cap stays well under a second."""
+MAX_YAML_NODES = 20_000
+"""Cap on the nodes of one document with every alias expanded at each use (a full config has a few hundred)."""
 
 
-class YamlReadError(Exception):
+class YamlReadError(UserInputError):
     """The file could not be read or parsed; ``hint`` says how to fix it."""
 
     def __init__(self, message: str, hint: str = ""):
@@ -86,11 +95,75 @@ _StrictLoader.add_constructor("tag:yaml.org,2002:bool", _construct_bool)
 _StrictLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
+if getattr(yaml, "__with_libyaml__", False):
+
+    class _StrictCLoader(yaml.CSafeLoader):
+        """The same schema and constructors over libyaml's parser (several times faster than pure Python)."""
+
+    _StrictCLoader.yaml_implicit_resolvers = _StrictLoader.yaml_implicit_resolvers
+    _StrictCLoader.yaml_constructors = _StrictLoader.yaml_constructors
+    _LOADER: type = _StrictCLoader
+else:  # pragma: no cover - PyYAML built without libyaml
+    _LOADER = _StrictLoader
+
+
+def _children(node: yaml.Node) -> list:
+    if isinstance(node, yaml.SequenceNode):
+        return node.value
+    if isinstance(node, yaml.MappingNode):
+        return [part for pair in node.value for part in pair]
+    return []
+
+
+def _check_expanded_size(root: yaml.Node) -> None:
+    """Refuse documents whose alias-expanded node count exceeds :data:`MAX_YAML_NODES`, or that are recursive.
+
+    Sizes are memoised per distinct node (an alias is the anchored node object itself), so an alias bomb costs
+    its few distinct nodes here instead of the billion that later walks would visit.
+    """
+    sizes: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, finished = stack.pop()
+        key = id(node)
+        if finished:
+            on_path.discard(key)
+            sizes[key] = 1 + sum(sizes[id(child)] for child in _children(node))
+            if sizes[key] > MAX_YAML_NODES:
+                raise YamlReadError(
+                    f"document expands to more than {MAX_YAML_NODES:,} nodes (each use of an alias counts its whole "
+                    f"anchored value; line {node.start_mark.line + 1})",
+                    f"A config has a few hundred nodes; the cap is {MAX_YAML_NODES:,}. Write the values out instead "
+                    "of nesting aliases.",
+                )
+            continue
+        if key in sizes:
+            continue
+        on_path.add(key)
+        stack.append((node, True))
+        for child in _children(node):
+            if id(child) in on_path:
+                raise YamlReadError(
+                    f"line {child.start_mark.line + 1}: recursive alias (an anchored value contains itself)",
+                    "Remove the alias that points back into its own anchor.",
+                )
+            if id(child) not in sizes:
+                stack.append((child, False))
+
 
 def parse_yaml_text(text: str) -> Any:
     """Parse one YAML document; raises :class:`YamlReadError` with the line on any syntax problem."""
     try:
-        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - _StrictLoader derives from SafeLoader
+        loader = _LOADER(text)
+        try:
+            node = loader.get_single_node()
+            if node is None:
+                return None
+            _check_expanded_size(node)
+            return loader.construct_document(node)
+        finally:
+            loader.dispose()
     except YamlReadError:
         raise
     except yaml.YAMLError as exc:
@@ -109,9 +182,15 @@ def read_yaml_file(path: Path) -> Any:
     if path.is_dir():
         raise YamlReadError("is a directory, not a YAML file", "Pass a .yaml file.")
     try:
-        raw = path.read_bytes()
+        with path.open("rb") as handle:
+            raw = handle.read(MAX_CONFIG_BYTES + 1)  # never more than the cap, whatever the file claims
     except OSError as exc:
         raise YamlReadError(f"cannot read file ({exc.strerror or exc})", "Check the file permissions.") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise YamlReadError(
+            f"file is larger than the {MAX_CONFIG_BYTES // 1024} KiB cap on config files",
+            "A config is a few KiB of settings; keep data (records, prompts) in the files the config points at.",
+        )
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:

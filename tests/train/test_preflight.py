@@ -57,23 +57,23 @@ def test_unreachable_server_exits_3_naming_the_url(write_config):
     assert url in json.loads(out)["checks"][-1]["detail"]
 
 
-def test_infeasible_topology_exits_4(write_config):
+def test_infeasible_topology_exits_3(write_config):
     with stub_server(world_size=1) as a, stub_server(world_size=1) as b:
         cfg = write_config({"rollout_matching": server_rollout([(a.base_url, 1), (b.base_url, 2)],
                                                                decode_batch_size=1)})
         code, out = invoke(cfg, "--json", "--learner-world-size", 4)
-    assert code == 4, out
+    assert code == 3, out
     assert "decode_batch_size" in json.loads(out)["checks"][-1]["detail"]
 
 
-def test_launch_mode_checks_free_ports_and_exits_5_when_busy(write_config):
+def test_launch_mode_checks_free_ports_and_exits_3_when_busy(write_config):
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
         busy = held.getsockname()[1]
         cfg = write_config({"rollout_matching": server_rollout([(f"http://127.0.0.1:{free_port()}", busy)])})
         code, out = invoke(cfg, "--json", "--launch")
-    assert code == 5 and f"port {busy}" in out
+    assert code == 3 and f"port {busy}" in out
     code, out = invoke(cfg, "--json", "--launch", "--server-world-size", 3)
     assert code == 0 and json.loads(out)["wiring"]["per_rank_chunk"] == 6  # decode_batch_size 2 * 3 / 1
 
@@ -85,7 +85,8 @@ def test_model_without_coord_tokens_exits_2(write_config, tmp_path, tiny_model_d
     (bare / "tokenizer.json").write_text(json.dumps({"added_tokens": [{"content": "<|coord_0|>"}]}), encoding="utf-8")
     assert len(coord_tokens_missing(bare)) == 999 and coord_tokens_missing(tiny_model_dir) == []
     report = run_preflight(write_config({"model": {"path": str(bare)}}))
-    assert report.exit_code == 2 and "999 of 1000 coord tokens missing" in report.checks[-1].detail
+    (problem,) = report.problems
+    assert report.exit_code == 2 and problem.name == "model" and "999 of 1000 coord tokens missing" in problem.detail
 
 
 def test_unreadable_image_exits_2(write_config, tmp_path, dataset):
@@ -97,7 +98,8 @@ def test_unreadable_image_exits_2(write_config, tmp_path, dataset):
     jsonl = tmp_path / "train.jsonl"
     jsonl.write_text(json.dumps(record) + "\n", encoding="utf-8")
     report = run_preflight(write_config({"data": {"train_jsonl": str(jsonl), "val_jsonl": None}}))
-    assert report.exit_code == 2 and "not a readable image" in report.checks[-1].detail
+    (problem,) = report.problems
+    assert report.exit_code == 2 and "not a readable image" in problem.detail
 
 
 def test_device_split_suggestions():
@@ -111,3 +113,46 @@ def test_preflight_does_not_import_torch(write_config):
     code = ("import sys; from coordexp.runtime.train.preflight import run_preflight; r = run_preflight(sys.argv[1]); "
             "assert r.ok, r; assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code, str(cfg)], check=True, timeout=60)
+
+
+def test_every_problem_is_reported_and_user_input_outranks_a_dead_server(write_config, tmp_path, dataset):
+    """Preflight goes on after a failure: a bare model, an unreadable image and two dead servers are all listed;
+    the exit code is 2 (the input must be fixed; waiting for servers would not help)."""
+    bare = tmp_path / "bare_model"
+    bare.mkdir()
+    (bare / "config.json").write_text("{}", encoding="utf-8")
+    record = json.loads(dataset.train_jsonl.read_text(encoding="utf-8").splitlines()[0])
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(b"not a png")
+    record["images"] = [str(broken)]
+    jsonl = tmp_path / "train.jsonl"
+    jsonl.write_text(json.dumps(record) + "\n", encoding="utf-8")
+    dead = [f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"]
+    cfg = write_config({"model": {"path": str(bare)}, "data": {"train_jsonl": str(jsonl), "val_jsonl": None},
+                        "rollout_matching": server_rollout([(dead[0], 51216), (dead[1], 51217)])})
+    code, out = invoke(cfg, "--json", "--health-timeout", 0.3)
+    report = json.loads(out)
+    problems = [(c["name"], c["exit_code"]) for c in report["checks"] if not c["ok"]]
+    assert problems == [("model", 2), ("train data", 2), (f"server {dead[0]}", 3), (f"server {dead[1]}", 3)]
+    assert code == 2 and report["exit_code"] == 2
+    assert "topology" not in [c["name"] for c in report["checks"]]  # unknown world sizes: not judged
+
+
+def test_only_external_problems_exit_3_and_the_text_report_counts_them(write_config):
+    dead = [f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"]
+    cfg = write_config({"rollout_matching": server_rollout([(dead[0], 51216), (dead[1], 51217)])})
+    code, out = invoke(cfg, "--health-timeout", 0.3)
+    assert code == 3, out
+    assert all(f"✗ server {url}" in out for url in dead)
+    assert "2 problem(s)" in out and "(exit 3)" in out and "Traceback" not in out
+
+
+def test_every_config_problem_is_a_check(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("global_max_length: -1\nrollout_matching: {decode_batch_size: -3}\ntraining: {max_stepz: 1}\n",
+                   encoding="utf-8")
+    report = run_preflight(bad)
+    assert report.exit_code == 2 and len(report.problems) >= 3
+    assert {c.name for c in report.checks} == {"config"}
+    details = " ".join(c.detail for c in report.problems)
+    assert "global_max_length" in details and "decode_batch_size" in details and "max_stepz" in details

@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from coordexp.errors import ExternalSystemError
+
 __all__ = [
     "SEED_MASK",
     "InfeasibleTopologyError",
@@ -34,7 +36,7 @@ SEED_MASK = 0x7FFFFFFF
 _STEP_STRIDE = 1_000_003  # same stride as coordexp.runtime.rollout.base.request_seed
 
 
-class InfeasibleTopologyError(ValueError):
+class InfeasibleTopologyError(ExternalSystemError, ValueError):
     """``decode_batch_size * sum(server world sizes) < learner world size``: some rank could not send a request."""
 
 

@@ -10,18 +10,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Generic, Iterable, Sequence, TypeVar
 
-__all__ = ["fifo_greedy_selection", "select_segments", "PackedSelection", "CarryBuffer"]
+from coordexp.errors import MissingDependencyError, UserInputError
+
+__all__ = ["fifo_greedy_selection", "select_segments", "PackedSelection", "CarryBuffer", "PackingLimitError"]
 
 T = TypeVar("T")
+
+
+class PackingLimitError(UserInputError, ValueError):
+    """A segment longer than a packed row, or more segments than the carry buffer holds; the message names the
+    limit and its mitigations (the user changes a config value)."""
 
 
 def _import_binpacking():
     try:
         import binpacking
     except ImportError as exc:
-        raise ImportError(
+        raise MissingDependencyError(
             "post-rollout packing selection needs the 'binpacking' package, which is not installed. "
-            "Install it (pip install binpacking) or set training.packing: false."
+            "Install it (pip install binpacking) or set training.packing: false.",
+            hint="pip install binpacking",
         ) from exc
     return binpacking
 
@@ -55,8 +63,9 @@ def select_segments(lengths: Sequence[int], capacity: int) -> list[int]:
     tuple. Deterministic for identical inputs.
 
     Raises:
-        ImportError: ``binpacking`` is not installed (install it or set ``training.packing: false``).
-        ValueError: empty buffer, a non-positive length or capacity, or an oldest segment over capacity.
+        MissingDependencyError: ``binpacking`` is not installed (install it or set ``training.packing: false``).
+        PackingLimitError: the oldest segment is over capacity (a config limit, with its mitigations).
+        ValueError: empty buffer, a non-positive length or capacity.
     """
     binpacking = _import_binpacking()
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
@@ -65,7 +74,7 @@ def select_segments(lengths: Sequence[int], capacity: int) -> list[int]:
         raise ValueError("select_segments needs at least one buffered segment (the buffer is empty)")
     lengths = [_check_length(length, f"segment {i}") for i, length in enumerate(lengths)]
     if lengths[0] > capacity:
-        raise ValueError(
+        raise PackingLimitError(
             f"the oldest segment (encoded_len={lengths[0]}) exceeds packing_length={capacity}; it can never be "
             "packed. Increase global_max_length, reduce rollout_matching.max_new_tokens, or set "
             "training.packing: false."
@@ -127,13 +136,13 @@ class CarryBuffer(Generic[T]):
         checked = [_check_length(length, f"segment {len(self) + i}") for i, length in enumerate(lengths)]
         for length in checked:
             if length > self.packing_length:
-                raise ValueError(
+                raise PackingLimitError(
                     f"post-rollout packing cannot fit a single segment: encoded_len={length} > "
                     f"packing_length={self.packing_length}. Mitigations: increase global_max_length, reduce "
                     "rollout_matching.max_new_tokens, or set training.packing: false."
                 )
         if len(self) + len(checked) > self.max_segments:
-            raise ValueError(
+            raise PackingLimitError(
                 f"post-rollout packing carry buffer overflow: {len(self)} buffered + {len(checked)} new segment(s) "
                 f"> training.packing_buffer={self.max_segments}. Mitigations: reduce the per-device batch size or "
                 "increase training.packing_buffer."

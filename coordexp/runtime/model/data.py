@@ -4,22 +4,55 @@ One record per line: ``{"images": [path], "width", "height", "objects": [{"desc"
 norm1000 coordinates (ints 0..999 or ``"<|coord_k|>"`` strings). A bad record fails the whole load with
 ``file:line: field: problem`` and a fix, listing the first several problems at once; the trainer never meets a
 record it would silently misread. Other top-level keys (ids, metadata) are ignored.
+
+Hostile or careless input fails here, before any training step, as :class:`DatasetError` (exit 2): text is decoded as
+UTF-8 (a bad byte is reported with its offset), numbers longer than :data:`MAX_NUMBER_DIGITS` digits are refused
+before any int conversion, over-deep JSON nesting is a problem of its line, ``desc`` values may not hold a special-
+token form (``<|...|>``), width/height are bounded by :data:`MAX_IMAGE_SIDE`, and every image path is checked
+(NUL bytes, name length, ``~user``) and its file opened header-only (no pixel decoding) with a pixel cap of
+:data:`MAX_IMAGE_PIXELS` (decompression bombs) and the processors' aspect-ratio limit :data:`MAX_ASPECT_RATIO`.
+A file whose pixels are corrupt behind a valid header fails when it is decoded (``encoding.load_images``), with its
+``file:line``.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from coordexp.errors import UserInputError
 from coordexp.runtime.core.objects import DetObject
 from coordexp.runtime.core.tokens import NUM_COORD_BINS, parse_coord_token
 
-__all__ = ["DetectionRecord", "DatasetError", "load_records", "parse_record", "MAX_REPORTED_ERRORS"]
+__all__ = [
+    "DetectionRecord",
+    "DatasetError",
+    "ImageFileError",
+    "load_records",
+    "parse_record",
+    "open_image",
+    "MAX_REPORTED_ERRORS",
+    "MAX_IMAGE_PIXELS",
+    "MAX_IMAGE_SIDE",
+    "MAX_ASPECT_RATIO",
+    "MAX_NUMBER_DIGITS",
+]
 
 MAX_REPORTED_ERRORS = 10
+# 64 Mi pixels (8192 x 8192, 192 MiB as decoded RGB): far above what a Qwen-VL processor keeps after resizing, far
+# below what takes a worker down; a header claiming more is refused before any pixel is decoded.
+MAX_IMAGE_PIXELS = 64 * 2**20
+MAX_IMAGE_SIDE = 1_000_000  # record width/height bound (pixels)
+MAX_ASPECT_RATIO = 200  # Qwen-VL image processors refuse longer/shorter side ratios above this
+MAX_NUMBER_DIGITS = 20  # longer integer literals are never a valid value here; refused before int()
+_MAX_NAME_BYTES, _MAX_PATH_BYTES = 255, 4096  # Linux NAME_MAX / PATH_MAX
 _OBJECT_KEYS = frozenset({"desc", "bbox_2d", "poly"})
+_SPECIAL_TOKEN = re.compile(r"<\|.*?\|>", re.DOTALL)
+_UTF8_BOM = b"\xef\xbb\xbf"
 
 
 @dataclass(frozen=True)
@@ -33,7 +66,7 @@ class DetectionRecord:
     source: str
 
 
-class DatasetError(ValueError):
+class DatasetError(UserInputError, ValueError):
     """A JSONL file cannot be used; ``problems`` holds one ``file:line: field: message`` line per problem."""
 
     def __init__(self, problems: list[str], total: int | None = None):
@@ -44,12 +77,33 @@ class DatasetError(ValueError):
         super().__init__(head + "".join(f"\n  {p}" for p in problems) + more)
 
 
+class ImageFileError(ValueError):
+    """An image file cannot be used (unreadable, not an image, over the pixel cap); the message names the path."""
+
+
 class _RecordProblem(Exception):
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}" if field else message)
 
 
+class _LongNumber:
+    """An integer literal of more than :data:`MAX_NUMBER_DIGITS` digits, kept unconverted (int() of 5,000 digits
+    raises, of millions is slow) so that validation reports it with its field path."""
+
+    def __init__(self, text: str):
+        self.digits = len(text.lstrip("-"))
+
+    def __repr__(self) -> str:
+        return f"<a {self.digits}-digit number>"
+
+
+def _parse_int(text: str) -> int | _LongNumber:
+    return _LongNumber(text) if len(text) > MAX_NUMBER_DIGITS + 1 else int(text)
+
+
 def _coord(value: Any, field: str) -> int:
+    if isinstance(value, _LongNumber):
+        raise _RecordProblem(field, f"{value!r} is not an integer in 0..{NUM_COORD_BINS - 1}")
     if isinstance(value, str):
         bin_index = parse_coord_token(value.strip())
         if bin_index is None:
@@ -101,8 +155,16 @@ def _poly(value: Any, field: str) -> tuple[int, ...]:
 
 
 def _short(value: Any) -> str:
-    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    try:
+        text = json.dumps(value, ensure_ascii=True) if not isinstance(value, str) else ascii(value)
+    except (TypeError, ValueError, RecursionError):  # a _LongNumber inside, or nesting deeper than dumps recurses
+        text = repr(value) if isinstance(value, _LongNumber) else f"<a {type(value).__name__}>"
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _printable(value: Any) -> str:
+    """``str(value)`` with control and other non-printable characters escaped (file names reach the terminal)."""
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in str(value))
 
 
 def _object(raw: Any, field: str) -> DetObject:
@@ -115,6 +177,11 @@ def _object(raw: Any, field: str) -> DetObject:
     desc = raw.get("desc")
     if not isinstance(desc, str) or not desc.strip():
         raise _RecordProblem(f"{field}.desc", f"expected a non-empty string, got {_short(desc)}")
+    special = _SPECIAL_TOKEN.search(desc)
+    if special:
+        raise _RecordProblem(f"{field}.desc", f"contains the special-token form {_short(special.group())}; a desc is "
+                                              "plain text (the tokenizer would read it as a control or coord "
+                                              "token): remove or rewrite it")
     has_box, has_poly = "bbox_2d" in raw, "poly" in raw
     if has_box == has_poly:
         which = "both" if has_box else "neither"
@@ -126,9 +193,74 @@ def _object(raw: Any, field: str) -> DetObject:
 
 def _positive_int(raw: dict, key: str) -> int:
     value = raw.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise _RecordProblem(key, f"expected a positive integer (image {key} in pixels), got {_short(value)}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_IMAGE_SIDE:
+        raise _RecordProblem(key, f"expected a positive integer up to {MAX_IMAGE_SIDE} (image {key} in pixels), "
+                                  f"got {_short(value)}")
     return value
+
+
+def open_image(path: Path) -> Any:
+    """Open ``path`` lazily (PIL reads the header only) and check its size against :data:`MAX_IMAGE_PIXELS` and
+    :data:`MAX_ASPECT_RATIO` before any pixel is decoded; the caller decodes (``convert``) and closes it."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own cap below decides
+            image = Image.open(path)
+    except Image.DecompressionBombError as exc:
+        raise ImageFileError(f"{path}: image header claims too many pixels ({exc}); the limit is "
+                             f"{MAX_IMAGE_PIXELS} pixels (MAX_IMAGE_PIXELS): downscale or tile the image") from None
+    except UnidentifiedImageError:
+        raise ImageFileError(f"{path}: not a readable image (unknown format or corrupt header)") from None
+    except OSError as exc:
+        raise ImageFileError(f"{path}: cannot read image ({exc.strerror or exc})") from None
+    except Exception as exc:  # noqa: BLE001 - PIL's format plugins raise ValueError, SyntaxError, struct.error...
+        raise ImageFileError(f"{path}: not a readable image ({type(exc).__name__}: {exc})") from None
+    width, height = image.size
+    problem = None
+    if width < 1 or height < 1:
+        problem = f"has an empty size {width} x {height}"
+    elif width * height > MAX_IMAGE_PIXELS:
+        problem = (f"is {width} x {height} = {width * height} pixels, over the limit of {MAX_IMAGE_PIXELS} "
+                   "(MAX_IMAGE_PIXELS, a decompression-bomb guard): downscale or tile the image")
+    elif max(width, height) > MAX_ASPECT_RATIO * min(width, height):
+        problem = (f"is {width} x {height}, an aspect ratio over {MAX_ASPECT_RATIO} that Qwen-VL image processors "
+                   "refuse: crop or pad it")
+    if problem:
+        image.close()
+        raise ImageFileError(f"{path}: image {problem}")
+    return image
+
+
+def _image_path(name: str, field: str, image_root: Path, check_files: bool) -> Path:
+    if "\x00" in name:
+        raise _RecordProblem(field, f"{_short(name)} contains a NUL byte; write the plain file path")
+    encoded = name.encode("utf-8", "surrogatepass")
+    if len(encoded) > _MAX_PATH_BYTES or any(len(part) > _MAX_NAME_BYTES for part in encoded.split(b"/")):
+        raise _RecordProblem(field, f"{_short(name)} is too long (a file name may have {_MAX_NAME_BYTES} bytes, "
+                                    f"a path {_MAX_PATH_BYTES}); rename the file")
+    try:
+        path = Path(name).expanduser()
+    except RuntimeError:  # "~someone/..." where someone has no home directory
+        raise _RecordProblem(field, f"{_short(name)}: cannot expand {_short(name.split('/', 1)[0])} (no such user "
+                                    "or home directory); write the path in full or relative to the image root"
+                             ) from None
+    path = path if path.is_absolute() else image_root / path
+    if not check_files:
+        return path
+    try:
+        exists = path.is_file()
+    except OSError as exc:
+        raise _RecordProblem(field, f"cannot check image {_printable(path)} ({exc.strerror or exc})") from None
+    if not exists:
+        raise _RecordProblem(field, f"image file not found: {_printable(path.resolve())} (relative paths resolve "
+                                    f"against {image_root}; set data.image_root if the images live elsewhere)")
+    try:
+        open_image(path).close()
+    except ImageFileError as exc:
+        raise _RecordProblem(field, str(exc)) from None
+    return path
 
 
 def parse_record(raw: Any, *, image_root: Path, source: str, check_files: bool = True) -> DetectionRecord:
@@ -150,15 +282,7 @@ def _parse(raw: Any, *, image_root: Path, source: str, check_files: bool) -> Det
     if not isinstance(objects, list):
         raise _RecordProblem("objects", f"expected a list (possibly empty) of objects, got {_short(objects)}")
     parsed = tuple(_object(obj, f"objects[{i}]") for i, obj in enumerate(objects))
-    paths = []
-    for i, name in enumerate(images):
-        path = Path(name).expanduser()
-        path = path if path.is_absolute() else image_root / path
-        if check_files and not path.is_file():
-            raise _RecordProblem(f"images[{i}]", f"image file not found: {path.resolve()} (relative paths resolve "
-                                                 f"against {image_root}; set data.image_root if the images live "
-                                                 "elsewhere)")
-        paths.append(path)
+    paths = [_image_path(name, f"images[{i}]", image_root, check_files) for i, name in enumerate(images)]
     return DetectionRecord(image_paths=tuple(paths), width=width, height=height, objects=parsed, source=source)
 
 
@@ -171,41 +295,71 @@ def load_records(
 ) -> list[DetectionRecord]:
     """Read and validate every record (the first ``max_samples`` if given); blank lines are skipped.
 
-    Image paths resolve against ``image_root`` if given, else the JSONL's directory. Raises :class:`DatasetError`
-    listing up to :data:`MAX_REPORTED_ERRORS` problems as ``file:line: field: message``.
+    Image paths resolve against ``image_root`` if given, else the JSONL's directory; with ``check_files`` every
+    image header is read (module doc). Raises :class:`DatasetError` listing up to :data:`MAX_REPORTED_ERRORS`
+    problems as ``file:line: field: message``.
     """
     path = Path(jsonl_path)
     if max_samples is not None and max_samples < 1:
         raise ValueError(f"max_samples must be >= 1 or None, got {max_samples}")
-    if not path.is_file():
-        raise DatasetError([f"{path}: no such file ({path.resolve()}); check data.train_jsonl / data.val_jsonl"])
-    root = Path(image_root).expanduser() if image_root is not None else path.parent
-    if image_root is not None and not root.is_dir():
-        raise DatasetError([f"{path}: image_root {root.resolve()} is not a directory; check data.image_root"])
+    shown = _printable(path)
+    if "\x00" in str(path):
+        raise DatasetError([f"{shown}: the path contains a NUL byte; check data.train_jsonl / data.val_jsonl"])
+    try:
+        is_file = path.is_file()
+        root = Path(image_root).expanduser() if image_root is not None else path.parent
+        root_ok = image_root is None or root.is_dir()
+    except (OSError, RuntimeError) as exc:
+        raise DatasetError([f"{shown}: cannot use this path ({getattr(exc, 'strerror', None) or exc}); check "
+                            "data.train_jsonl / data.val_jsonl / data.image_root"]) from None
+    if not is_file:
+        raise DatasetError([f"{shown}: no such file ({_printable(path.resolve())}); check data.train_jsonl / "
+                            "data.val_jsonl"])
+    if not root_ok:
+        raise DatasetError([f"{shown}: image_root {_printable(root.resolve())} is not a directory; check "
+                            "data.image_root"])
     records: list[DetectionRecord] = []
     problems: list[str] = []
     total_problems = 0
-    with path.open("r", encoding="utf-8") as handle:
-        for line_no, line in enumerate(handle, start=1):
-            if max_samples is not None and len(records) + total_problems >= max_samples:
-                break
-            if not line.strip():
-                continue
-            source = f"{path}:{line_no}"
-            try:
-                raw = json.loads(line)
-                records.append(_parse(raw, image_root=root, source=source, check_files=check_files))
-            except json.JSONDecodeError as exc:
-                total_problems += 1
-                if len(problems) < MAX_REPORTED_ERRORS:
-                    problems.append(f"{source}: not valid JSON ({exc.msg} at column {exc.colno}); each line must "
-                                    "hold one complete JSON object")
-            except _RecordProblem as problem:
-                total_problems += 1
-                if len(problems) < MAX_REPORTED_ERRORS:
-                    problems.append(f"{source}: {problem}")
+    try:
+        with path.open("rb") as handle:
+            offset = 0
+            for line_no, line in enumerate(handle, start=1):
+                line_offset, offset = offset, offset + len(line)
+                if max_samples is not None and len(records) + total_problems >= max_samples:
+                    break
+                if line_no == 1 and line.startswith(_UTF8_BOM):
+                    line, line_offset = line[len(_UTF8_BOM):], line_offset + len(_UTF8_BOM)
+                if not line.strip():
+                    continue
+                source = f"{shown}:{line_no}"
+                try:
+                    raw = _decode_line(line, line_offset)
+                    records.append(_parse(raw, image_root=root, source=source, check_files=check_files))
+                except _RecordProblem as problem:
+                    total_problems += 1
+                    if len(problems) < MAX_REPORTED_ERRORS:
+                        problems.append(f"{source}: {problem}")
+    except OSError as exc:
+        raise DatasetError([f"{shown}: cannot read ({exc.strerror or exc}); check the file's permissions"]) from None
     if total_problems:
         raise DatasetError(problems, total_problems)
     if not records:
-        raise DatasetError([f"{path}: contains no records; write one JSON object per line"])
+        raise DatasetError([f"{shown}: contains no records; write one JSON object per line"])
     return records
+
+
+def _decode_line(line: bytes, file_offset: int) -> Any:
+    """One JSONL line -> its JSON value; bad UTF-8, bad JSON and over-deep nesting become a problem of the line."""
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _RecordProblem("", f"not valid UTF-8: byte 0x{line[exc.start]:02x} at byte {exc.start + 1} of the line "
+                                 f"(file offset {file_offset + exc.start}); save the file as UTF-8") from None
+    try:
+        return json.loads(text, parse_int=_parse_int)
+    except json.JSONDecodeError as exc:
+        raise _RecordProblem("", f"not valid JSON ({exc.msg} at column {exc.colno}); each line must hold one "
+                                 "complete JSON object") from None
+    except RecursionError:
+        raise _RecordProblem("", "JSON nested too deeply to read; a record is an object of lists of objects") from None

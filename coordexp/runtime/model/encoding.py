@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
+from coordexp.errors import UserInputError
 from coordexp.schema.template import TemplateConfig
 
 if TYPE_CHECKING:
@@ -30,6 +31,7 @@ __all__ = [
     "build_messages",
     "render_prompt",
     "encode_prompt",
+    "encode_rendered_prompt",
     "encode_teacher_forced",
     "check_prompt_alignment",
     "check_supervised_span",
@@ -39,7 +41,7 @@ IMAGE_PAD_TOKEN = "<|image_pad|>"
 _VISION_PLACEHOLDERS = (IMAGE_PAD_TOKEN, "<|video_pad|>")
 
 
-class EncodingError(ValueError):
+class EncodingError(UserInputError, ValueError):
     """A prompt or teacher-forced encoding is inconsistent; training on it would silently misalign labels."""
 
 
@@ -158,29 +160,44 @@ def render_prompt(processor: Any, record: "DetectionRecord", template: TemplateC
 
 
 def load_images(record: "DetectionRecord") -> list[Any]:
-    from PIL import Image
+    """Decode the record's images as RGB. Each is opened with the loader's header checks (pixel cap, aspect ratio);
+    any failure, a corrupt body included, is an :class:`EncodingError` naming ``file:line``, the field and the path."""
+    from coordexp.runtime.model.data import ImageFileError, open_image
 
     images = []
-    for path in record.image_paths:
+    for index, path in enumerate(record.image_paths):
         try:
-            with Image.open(path) as image:
+            with open_image(path) as image:
                 images.append(image.convert("RGB"))
-        except OSError as exc:
-            raise EncodingError(f"{record.source}: cannot read image {path}: {exc}") from None
+        except ImageFileError as exc:
+            raise EncodingError(f"{record.source}: images[{index}]: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - decoding raises OSError, ValueError, SyntaxError, struct.error...
+            raise EncodingError(f"{record.source}: images[{index}]: cannot decode image {path} "
+                                f"({type(exc).__name__}: {exc}); re-save or remove it") from None
     return images
 
 
 def encode_prompt(processor: Any, record: "DetectionRecord", template: TemplateConfig) -> EncodedPrompt:
     """Encode the generation prompt of ``record``; images are resized within the template's pixel budget."""
+    return encode_rendered_prompt(processor, render_prompt(processor, record, template), record, template)
+
+
+def encode_rendered_prompt(processor: Any, text: str, record: "DetectionRecord",
+                           template: TemplateConfig) -> EncodedPrompt:
+    """Encode an already rendered prompt ``text`` holding one ``<|image_pad|>`` per image of ``record`` (none: a
+    text-only prompt). The tail of :func:`encode_prompt`, shared with the rollout server's other chat shapes."""
     import torch
 
     tokenizer, image_processor = processor.tokenizer, processor.image_processor
-    text = render_prompt(processor, record, template)
-    vision = image_processor(
-        images=load_images(record),
-        size={"shortest_edge": template.min_pixels, "longest_edge": template.max_pixels},
-        return_tensors="pt",
-    )
+    if record.image_paths:
+        vision = image_processor(
+            images=load_images(record),
+            size={"shortest_edge": template.min_pixels, "longest_edge": template.max_pixels},
+            return_tensors="pt",
+        )
+    else:  # no vision input: zero patch rows of the processor's width, so batches with images still concatenate
+        width = 3 * int(image_processor.temporal_patch_size) * int(image_processor.patch_size) ** 2
+        vision = {"pixel_values": torch.zeros((0, width)), "image_grid_thw": torch.zeros((0, 3), dtype=torch.long)}
     grid = torch.as_tensor(vision["image_grid_thw"], dtype=torch.long).reshape(-1, 3)
     merge = int(getattr(image_processor, "merge_size", 2))
     per_image = [int(n) for n in (grid.prod(dim=1) // (merge * merge)).tolist()]

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
+from coordexp.errors import UserInputError
+
 if TYPE_CHECKING:
     import torch
 
@@ -22,7 +24,7 @@ MROPE_MODEL_TYPES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl")
 MropeIndex = Callable[["torch.Tensor", "torch.Tensor", "torch.Tensor | None"], "torch.Tensor"]
 
 
-class PackingError(ValueError):
+class PackingError(UserInputError, ValueError):
     """Samples cannot be laid out in a packed/padded batch, or the model cannot run the packed layout."""
 
 

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from coordexp.errors import UserInputError
 from coordexp.runtime.core.tokens import CoordVocab, add_coord_tokens
 from coordexp.runtime.model.encoding import ImageTextProcessor, load_processor
 
@@ -20,7 +21,7 @@ PROCESSOR_CLASS_NAMES = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
-class LaunchError(RuntimeError):
+class LaunchError(UserInputError, RuntimeError):
     """The run cannot start (missing model or data, a checkpoint without coord tokens, ...); the text says why."""
 
 

@@ -15,6 +15,8 @@ import urllib.error
 import urllib.request
 from typing import Any, Sequence
 
+from coordexp.errors import ExternalSystemError
+
 __all__ = [
     "ServerError",
     "ServerUnreachableError",
@@ -33,7 +35,7 @@ _POLL_INTERVAL_S = 0.5
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-class ServerError(RuntimeError):
+class ServerError(ExternalSystemError, RuntimeError):
     """A rollout server call failed; ``url`` is the full endpoint URL."""
 
     def __init__(self, message: str, *, url: str):

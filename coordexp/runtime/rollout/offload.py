@@ -17,6 +17,7 @@ from typing import Any, Iterator
 
 import torch
 
+from coordexp.errors import ExternalSystemError
 from coordexp.schema.rollout import OffloadConfig
 
 __all__ = ["OffloadError", "OffloadReport", "check_offloadable", "offload_context"]
@@ -27,7 +28,7 @@ _MITIGATIONS = (
 )
 
 
-class OffloadError(RuntimeError):
+class OffloadError(ExternalSystemError, RuntimeError):
     """The training state cannot be offloaded safely; the message names the reason and the mitigations."""
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
+from coordexp.errors import ExternalSystemError
 from coordexp.runtime.rollout.base import RolloutOutput, RolloutRequest
 from coordexp.schema.rollout import DecodingConfig, RepeatTerminateConfig
 
@@ -30,7 +31,7 @@ class GenerationParams:
     decoding: DecodingConfig
 
 
-class EngineError(RuntimeError):
+class EngineError(ExternalSystemError, RuntimeError):
     """The engine cannot do what was asked (e.g. an unknown weight name, no LoRA support); the text says why."""
 
 

@@ -1,7 +1,7 @@
 """Run the rollout server: build the engine of a config, bind the port explicitly, serve with uvicorn.
 
 - Loopback (``127.0.0.1``) by default; another host is an explicit choice.
-- The socket is bound BEFORE the model loads: a busy port is an immediate :class:`ServeError` naming the port
+- The socket is bound BEFORE the model loads: a busy port is an immediate :class:`ServeSystemError` naming the port
   (ms-swift silently moves to the next free port, and the learner then talks to nothing). ``port=0`` asks the
   OS for a free port; the ready line printed on stdout names the real one.
 - SIGINT/SIGTERM shut down gracefully: in-flight requests finish (bounded), queued work is dropped, the weight-sync
@@ -18,6 +18,7 @@ import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from coordexp.errors import CoordexpError, ExternalSystemError, UserInputError
 from coordexp.runtime.server.engine import GenerationParams, RolloutEngine
 
 if TYPE_CHECKING:
@@ -25,25 +26,34 @@ if TYPE_CHECKING:
 
     from coordexp.schema.contract import RunContract
 
-__all__ = ["ServeError", "READY_PREFIX", "bind_socket", "resolve_engine_kind", "build_engine", "build_app", "serve"]
+__all__ = ["ServeError", "ServeInputError", "ServeSystemError", "READY_PREFIX", "bind_socket", "resolve_engine_kind",
+           "build_engine", "build_app", "serve"]
 
 READY_PREFIX = "coordexp rollout server ready on "
 EngineKind = Literal["vllm", "hf"]
 log = logging.getLogger("coordexp.serve")
 
 
-class ServeError(RuntimeError):
-    """The server cannot start (busy port, unusable engine, ...); the text says why and what to do."""
+class ServeError(CoordexpError, RuntimeError):
+    """The server cannot start; the text says why and what to do. Raised as one of the two kinds below."""
+
+
+class ServeInputError(ServeError, UserInputError):
+    """A start-up argument is wrong (a port out of range, a host that does not resolve): exit 2."""
+
+
+class ServeSystemError(ServeError, ExternalSystemError):
+    """This machine cannot serve as asked (the port is busy, vLLM is missing or inconsistent): exit 3."""
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
     """A listening TCP socket on exactly ``(host, port)``; a busy port raises :class:`ServeError`."""
     if not 0 <= port <= 65535:
-        raise ServeError(f"--port {port} is not a TCP port (0..65535; 0 picks a free one)")
+        raise ServeInputError(f"--port {port} is not a TCP port (0..65535; 0 picks a free one)")
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
-        raise ServeError(f"--host {host!r} cannot be resolved ({exc}); use 127.0.0.1 or an address of this "
+        raise ServeInputError(f"--host {host!r} cannot be resolved ({exc}); use 127.0.0.1 or an address of this "
                          "machine") from None
     family, _, _, _, address = infos[0]
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -54,10 +64,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         if exc.errno == errno.EADDRINUSE:
-            raise ServeError(f"port {port} on {host} is already in use; stop the process holding it or choose "
+            raise ServeSystemError(f"port {port} on {host} is already in use; stop the process holding it or choose "
                              "another --port (the server never moves to another port silently: the learner's "
                              "servers[].base_url must name the real one)") from None
-        raise ServeError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+        raise ServeSystemError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     sock.setblocking(False)
     return sock
 
@@ -81,19 +91,19 @@ def build_engine(run: "RunContract", kind: EngineKind) -> RolloutEngine:
     try:
         module = importlib.import_module("coordexp.runtime.rollout.vllm_engine")
     except ModuleNotFoundError as exc:
-        raise ServeError(f"--engine vllm needs {exc.name!r}, which is not installed; install vLLM or serve with "
+        raise ServeSystemError(f"--engine vllm needs {exc.name!r}, which is not installed; install vLLM or serve with "
                          "--engine hf") from None
     factory = getattr(module, "create_server_engine", None)
     if factory is None:
         engine_class = getattr(module, "VllmEngine", None)
         factory = getattr(engine_class, "from_contract", None)
     if factory is None:
-        raise ServeError("coordexp.runtime.rollout.vllm_engine defines no create_server_engine(run) / VllmEngine.from_contract;"
-                         " the installation is inconsistent: serve with --engine hf")
+        raise ServeSystemError("coordexp.runtime.rollout.vllm_engine defines no create_server_engine(run) / "
+                               "VllmEngine.from_contract; the installation is inconsistent: serve with --engine hf")
     engine = factory(run)
     if not isinstance(engine, RolloutEngine):
-        raise ServeError(f"the vLLM engine factory returned {type(engine).__name__}, which does not implement the "
-                         "RolloutEngine protocol")
+        raise ServeSystemError(f"the vLLM engine factory returned {type(engine).__name__}, which does not implement "
+                               "the RolloutEngine protocol")
     return engine
 
 
@@ -107,7 +117,7 @@ def build_app(run: "RunContract", engine: RolloutEngine, *, image_root: str | Pa
     defaults = GenerationParams(max_new_tokens=rollout.max_new_tokens, decoding=rollout.decoding)
     return create_app(engine, load_processor(run.model.path), run.template, image_root=image_root,
                       defaults=defaults, model_name=Path(run.model.path).name or run.model.path,
-                      sync_timeout_s=rollout.vllm.timeout_s, bind_host=bind_host)
+                      sync_timeout_s=rollout.serving.sync_timeout_s, bind_host=bind_host)
 
 
 def serve(app: Any, sock: socket.socket, *, log_level: str = "info", graceful_timeout_s: float = 10.0) -> None:

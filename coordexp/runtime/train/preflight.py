@@ -1,13 +1,17 @@
 """``coordexp preflight``: everything a launch script should know before it starts servers and ``torchrun``.
 
-Checks, in order, stopping at the first class of failure (each has its own exit code, see :data:`EXIT_CODES`):
-the config validates (2); the model directory has a config and all 1000 coord tokens (2); the data files exist and
-a sample of records and their images load (2); in server mode each server answers ``/health/`` and
-``/get_world_size/`` (3) and the topology is feasible, ``decode_batch_size * S >= W`` (4). With ``launch=True``
-servers are not running yet: their HTTP and group ports must be free on this host instead (5), and each is assumed
-to have ``server_world_size`` replicas. The report carries the launcher wiring: ``server_base_urls`` (projected
-from ``servers[]``), per-rank chunk, and a suggested device split (3v1 on 4 GPUs).
-No torch import: this runs in a second on a login node.
+Checks: the config validates (every problem listed, like ``coordexp validate``); the multi-process sync mode; the
+model directory has a config and all 1000 coord tokens; the data files exist and a sample of records and their
+images load; in server mode each server answers ``/health/`` and ``/get_world_size/`` (probed in parallel) and the
+topology is feasible, ``decode_batch_size * S >= W``. With ``launch=True`` servers are not running yet: their HTTP
+and group ports must be free on this host instead, and each is assumed to have ``server_world_size`` replicas.
+Every check runs that can (only an invalid config stops the rest), so one run reports every problem.
+
+Exit code (the error family's, see :data:`EXIT_CODES`): 2 when any problem is the user's to fix (config, model
+directory, data), since waiting will not fix it; otherwise 3 when an external system is the problem (a server
+unreachable or answering wrongly, an infeasible topology, a busy port); 0 when ready. The report carries the
+launcher wiring: ``server_base_urls`` (projected from ``servers[]``), per-rank chunk, and a suggested device split
+(3v1 on 4 GPUs). No torch import: this runs in a second on a login node.
 """
 
 from __future__ import annotations
@@ -15,35 +19,42 @@ from __future__ import annotations
 import json
 import os
 import socket
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from coordexp.errors import EXIT_EXTERNAL, EXIT_INVALID, EXIT_OK
 from coordexp.runtime.core.distribution import InfeasibleTopologyError, per_rank_chunk
 from coordexp.runtime.core.tokens import ALL_COORD_TOKENS
 
-__all__ = ["EXIT_CODES", "PreflightCheck", "PreflightReport", "run_preflight", "coord_tokens_missing",
-           "suggest_device_split", "port_is_free"]
+__all__ = ["EXIT_CODES", "PreflightCheck", "PreflightReport", "run_preflight", "exit_code_of",
+           "coord_tokens_missing", "suggest_device_split", "port_is_free"]
 
-EXIT_OK, EXIT_INVALID_CONFIG, EXIT_UNREACHABLE, EXIT_INFEASIBLE, EXIT_PORT_BUSY = 0, 2, 3, 4, 5
 EXIT_CODES = {
     EXIT_OK: "ready to launch",
-    EXIT_INVALID_CONFIG: "invalid config, model directory or data",
-    EXIT_UNREACHABLE: "a rollout server is unreachable or answers wrongly",
-    EXIT_INFEASIBLE: "infeasible topology: decode_batch_size * server world size < learner world size",
-    EXIT_PORT_BUSY: "launch mode: a server or group port is already in use on this host",
+    EXIT_INVALID: "invalid config, model directory or data: fix the input",
+    EXIT_EXTERNAL: "an external system is not ready: a rollout server is unreachable or answers wrongly, the "
+                   "topology is infeasible (decode_batch_size * server world size < learner world size), or "
+                   "(launch mode) a server or group port is already in use on this host",
 }
 _LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0"}
 
 
 @dataclass(frozen=True)
 class PreflightCheck:
-    """One line of the report: ``name`` (what), ``ok``, ``detail`` (what was found or what to fix)."""
+    """One line of the report: ``name`` (what), ``ok``, ``detail`` (what was found or what to fix), and the exit
+    code class of a failure (``exit_code``: 2 user input, 3 external system; 0 when ok)."""
 
     name: str
     ok: bool
     detail: str
+    exit_code: int = EXIT_OK
+
+
+def _failed(name: str, detail: str, code: int) -> PreflightCheck:
+    return PreflightCheck(name, False, detail, code)
 
 
 @dataclass(frozen=True)
@@ -56,9 +67,20 @@ class PreflightReport:
     def ok(self) -> bool:
         return self.exit_code == EXIT_OK
 
+    @property
+    def problems(self) -> tuple[PreflightCheck, ...]:
+        """The failed checks, in the order they ran."""
+        return tuple(c for c in self.checks if not c.ok)
+
     def to_dict(self) -> dict[str, Any]:
         return {"ok": self.ok, "exit_code": self.exit_code, "meaning": EXIT_CODES[self.exit_code],
                 "checks": [asdict(c) for c in self.checks], "wiring": self.wiring}
+
+
+def exit_code_of(checks: list[PreflightCheck] | tuple[PreflightCheck, ...]) -> int:
+    """2 if any failed check is the user's to fix, else 3 if any is an external system's, else 0."""
+    codes = {c.exit_code for c in checks if not c.ok}
+    return EXIT_INVALID if EXIT_INVALID in codes else EXIT_EXTERNAL if codes else EXIT_OK
 
 
 def coord_tokens_missing(model_dir: Path) -> list[str]:
@@ -117,96 +139,135 @@ def _visible_gpus() -> int:
 def run_preflight(config_path: str | Path, *, learner_world_size: int = 1, health_timeout_s: float | None = None,
                   launch: bool = False, server_world_size: int = 1, num_gpus: int | None = None,
                   sample_records: int = 8) -> PreflightReport:
-    """Run every check (module docstring); never raises for user problems, the report says what is wrong."""
-    from coordexp.schema.contract import load_contract
+    """Run every check (module docstring); never raises for user or server problems, the report says what is wrong."""
+    from coordexp.schema.contract import VllmServerContract, build_contract
     from coordexp.schema.errors import ConfigError
+    from coordexp.schema.loader import validate_config_file
 
     checks: list[PreflightCheck] = []
 
-    def done(code: int, wiring: dict | None = None) -> PreflightReport:
-        return PreflightReport(code, tuple(checks), wiring or {})
+    def done(wiring: dict | None = None) -> PreflightReport:
+        return PreflightReport(exit_code_of(checks), tuple(checks), wiring or {})
 
     try:
-        run = load_contract(config_path)
-    except (ConfigError, OSError, ValueError) as exc:
-        checks.append(PreflightCheck("config", False, str(exc)))
-        return done(EXIT_INVALID_CONFIG)
+        report = validate_config_file(config_path)
+        issues = list(report.errors)
+        run = None
+        if report.ok:
+            try:
+                run = build_contract(report.config)
+            except ConfigError as exc:
+                issues = list(exc.issues)
+    except (OSError, ValueError) as exc:  # an unreadable path the loader did not turn into an issue
+        issues, run = [], None
+        checks.append(_failed("config", f"{config_path}: {exc}", EXIT_INVALID))
+    for issue in issues:
+        where = f" (in {issue.file})" if issue.file and issue.file != report.path else ""
+        checks.append(_failed("config", issue.render() + where, EXIT_INVALID))
+    if run is None:
+        return done()
     rollout = run.rollout_matching
-    checks.append(PreflightCheck("config", True, f"{config_path}: {run.trainer_variant}, backend "
-                                 f"{rollout.rollout_backend}" + (f"/{rollout.vllm_mode}" if rollout.vllm_mode else "")))
+    backend = rollout.backend
+    checks.append(PreflightCheck("config", True, f"{config_path}: {run.trainer_variant}, backend {backend.kind}"))
     try:
         rollout.require_full_sync_for(learner_world_size)
     except ConfigError as exc:
-        checks.append(PreflightCheck("sync mode", False, str(exc)))
-        return done(EXIT_INVALID_CONFIG)
+        checks.extend(_failed("sync mode", i.render(), EXIT_INVALID) for i in exc.issues)
 
-    if not _check_model(Path(run.model.path), checks) or not _check_data(run, checks, sample_records):
-        return done(EXIT_INVALID_CONFIG)
-    if rollout.vllm_mode != "server":
+    _check_model(Path(run.model.path), checks)
+    _check_data(run, checks, sample_records)
+    if not isinstance(backend, VllmServerContract):
         checks.append(PreflightCheck("servers", True, "not in server mode: no rollout server to check"))
-        return done(EXIT_OK)
+        return done()
 
-    servers = rollout.vllm.servers
+    servers = backend.servers
     wiring: dict[str, Any] = {"server_base_urls": [s.base_url for s in servers],
                               "group_ports": [s.group_port for s in servers],
                               "learner_world_size": learner_world_size,
                               "decode_batch_size": rollout.decode_batch_size}
     if launch:
-        busy = []
-        for s in servers:
-            host = urlsplit(s.base_url).hostname or "127.0.0.1"
-            port = urlsplit(s.base_url).port or 80
-            if host in _LOCAL_HOSTS:
-                busy += [f"{s.base_url} port {p}" for p in (port, s.group_port) if not port_is_free(host, p)]
-        checks.append(PreflightCheck("ports free", not busy, "busy: " + ", ".join(busy) + "; stop what holds them "
-                                     "or change servers[] (coordexp never moves a port silently)" if busy else
-                                     "every local server and group port is free"))
-        world_sizes = [server_world_size] * len(servers)
-        if busy:
-            return done(EXIT_PORT_BUSY, wiring)
+        world_sizes: list[int] | None = _check_ports_free(servers, checks, server_world_size)
     else:
-        from coordexp.runtime.rollout.client import RolloutServerClient, ServerError
-
-        timeout = rollout.vllm.timeout_s if health_timeout_s is None else health_timeout_s
-        world_sizes = []
-        for s in servers:
-            client = RolloutServerClient(s.base_url, group_port=s.group_port, timeout_s=timeout)
-            try:
-                client.wait_until_healthy()
-                world_sizes.append(client.world_size())
-            except ServerError as exc:
-                checks.append(PreflightCheck(f"server {s.base_url}", False, str(exc)))
-                return done(EXIT_UNREACHABLE, wiring)
-            checks.append(PreflightCheck(f"server {s.base_url}", True, f"healthy, world size {world_sizes[-1]}"))
-    wiring["server_world_sizes"] = world_sizes
+        timeout = backend.timeout_s if health_timeout_s is None else health_timeout_s
+        world_sizes = _check_servers(servers, checks, timeout)
     wiring["suggested_device_split"] = suggest_device_split(num_gpus or _visible_gpus(), learner_world_size)
+    if world_sizes is None:  # a server did not answer: its world size, hence the topology, is unknown
+        return done(wiring)
+    wiring["server_world_sizes"] = world_sizes
     try:
         wiring["per_rank_chunk"] = per_rank_chunk(rollout.decode_batch_size, world_sizes, learner_world_size)
     except InfeasibleTopologyError as exc:
-        checks.append(PreflightCheck("topology", False, str(exc)))
-        return done(EXIT_INFEASIBLE, wiring)
+        checks.append(_failed("topology", str(exc), EXIT_EXTERNAL))
+        return done(wiring)
     checks.append(PreflightCheck("topology", True, f"decode_batch_size {rollout.decode_batch_size} * S "
                                  f"{sum(world_sizes)} >= W {learner_world_size}; per-rank chunk "
                                  f"{wiring['per_rank_chunk']}"))
-    return done(EXIT_OK, wiring)
+    return done(wiring)
 
 
-def _check_model(model_dir: Path, checks: list[PreflightCheck]) -> bool:
+def _check_ports_free(servers: Any, checks: list[PreflightCheck], server_world_size: int) -> list[int]:
+    """Launch mode: every local server's HTTP and group port must be bindable now; world sizes are as announced."""
+    busy = []
+    for s in servers:
+        host = urlsplit(s.base_url).hostname or "127.0.0.1"
+        port = urlsplit(s.base_url).port or 80
+        if host in _LOCAL_HOSTS:
+            busy += [f"{s.base_url} port {p}" for p in (port, s.group_port) if not port_is_free(host, p)]
+    if busy:
+        checks.append(_failed("ports free", "busy: " + ", ".join(busy) + "; stop what holds them or change "
+                              "servers[] (coordexp never moves a port silently)", EXIT_EXTERNAL))
+    else:
+        checks.append(PreflightCheck("ports free", True, "every local server and group port is free"))
+    return [server_world_size] * len(servers)
+
+
+def _check_servers(servers: Any, checks: list[PreflightCheck], timeout_s: float) -> list[int] | None:
+    """Probe every server at once (each within ``timeout_s``); their world sizes, or None if any failed."""
+    from coordexp.runtime.rollout.client import RolloutServerClient, ServerError
+
+    def probe(server: Any) -> int | ServerError:
+        client = RolloutServerClient(server.base_url, group_port=server.group_port, timeout_s=timeout_s)
+        try:
+            client.wait_until_healthy()
+            return client.world_size()
+        except ServerError as exc:
+            return exc
+
+    with ThreadPoolExecutor(max_workers=min(16, len(servers)) or 1, thread_name_prefix="preflight") as pool:
+        answers = list(pool.map(probe, servers))
+    for server, answer in zip(servers, answers):
+        if isinstance(answer, ServerError):
+            checks.append(_failed(f"server {server.base_url}", str(answer), EXIT_EXTERNAL))
+        else:
+            checks.append(PreflightCheck(f"server {server.base_url}", True, f"healthy, world size {answer}"))
+    if any(isinstance(a, ServerError) for a in answers):
+        return None
+    return [int(a) for a in answers]  # type: ignore[arg-type]
+
+
+def _check_model(model_dir: Path, checks: list[PreflightCheck]) -> None:
     if not (model_dir / "config.json").is_file():
-        checks.append(PreflightCheck("model", False, f"{model_dir} has no config.json; set model.path to a "
-                                     "Hugging Face model directory"))
-        return False
-    missing = coord_tokens_missing(model_dir)
+        checks.append(_failed("model", f"{model_dir} has no config.json; set model.path to a Hugging Face model "
+                              "directory", EXIT_INVALID))
+        return
+    try:
+        missing = coord_tokens_missing(model_dir)
+    except (OSError, ValueError) as exc:  # unreadable or malformed tokenizer files
+        checks.append(_failed("model", f"{model_dir}: cannot read the tokenizer files ({exc}); point model.path at "
+                              "a complete checkpoint", EXIT_INVALID))
+        return
     if missing:
-        checks.append(PreflightCheck("model", False, f"{model_dir}: {len(missing)} of 1000 coord tokens missing "
-                                     f"(e.g. {missing[:3]}); add them to the tokenizer (coordexp.runtime.core.tokens."
-                                     "add_coord_tokens) and resize the embeddings"))
-        return False
+        checks.append(_failed("model", f"{model_dir}: {len(missing)} of 1000 coord tokens missing (e.g. "
+                              f"{missing[:3]}); add them to the tokenizer (coordexp expand-vocab SRC DST, or "
+                              "coordexp.runtime.core.tokens.add_coord_tokens) and resize the embeddings", EXIT_INVALID))
+        return
     checks.append(PreflightCheck("model", True, f"{model_dir}: config.json and all 1000 coord tokens"))
-    return True
 
 
-def _check_data(run: Any, checks: list[PreflightCheck], sample: int) -> bool:
+def _check_data(run: Any, checks: list[PreflightCheck], sample: int) -> None:
+    """Each data file: its first ``sample`` records parse and every image they name opens (each bad one listed)."""
+    from PIL import Image
+
     from coordexp.runtime.model.data import DatasetError, load_records
 
     data = run.data
@@ -216,18 +277,17 @@ def _check_data(run: Any, checks: list[PreflightCheck], sample: int) -> bool:
         try:
             records = load_records(path, data.image_root, max_samples=sample, check_files=True)
         except (DatasetError, OSError) as exc:
-            checks.append(PreflightCheck(label, False, str(exc)))
-            return False
+            checks.append(_failed(label, str(exc), EXIT_INVALID))
+            continue
         images = [p for r in records for p in r.image_paths]
+        bad = 0
         for image in images:
             try:
-                from PIL import Image
-
                 with Image.open(image) as handle:
                     handle.verify()
             except Exception as exc:  # noqa: BLE001 - PIL raises many types for unreadable files
-                checks.append(PreflightCheck(label, False, f"{image}: not a readable image ({exc})"))
-                return False
-        images = len(images)
-        checks.append(PreflightCheck(label, True, f"{path}: first {len(records)} record(s) and {images} image(s) load"))
-    return True
+                checks.append(_failed(label, f"{image}: not a readable image ({exc})", EXIT_INVALID))
+                bad += 1
+        if not bad:
+            checks.append(PreflightCheck(label, True, f"{path}: first {len(records)} record(s) and {len(images)} "
+                                         "image(s) load"))

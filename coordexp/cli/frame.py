@@ -1,0 +1,203 @@
+"""The frame every ``coordexp`` command runs in: exit codes, consoles, safe printing, "load the run or exit 2", and
+the guarded runner that turns any exception into one message and the exit code of its class.
+
+The API other command modules use (stable names; light imports only: typer, rich, the standard library):
+
+- ``EXIT_OK`` 0, ``EXIT_INTERNAL`` 1 (a bug), ``EXIT_INVALID`` 2 (user input), ``EXIT_EXTERNAL`` 3 (an external
+  system): re-exported from :mod:`coordexp.errors`.
+- ``out`` / ``err``: the Rich consoles on stdout / stderr.
+- ``safe(value)``: a user-supplied string (key, value, path, a message quoting user input) made safe to embed in
+  Rich markup: control characters escaped (ESC prints as ``\\x1b``), then markup escaped. ``plain(value)`` escapes
+  the control characters only (for text written without Rich).
+- ``is_rank_zero()``; ``fail(message, hint, code)`` prints ``✗ message. hint`` on rank 0 and exits with ``code``.
+- ``issue_line`` / ``print_invalid_report``: how a config problem and an invalid file's report are printed.
+- ``load_run(path, as_json=...)``: validate a config and build its run contract, or print the report and exit 2.
+- ``guarded(command)``: wrap a command function (``app.command("name")(guarded(fn))``). An exception escaping it
+  exits ``exit_code_for(exc)``: 2/3 print ``✗ message. hint`` and no traceback; anything else prints "internal
+  error ... this is a bug in coordexp" and exits 1. ``COORDEXP_DEBUG=1`` adds the traceback. When the command has a
+  ``--json`` flag bound to the parameter ``as_json`` and it is set, the error is also one JSON object on stdout.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Callable, NoReturn, Optional, TypeVar
+
+import click
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from coordexp.errors import (
+    EXIT_EXTERNAL,
+    EXIT_INTERNAL,
+    EXIT_INVALID,
+    EXIT_OK,
+    ExternalSystemError,
+    UserInputError,
+    exit_code_for,
+)
+
+__all__ = [
+    "EXIT_OK", "EXIT_INTERNAL", "EXIT_INVALID", "EXIT_EXTERNAL", "EXIT_INTERRUPTED", "DEBUG_ENV",
+    "out", "err", "safe", "plain", "is_rank_zero", "fail", "issue_line", "print_invalid_report", "load_run",
+    "guarded", "report_exception", "error_payload",
+]
+
+EXIT_INTERRUPTED = 130
+DEBUG_ENV = "COORDEXP_DEBUG"
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+# C0 (but newline/tab, handled below), DEL, C1 (0x9b is a one-byte CSI on some terminals), the Unicode line and
+# paragraph separators, and the bidirectional overrides/isolates that can reorder what a reader sees.
+_CONTROL = "\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069"
+_UNSAFE_INLINE = re.compile(f"[\t\n{_CONTROL}]")
+_UNSAFE_MULTILINE = re.compile(f"[{_CONTROL}]")
+F = TypeVar("F", bound=Callable[..., Any])
+# Exits and usage errors that typer/click turn into their own exit codes (typer >= 0.20 has its own Exit class).
+_PASS_THROUGH = (typer.Exit, typer.Abort, click.exceptions.Exit, click.exceptions.Abort, click.ClickException)
+
+
+def _escape_char(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def plain(value: object, *, multiline: bool = False) -> str:
+    """``str(value)`` with control characters shown as escapes (``\\x1b``), so printing it cannot drive the
+    terminal; ``multiline`` keeps newlines and tabs (messages that list problems line by line)."""
+    pattern = _UNSAFE_MULTILINE if multiline else _UNSAFE_INLINE
+    return pattern.sub(_escape_char, str(value))
+
+
+def safe(value: object, *, multiline: bool = False) -> str:
+    """A user-supplied string ready to embed in Rich markup: :func:`plain`, then markup escaped."""
+    return escape(plain(value, multiline=multiline))
+
+
+def is_rank_zero() -> bool:
+    """False on every torchrun rank but 0: those train silently."""
+    return os.environ.get("RANK", "0") in ("", "0")
+
+
+def _sentence(message: str, hint: str = "") -> str:
+    """``message. hint`` in markup, both escaped, without doubling a final full stop."""
+    text = safe(message.rstrip(), multiline=True)
+    if hint:
+        text = text.rstrip(".") + f". [dim]{safe(hint.strip(), multiline=True)}[/dim]"
+    return text
+
+
+def fail(message: str, hint: str = "", code: int = EXIT_INVALID) -> NoReturn:
+    """Print ``✗ message. hint`` on stderr (rank 0) and exit with ``code`` (default 2, user input)."""
+    if is_rank_zero():
+        err.print(f"[red]✗[/red] {_sentence(message, hint)}")
+    raise typer.Exit(code)
+
+
+def issue_line(issue: Any, top_file: Optional[str]) -> str:
+    """One config problem (a :class:`~coordexp.schema.errors.ConfigIssue`) as markup: path, message, hint, and the
+    file it came from when that is not the file named on the command line."""
+    text = f"[bold]{safe(issue.path or '<top level>')}[/bold]: {safe(issue.message)}"
+    if issue.hint:
+        text += f". [dim]{safe(issue.hint)}[/dim]"
+    if issue.file and issue.file != top_file:
+        text += f" [dim](in {safe(issue.file)})[/dim]"
+    return text
+
+
+def print_invalid_report(console: Console, shown: str, report: Any) -> None:
+    """The ``✗ FILE: N problem(s)`` line and one bullet per error, as every command that validates prints them."""
+    console.print(f"[red]✗[/red] {safe(shown)}: {len(report.errors)} problem(s)")
+    for issue in report.errors:
+        console.print("  [red]•[/red] " + issue_line(issue, report.path))
+
+
+def load_run(path: Path, *, as_json: bool = False) -> Any:
+    """The :class:`~coordexp.schema.contract.RunContract` of the config at ``path``; if the file is invalid, print
+    every problem (and, with ``as_json``, the report as JSON on stdout) and exit 2 before anything is loaded."""
+    from coordexp.schema.contract import build_contract
+    from coordexp.schema.errors import ConfigError
+    from coordexp.schema.loader import validate_config_file
+
+    report = validate_config_file(path)
+    errors = list(report.errors)
+    if report.ok:
+        try:
+            return build_contract(report.config)
+        except ConfigError as exc:  # a rule only the contract checks: report it like the schema's own
+            errors = list(exc.issues)
+    if is_rank_zero():
+        err.print(f"[red]✗[/red] {safe(path)}: {len(errors)} problem(s)")
+        for issue in errors:
+            err.print("  [red]•[/red] " + issue_line(issue, report.path))
+        err.print(f"[dim]Nothing was loaded. Fix the file (`coordexp validate {safe(path)}`).[/dim]")
+        if as_json:
+            sys.stdout.write(json.dumps({"ok": False, "exit_code": EXIT_INVALID, "path": str(path),
+                                         "errors": [i.to_dict() for i in errors]}, indent=2) + "\n")
+    raise typer.Exit(EXIT_INVALID)
+
+
+def error_payload(exc: BaseException) -> dict[str, Any]:
+    """The ``--json`` form of an error: exit code, kind, class, message, hint (and config issues when it has them)."""
+    code = exit_code_for(exc)
+    kind = {EXIT_INVALID: "user_input", EXIT_EXTERNAL: "external_system"}.get(code, "internal")
+    message = getattr(exc, "message", None) if isinstance(exc, (UserInputError, ExternalSystemError)) else None
+    payload: dict[str, Any] = {"ok": False, "exit_code": code, "error": {
+        "kind": kind, "type": type(exc).__name__, "message": message if message is not None else str(exc),
+        "hint": getattr(exc, "hint", "") or ""}}
+    issues = getattr(exc, "issues", None)
+    if issues and all(hasattr(i, "to_dict") for i in issues):
+        payload["error"]["issues"] = [i.to_dict() for i in issues]
+    return payload
+
+
+def report_exception(exc: BaseException, *, as_json: bool = False) -> int:
+    """Print ``exc`` the way the CLI reports errors (see the module docstring) and return its exit code."""
+    code = exit_code_for(exc)
+    debug = os.environ.get(DEBUG_ENV) == "1"
+    rank = os.environ.get("RANK", "0") or "0"
+    # A user or external error is the same on every rank: rank 0 says it. A bug may be rank-specific: all say it.
+    if not is_rank_zero() and code != EXIT_INTERNAL and not debug:
+        return code
+    prefix = "" if rank == "0" else f"[rank {safe(rank)}] "
+    if debug:
+        err.print(plain("".join(traceback.format_exception(exc)), multiline=True), markup=False)
+    if code == EXIT_INTERNAL:
+        text = " ".join(str(exc).split()) or "(no message)"
+        err.print(f"{prefix}[red]✗ internal error[/red]: {safe(type(exc).__name__)}: {safe(text)}")
+        if not debug:
+            err.print(f"[dim]This is a bug in coordexp; rerun with {DEBUG_ENV}=1 for the traceback and report "
+                      "it.[/dim]")
+    else:
+        message = getattr(exc, "message", None)
+        err.print(f"{prefix}[red]✗[/red] {_sentence(message if isinstance(message, str) else str(exc), exc.hint)}")
+    if as_json:
+        sys.stdout.write(json.dumps(error_payload(exc), indent=2) + "\n")
+    return code
+
+
+def guarded(command: F) -> F:
+    """``command`` with every escaping exception reported by :func:`report_exception` and mapped to its exit code
+    (typer/click exits and usage errors pass through; Ctrl-C exits 130)."""
+
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except _PASS_THROUGH:
+            raise
+        except KeyboardInterrupt:
+            err.print("interrupted")
+            raise typer.Exit(EXIT_INTERRUPTED) from None
+        except Exception as exc:  # noqa: BLE001 - the one place exceptions become exit codes
+            raise typer.Exit(report_exception(exc, as_json=bool(kwargs.get("as_json")))) from None
+
+    return run  # type: ignore[return-value]
