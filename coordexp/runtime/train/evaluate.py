@@ -1,0 +1,247 @@
+"""Detection quality of a policy: roll out records, parse and match exactly as stage 2 trains, score every valid
+object, and compute COCO AP (faster-coco-eval) next to the rollout counters.
+
+Ranking score (``score``): ``logprob`` (default) is the sequence log-probability of the object's tokens (its whole
+``"object_N": {...}`` entry) under the policy, from one teacher-forced forward of the rollout
+(:mod:`coordexp.runtime.model.scoring`); the COCO score is its probability ``exp(logprob)``. ``mean_logprob`` uses the
+per-token mean (no length penalty for polygons), ``constant`` gives every object 1.0 (AP then depends only on
+appearance order within an image, which COCO breaks ties by). Boxes are always scored (polygons as their boxes);
+masks (``segm``) too when any ground-truth object is a polygon (boxes count as rectangles there).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Optional, Sequence
+
+import numpy as np
+
+from coordexp.runtime.core.coco import CocoImage, ScoredObject, build_coco_gt, coco_results, relative_image_name
+from coordexp.runtime.core.coco_metrics import CocoMetrics, evaluate_coco
+from coordexp.runtime.core.objects import DetObject
+from coordexp.runtime.core.telemetry import RolloutCounters, sum_counters
+from coordexp.runtime.model.encoding import encode_prompt, encode_teacher_forced
+from coordexp.runtime.model.scoring import response_token_logprobs
+from coordexp.runtime.rollout.base import RolloutRequest, request_seed
+from coordexp.runtime.train.rollout_step import build_rollout_sample
+from coordexp.runtime.train.visualize import RolloutLogEntry, render_rollout
+
+if TYPE_CHECKING:
+    from coordexp.runtime.model.data import DetectionRecord
+    from coordexp.runtime.rollout.base import RolloutBackend
+    from coordexp.runtime.train.rollout_step import HostContext
+
+__all__ = [
+    "ScoreMode",
+    "SCORE_MODES",
+    "ScoredPrediction",
+    "ImageRollout",
+    "DetectionEval",
+    "roll_out_and_score",
+    "detection_metrics",
+    "write_eval_files",
+    "evaluate_detection",
+]
+
+ScoreMode = Literal["logprob", "mean_logprob", "constant"]
+SCORE_MODES: tuple[str, ...] = ("logprob", "mean_logprob", "constant")
+# The figures logged by training evaluation and shown first in tables.
+HEADLINE = ("AP", "AP50", "AP75", "AP_small", "AP_medium", "AP_large", "AR100")
+
+
+@dataclass(frozen=True)
+class ScoredPrediction:
+    """One valid parsed object with the log-probability of its tokens (``nan`` when not computed)."""
+
+    obj: DetObject
+    logprob: float
+    n_tokens: int
+
+    def score(self, mode: ScoreMode) -> float:
+        if mode == "constant" or math.isnan(self.logprob):
+            return 1.0
+        value = self.logprob / max(1, self.n_tokens) if mode == "mean_logprob" else self.logprob
+        return math.exp(value)
+
+
+@dataclass(frozen=True)
+class ImageRollout:
+    """What one image's rollout contributes: its record, scored predictions, counters and the drawable entry."""
+
+    record: "DetectionRecord"
+    predictions: tuple[ScoredPrediction, ...]
+    counters: RolloutCounters
+    entry: RolloutLogEntry
+
+
+@dataclass
+class DetectionEval:
+    """AP figures (boxes, and masks where polygon ground truth exists) next to the rollout counters."""
+
+    counters: RolloutCounters
+    bbox: CocoMetrics
+    segm: Optional[CocoMetrics]
+    score: ScoreMode
+    images: int
+    left_out: dict[str, int] = field(default_factory=dict)  # predictions COCO cannot score, by reason
+    files: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def log_dict(self, prefix: str = "eval") -> dict[str, float]:
+        """Flat figures for the trainer's log: ``{prefix}/AP`` ..., ``{prefix}/segm_AP`` ..., and the counters."""
+        logs = dict(self.counters.to_log_dict(prefix=f"{prefix}/"))
+        for name, metrics in (("", self.bbox), ("segm_", self.segm)):
+            if metrics is None:
+                continue
+            for key in HEADLINE:
+                value = metrics[key]
+                if value is not None:
+                    logs[f"{prefix}/{name}{key}"] = value
+        return logs
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "images": self.images, "score": self.score, "bbox": self.bbox.to_dict(),
+            "segm": None if self.segm is None else self.segm.to_dict(),
+            "counters": self.counters.to_log_dict(prefix=""), "ratios": self.counters.ratios(),
+            "left_out": dict(self.left_out), "files": dict(self.files), "seconds": self.seconds,
+        }
+
+
+def _pad_id(host: "HostContext") -> int:
+    tokenizer = host.tokenizer
+    return int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else host.eos_id)
+
+
+def roll_out_and_score(
+    model: Any,
+    host: "HostContext",
+    backend: "RolloutBackend",
+    records: Sequence["DetectionRecord"],
+    *,
+    decode_batch_size: int,
+    seed: int = 0,
+    step: int = 0,
+    score: ScoreMode = "logprob",
+) -> list[ImageRollout]:
+    """Roll out ``records`` in chunks (the backend's weights synced to ``model`` first), parse and match them with
+    the training code, and attach each valid object's token log-probability (unless ``score="constant"``)."""
+    if score not in SCORE_MODES:
+        raise ValueError(f"score must be one of {list(SCORE_MODES)}, got {score!r}")
+    was_training = getattr(model, "training", False)
+    model.eval()
+    out: list[ImageRollout] = []
+    try:
+        backend.sync_weights(model)
+        chunk = max(1, int(decode_batch_size))
+        for start in range(0, len(records), chunk):
+            part = list(records[start : start + chunk])
+            prompts = [encode_prompt(host.processor, r, host.template) for r in part]
+            requests = [RolloutRequest(prompt=p, index=i, seed=request_seed(seed, step, start + i), record=r)
+                        for i, (r, p) in enumerate(zip(part, prompts, strict=True))]
+            outputs = backend.generate(requests)
+            samples = [build_rollout_sample(r, p, o, host) for r, p, o in zip(part, prompts, outputs, strict=True)]
+            logprobs: list[Optional[np.ndarray]] = [None] * len(part)
+            if score != "constant":
+                todo = [k for k, o in enumerate(outputs) if o.response_token_ids and samples[k].valid_positions]
+                encoded = [encode_teacher_forced(host.processor, part[k], host.template, outputs[k].response_token_ids,
+                                                 prompt=prompts[k]) for k in todo]
+                for k, values in zip(todo, response_token_logprobs(model, encoded, pad_token_id=_pad_id(host))):
+                    logprobs[k] = values
+            for record, sample, values in zip(part, samples, logprobs, strict=True):
+                predictions = []
+                for position in sample.valid_positions:
+                    parsed = sample.parse.objects[position]
+                    # the span of a final object may end one past the rollout (its closing brace is fused)
+                    lo, hi = parsed.token_span[0], min(parsed.token_span[1], len(sample.parse.response_ids))
+                    total = float(values[lo:hi].sum()) if values is not None else float("nan")
+                    predictions.append(ScoredPrediction(parsed.to_det_object(), total, hi - lo))
+                out.append(ImageRollout(record, tuple(predictions), sample.counters,
+                                        sample.log_entry(record, step, "eval")))
+    finally:
+        model.train(was_training)
+    return out
+
+
+def detection_metrics(
+    rollouts: Sequence[ImageRollout], *, score: ScoreMode = "logprob", image_root: str | Path | None = None
+) -> tuple[DetectionEval, dict[str, Any], list[dict[str, Any]]]:
+    """``(report, coco_gt, coco_results)``: image ids are 1..N in order, categories the sorted ground-truth descs."""
+    images = [
+        CocoImage(k + 1, r.record.width, r.record.height,
+                  relative_image_name(str(r.record.image_paths[0]), None if image_root is None else str(image_root)),
+                  tuple(r.record.objects))
+        for k, r in enumerate(rollouts)
+    ]
+    categories = sorted({obj.desc for image in images for obj in image.objects})
+    gt = build_coco_gt(images, categories)
+    scored = [ScoredObject(k + 1, p.obj, p.score(score)) for k, r in enumerate(rollouts) for p in r.predictions]
+    sizes = {image.image_id: (image.width, image.height) for image in images}
+    results, left_out = coco_results(scored, sizes, {name: k + 1 for k, name in enumerate(categories)})
+    has_polygons = any(obj.geometry == "poly" for image in images for obj in image.objects)
+    counters = sum_counters([r.counters for r in rollouts]) if rollouts else RolloutCounters()
+    report = DetectionEval(
+        counters=counters,
+        bbox=evaluate_coco(gt, results, "bbox"),
+        segm=evaluate_coco(gt, results, "segm") if has_polygons else None,
+        score=score,
+        images=len(images),
+        left_out=dict(left_out),
+    )
+    return report, gt, results
+
+
+def write_eval_files(
+    report: DetectionEval, rollouts: Sequence[ImageRollout], gt: dict[str, Any], results: list[dict[str, Any]],
+    out_dir: str | Path, *, png_count: int = 4,
+) -> DetectionEval:
+    """``coco_gt.json``, ``coco_results.json`` (loads in any COCO API), ``predictions.jsonl`` (one line per image,
+    norm1000 coords with score and logprob: ``coordexp convert to-results`` maps it onto an original COCO file),
+    ``metrics.json`` and up to ``png_count`` PNGs (images with ground truth first)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "coco_gt.json").write_text(json.dumps(gt) + "\n", encoding="utf-8")
+    (out / "coco_results.json").write_text(json.dumps(results) + "\n", encoding="utf-8")
+    lines = []
+    for r in rollouts:
+        objects = [{"desc": p.obj.desc, p.obj.geometry: list(p.obj.coords), "score": p.score(report.score),
+                    "logprob": None if math.isnan(p.logprob) else p.logprob} for p in r.predictions]
+        lines.append(json.dumps({"image": str(r.record.image_paths[0]), "width": r.record.width,
+                                 "height": r.record.height, "objects": objects}))
+    (out / "predictions.jsonl").write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    order = sorted(range(len(rollouts)), key=lambda k: (len(rollouts[k].record.objects) == 0, k))
+    pngs = [render_rollout(rollouts[k].entry, out / "png" / f"eval_{k:04d}.png") for k in order[:png_count]]
+    report.files = {"coco_gt": str(out / "coco_gt.json"), "coco_results": str(out / "coco_results.json"),
+                    "predictions": str(out / "predictions.jsonl"), "metrics": str(out / "metrics.json"),
+                    "pngs": ", ".join(str(p) for p in pngs)}
+    (out / "metrics.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8")
+    return report
+
+
+def evaluate_detection(
+    model: Any,
+    host: "HostContext",
+    backend: "RolloutBackend",
+    records: Sequence["DetectionRecord"],
+    *,
+    decode_batch_size: int,
+    seed: int = 0,
+    step: int = 0,
+    score: ScoreMode = "logprob",
+    image_root: str | Path | None = None,
+    out_dir: str | Path | None = None,
+    png_count: int = 4,
+) -> DetectionEval:
+    """Roll out, score and evaluate ``records``; with ``out_dir`` also write the results files and PNGs."""
+    started = time.perf_counter()
+    rollouts = roll_out_and_score(model, host, backend, records, decode_batch_size=decode_batch_size, seed=seed,
+                                  step=step, score=score)
+    report, gt, results = detection_metrics(rollouts, score=score, image_root=image_root)
+    report.seconds = time.perf_counter() - started
+    if out_dir is not None:
+        write_eval_files(report, rollouts, gt, results, out_dir, png_count=png_count)
+    return report

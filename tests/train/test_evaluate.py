@@ -1,0 +1,158 @@
+"""Detection evaluation through the training parse/match path: scripted rollouts with known AP, log-probability
+scores equal to a plain full forward, result files that the COCO library and ``convert to-results`` read back."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from coordexp.runtime.core.coco import predictions_to_coco_results
+from coordexp.runtime.core.objects import DetObject
+from coordexp.runtime.core.serialize import serialize_objects
+from coordexp.runtime.model.data import load_records
+from coordexp.runtime.rollout.base import RolloutOutput
+from coordexp.runtime.train.evaluate import evaluate_detection, roll_out_and_score
+from coordexp.runtime.train.rollout_step import HostContext
+from coordexp.schema.contract import load_contract
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "stage2_cpu_hf.yaml"
+
+
+class ScriptedBackend:
+    """Answers each request with the text ``script(record)`` (tokenized); records which model it was synced to.
+    (Duck-typed: evaluation uses only ``sync_weights`` and ``generate`` of a backend.)"""
+
+    name = "scripted"
+
+    def __init__(self, tokenizer, script):
+        self.tokenizer, self.script, self.synced = tokenizer, script, None
+
+    def generate(self, requests):
+        outputs = []
+        for request in requests:
+            text = self.script(request.record)
+            ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+            outputs.append(RolloutOutput(tuple(request.prompt.input_ids.tolist()), ids, text, "stop"))
+        return outputs
+
+    def sync_weights(self, model):
+        self.synced = model
+
+    def close(self):
+        pass
+
+
+@pytest.fixture(scope="module")
+def host(tiny_processor):
+    contract = load_contract(EXAMPLE)
+    return HostContext.create(tiny_processor, contract.rollout_matching, contract.template)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(str(tiny_model_dir)).eval()
+
+
+@pytest.fixture(scope="module")
+def records(synthetic_dataset):
+    return [r for r in load_records(synthetic_dataset.train_jsonl) if r.objects][:4]
+
+
+def _evaluate(model, host, records, script, **kwargs):
+    backend = ScriptedBackend(host.tokenizer, script)
+    report = evaluate_detection(model, host, backend, records, decode_batch_size=3, **kwargs)
+    assert backend.synced is model
+    return report
+
+
+def test_ground_truth_rollouts_score_ap_one(model, host, records):
+    report = _evaluate(model, host, records, lambda r: serialize_objects(r.objects), score="constant")
+    assert report.bbox["AP"] == pytest.approx(1.0) and report.bbox["AP50"] == pytest.approx(1.0)
+    assert report.segm is not None and report.segm["AP50"] == pytest.approx(1.0)  # synthetic data has polygons
+    n_gt = sum(len(r.objects) for r in records)
+    assert report.counters.matched == n_gt and report.counters.gt_objects == n_gt
+    assert report.images == len(records) and report.left_out == {}
+
+
+def test_wrong_descs_score_zero_and_unknown_descs_are_counted(model, host, records):
+    def renamed(record):
+        return serialize_objects([DetObject("mauve blob", o.geometry, o.coords) for o in record.objects])
+
+    report = _evaluate(model, host, records, renamed, score="constant")
+    assert report.bbox["AP"] == 0.0
+    assert report.left_out == {"unknown_category": sum(len(r.objects) for r in records)}
+
+
+def test_first_object_only_gives_the_recall_share(model, host, records):
+    """Each image's first object, perfectly placed: recall per category is found / present, precision 1."""
+    report = _evaluate(model, host, records, lambda r: serialize_objects(r.objects[:1]), score="constant")
+    found = {}
+    present = {}
+    for r in records:
+        for k, obj in enumerate(r.objects):
+            present[obj.desc] = present.get(obj.desc, 0) + 1
+            found[obj.desc] = found.get(obj.desc, 0) + (k == 0)
+    for desc, ap in report.bbox.per_category.items():
+        recall = found[desc] / present[desc]
+        assert ap == pytest.approx(math.floor(recall * 100 + 1e-9 + 1) / 101 if recall else 0.0, abs=1e-6), desc
+
+
+def test_logprob_scores_equal_a_full_forward(model, host, records):
+    import torch
+
+    from coordexp.runtime.model.encoding import encode_prompt, encode_teacher_forced
+
+    record = records[0]
+    rollouts = roll_out_and_score(model, host, ScriptedBackend(host.tokenizer, lambda r: serialize_objects(r.objects)),
+                                  [record], decode_batch_size=1)
+    predictions = rollouts[0].predictions
+    assert len(predictions) == len(record.objects)
+    ids = host.tokenizer.encode(serialize_objects(record.objects), add_special_tokens=False)
+    prompt = encode_prompt(host.processor, record, host.template)
+    sample = encode_teacher_forced(host.processor, record, host.template, ids, prompt=prompt)
+    with torch.no_grad():
+        logits = model(**sample.model_inputs()).logits[0].double()
+    logp = torch.log_softmax(logits, -1)
+    start = sample.assistant_start
+    per_token = np.array([float(logp[start + t - 1, token]) for t, token in enumerate(ids)])
+    from coordexp.runtime.core.parsing import parse_rollout
+
+    parse = parse_rollout(ids, host.tokenizer, host.vocab, piece_table=host.pieces)
+    for parsed, prediction in zip(parse.objects, predictions, strict=True):
+        lo, hi = parsed.token_span[0], min(parsed.token_span[1], len(ids))
+        assert prediction.logprob == pytest.approx(per_token[lo:hi].sum(), rel=1e-4, abs=1e-4)
+        assert prediction.n_tokens == hi - lo
+        assert prediction.score("logprob") == pytest.approx(math.exp(per_token[lo:hi].sum()), rel=1e-3)
+        assert prediction.score("mean_logprob") == pytest.approx(math.exp(per_token[lo:hi].mean()), rel=1e-3)
+        assert prediction.score("constant") == 1.0
+
+
+def test_files_load_in_the_library_and_map_back(model, host, records, tmp_path):
+    from faster_coco_eval import COCO
+
+    report = _evaluate(model, host, records, lambda r: serialize_objects(r.objects[::-1]), out_dir=tmp_path,
+                       png_count=2, image_root=records[0].image_paths[0].parent.parent)
+    gt = COCO(str(tmp_path / "coco_gt.json"))
+    results = gt.loadRes(str(tmp_path / "coco_results.json"))
+    assert len(results.getAnnIds()) == sum(len(r.objects) for r in records)
+    scores = [a["score"] for a in results.loadAnns(results.getAnnIds())]
+    assert all(0 < s <= 1 for s in scores) and len(set(scores)) > 1  # probabilities, not a constant
+    assert gt.loadImgs(1)[0]["file_name"].startswith("images/")
+    lines = (tmp_path / "predictions.jsonl").read_text().splitlines()
+    mapped, left_out = predictions_to_coco_results(lines, json.loads((tmp_path / "coco_gt.json").read_text()),
+                                                   source="predictions.jsonl")
+    written = json.loads((tmp_path / "coco_results.json").read_text())
+    assert not left_out
+    assert [(r["image_id"], r["category_id"]) for r in mapped] == [(r["image_id"], r["category_id"]) for r in written]
+    np.testing.assert_allclose([r["bbox"] for r in mapped], [r["bbox"] for r in written])
+    assert len(list((tmp_path / "png").glob("*.png"))) == 2
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["bbox"]["AP"] == pytest.approx(report.bbox["AP"])
+    logs = report.log_dict("eval")
+    assert logs["eval/AP50"] == pytest.approx(1.0) and "eval/segm_AP" in logs and "eval/match_rate" in logs
