@@ -19,7 +19,9 @@ from typing import Annotated, Optional
 import typer
 
 from coordexp.cli.assets import register as register_assets
+from coordexp.cli.convert import register as register_convert
 from coordexp.cli.demo import register as register_demo
+from coordexp.cli.evaluate import register as register_eval
 from coordexp.cli.frame import (
     EXIT_EXTERNAL,
     EXIT_INTERNAL,
@@ -187,6 +189,8 @@ register_train(app)
 register_demo(app)
 register_serve(app)
 register_preflight(app)
+register_eval(app)
+register_convert(app)
 
 
 def main(argv: Optional[list[str]] = None) -> None:

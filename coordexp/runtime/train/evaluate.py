@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from coordexp.runtime.model.data import DetectionRecord
     from coordexp.runtime.rollout.base import RolloutBackend
     from coordexp.runtime.train.rollout_step import HostContext
+    from coordexp.schema.contract import RunContract
 
 __all__ = [
     "ScoreMode",
@@ -45,6 +46,7 @@ __all__ = [
     "detection_metrics",
     "write_eval_files",
     "evaluate_detection",
+    "run_evaluation",
 ]
 
 ScoreMode = Literal["logprob", "mean_logprob", "constant"]
@@ -245,3 +247,39 @@ def evaluate_detection(
     if out_dir is not None:
         write_eval_files(report, rollouts, gt, results, out_dir, png_count=png_count)
     return report
+
+
+def run_evaluation(
+    run: "RunContract",
+    *,
+    split: Literal["val", "train"] = "val",
+    limit: Optional[int] = None,
+    score: ScoreMode = "logprob",
+    out_dir: str | Path | None = None,
+    png_count: int = 4,
+    log: Any = None,
+) -> DetectionEval:
+    """``coordexp eval``: load ``run.model.path`` and the split's records, roll out through the configured backend,
+    evaluate, write the files under ``out_dir`` and close the backend."""
+    from coordexp.runtime.model.data import load_records
+    from coordexp.runtime.model.policy import LaunchError, load_policy
+    from coordexp.runtime.rollout.registry import create_backend
+    from coordexp.runtime.train.rollout_step import HostContext
+
+    jsonl = run.data.val_jsonl if split == "val" else run.data.train_jsonl
+    if jsonl is None:
+        raise LaunchError(f"the config has no data.{split}_jsonl to evaluate",
+                          hint="set data.val_jsonl, or pass --split train")
+    records = load_records(jsonl, run.data.image_root, max_samples=limit)
+    model, processor = load_policy(run)
+    host = HostContext.create(processor, run.rollout_matching, run.template)
+    backend = create_backend(run, model, processor)
+    if log is not None:
+        log(f"rolling out {len(records)} {split} images from {jsonl} ({type(backend).__name__})")
+    try:
+        return evaluate_detection(
+            model, host, backend, records, decode_batch_size=run.rollout_matching.decode_batch_size, seed=run.seed,
+            score=score, image_root=run.data.image_root, out_dir=out_dir, png_count=png_count,
+        )
+    finally:
+        backend.close()

@@ -1,0 +1,116 @@
+"""``coordexp eval CFG``: COCO-style detection quality of a checkpoint (AP, AP50, AP75, AP by size, AR@100,
+per-category AP; masks too where polygon ground truth exists) next to the rollout counters.
+
+The work lives in :mod:`coordexp.runtime.train.evaluate`; this module is the command-line glue and the tables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from coordexp.cli.frame import EXIT_OK, err, guarded, load_run, out, safe
+from coordexp.errors import UserInputError
+
+__all__ = ["register", "evaluate", "resolve_checkpoint"]
+
+SCORES = ("logprob", "mean_logprob", "constant")
+
+
+def resolve_checkpoint(run: Any, checkpoint: Optional[Path]) -> Path:
+    """``--checkpoint`` if given; else the run's ``training.output_dir`` once it holds a saved model; else
+    ``model.path`` (evaluating the starting point)."""
+    if checkpoint is not None:
+        if not (checkpoint / "config.json").is_file():
+            raise UserInputError(f"--checkpoint {checkpoint} holds no saved model (config.json is missing)",
+                                 hint="pass a training output_dir or a checkpoint-N directory")
+        return checkpoint
+    trained = Path(run.training.output_dir)
+    return trained if (trained / "config.json").is_file() else Path(run.model.path)
+
+
+def _fmt(value: Optional[float]) -> str:
+    return "-" if value is None else f"{100 * value:.1f}"
+
+
+def evaluate(
+    config: Annotated[Path, typer.Argument(help="The run's YAML config.", show_default=False)],
+    checkpoint: Annotated[Optional[Path], typer.Option(
+        "--checkpoint", help="Model directory to evaluate (default: the config's output_dir if trained, else "
+                             "model.path).")] = None,
+    split: Annotated[str, typer.Option("--split", help="Which records: val (data.val_jsonl) or train.")] = "val",
+    limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Evaluate the first N records only.")] = None,
+    score: Annotated[str, typer.Option(
+        "--score", help="Ranking score per object: logprob (sequence log-probability of its tokens), "
+                        "mean_logprob (per token) or constant.")] = "logprob",
+    out_dir: Annotated[Optional[Path], typer.Option(
+        "--out", help="Where results, metrics and PNGs go (default: OUTPUT_DIR/eval_SPLIT).")] = None,
+    pngs: Annotated[int, typer.Option("--pngs", min=0, help="How many rollout PNGs to draw.")] = 4,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
+) -> None:
+    """Roll out a split through the configured backend, parse and match as training does, and report COCO AP
+    (boxes; masks where polygons exist) with the rollout counters; writes a COCO results JSON and PNGs."""
+    if split not in ("val", "train"):
+        raise UserInputError(f"--split must be val or train, got {split!r}")
+    if score not in SCORES:
+        raise UserInputError(f"--score must be one of {', '.join(SCORES)}, got {score!r}")
+    run = load_run(config, as_json=as_json)
+    model_dir = resolve_checkpoint(run, checkpoint)
+    run = dataclasses.replace(run, model=run.model.model_copy(update={"path": str(model_dir)}))
+    target = out_dir if out_dir is not None else Path(run.training.output_dir) / f"eval_{split}"
+
+    from coordexp.runtime.train.evaluate import run_evaluation
+
+    console = err if as_json else out
+    console.print(f"[cyan]eval[/cyan] model {safe(model_dir)}")
+    report = run_evaluation(run, split=split, limit=limit, score=score, out_dir=target, png_count=pngs,  # type: ignore[arg-type]
+                            log=lambda message: console.print(f"[cyan]eval[/cyan] {safe(message)}"))
+    if as_json:
+        sys.stdout.write(json.dumps({"ok": True, "model": str(model_dir), "split": split, **report.to_dict()},
+                                    indent=2) + "\n")
+        raise typer.Exit(EXIT_OK)
+    print_report(report)
+
+
+def print_report(report: Any) -> None:
+    """The AP table (boxes, masks), the rollout counters, per-category AP and the written files."""
+    from rich.table import Table
+
+    table = Table(title=f"detection quality ({report.images} images, score: {report.score}; COCO, percent)")
+    table.add_column("")
+    for key in ("AP", "AP50", "AP75", "AP_small", "AP_medium", "AP_large", "AR100"):
+        table.add_column(key.replace("_", " "), justify="right")
+    for name, metrics in (("boxes", report.bbox), ("masks", report.segm)):
+        if metrics is not None:
+            table.add_row(name, *(_fmt(metrics[k]) for k in
+                                  ("AP", "AP50", "AP75", "AP_small", "AP_medium", "AP_large", "AR100")))
+    out.print(table)
+    c, ratios = report.counters, report.counters.ratios()
+    out.print(
+        f"rollouts: parse valid {_fmt(ratios['parse_valid_rate'])}%, match rate {_fmt(ratios['match_rate'])}%, "
+        f"{c.pred_valid} valid objects / {c.gt_objects} GT, {c.matched} matched, "
+        f"truncated {c.truncated_rollouts}/{c.samples}"
+    )
+    if report.left_out:
+        out.print(f"[yellow]not scored[/yellow] (desc is no ground-truth category): "
+                  f"{sum(report.left_out.values())} predicted objects")
+    per_category = [(name, ap) for name, ap in report.bbox.per_category.items()]
+    if per_category:
+        cats = Table(title="box AP per category (percent)")
+        cats.add_column("category")
+        cats.add_column("AP", justify="right")
+        for name, ap in sorted(per_category, key=lambda item: (-(item[1] if item[1] is not None else -1), item[0])):
+            cats.add_row(safe(name), _fmt(ap))
+        out.print(cats)
+    for key, value in report.files.items():
+        out.print(f"{key}: {safe(value)}")
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``eval`` to ``app``."""
+    app.command("eval")(guarded(evaluate))
