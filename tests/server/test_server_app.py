@@ -111,40 +111,189 @@ def test_base64_image_equals_the_path_and_tag_form_equals_inline(client, run_con
     assert outs[0] == outs[1] == outs[2]
 
 
-@pytest.mark.parametrize("image, status, needle", [
-    ("/etc/hostname", 400, "outside the allowed image root"),
-    ("../../../../etc/passwd", 400, "outside the allowed image root"),
-    ("https://example.com/cat.png", 400, "not fetched"),
-    ("images/missing.png", 400, "not found under the allowed image root"),
+REFUSED_PATHS = ["/etc/hostname", "../../../../etc/passwd", "images/missing.png", "images", "x" * 5000 + ".png",
+                 "bad\x00name.png", "~nosuchuser_coordexp/a.png"]
+
+
+def test_every_refused_path_gets_one_message_without_server_paths(client, run_contract, records, dataset):
+    """Regression (issue 15.4): "outside the root" vs "not found" told a caller which files exist; a 5000-character
+    name was a 500 "File name too long"; bodies carried absolute paths."""
+    details = set()
+    for image in REFUSED_PATHS:
+        reply = client.post("/infer/", json=infer_body([wire_request(records[0], run_contract.template,
+                                                                     image=lambda _: image)]))
+        assert reply.status_code == 400, (image[:40], reply.text)
+        details.add(reply.json()["detail"])
+        assert str(dataset.root) not in reply.text and "/etc" not in reply.text and "Error" not in reply.text
+    assert len(details) == 1 and "infer_requests[0].images[0]" in details.pop()
+
+
+def test_urls_are_refused(client, run_contract, records):
+    reply = client.post("/infer/", json=infer_body([wire_request(records[0], run_contract.template,
+                                                                 image=lambda _: "https://example.com/a.png")]))
+    assert reply.status_code == 400 and "not fetched" in reply.json()["detail"]
+
+
+def test_bare_base64_works_with_and_without_image_root(client, run_contract, records, processor, tiny_model_dir):
+    """Regression (issue 15.4): bare base64 (swift's own form) was a 500 "File name too long" under --image-root."""
+    from fastapi.testclient import TestClient
+
+    from coordexp.runtime.server.app import create_app
+    from coordexp.runtime.server.engine import GenerationParams, HfEngine
+
+    record = records[1]
+    bare = base64.b64encode(record.image_paths[0].read_bytes()).decode()
+    body = infer_body([wire_request(record, run_contract.template), wire_request(record, run_contract.template,
+                                                                                  image=lambda _: bare)])
+    with_root = client.post("/infer/", json=body)
+    assert with_root.status_code == 200, with_root.text
+    by_path, by_bare = [p.item_to_rollout_output(i) for i in p.parse_infer_response(with_root.json(), expected=2)]
+    assert by_bare == by_path
+    engine = HfEngine.from_contract(run_contract, model=load_model(tiny_model_dir), processor=processor)
+    app = create_app(engine, processor, run_contract.template, image_root=None,
+                     defaults=GenerationParams(run_contract.rollout_matching.max_new_tokens, DecodingConfig()))
+    with TestClient(app) as rootless:
+        reply = rootless.post("/infer/", json=infer_body([wire_request(record, run_contract.template,
+                                                                       image=lambda _: bare)]))
+        assert reply.status_code == 200, reply.text
+        assert p.item_to_rollout_output(p.parse_infer_response(reply.json())[0]) == by_path
+        refused = rootless.post("/infer/", json=infer_body([wire_request(record, run_contract.template)]))
+        assert refused.status_code == 400 and "started without --image-root" in refused.json()["detail"]
+        assert str(record.image_paths[0]) not in refused.text
+
+
+def test_a_500_names_no_path_and_no_exception_text(client, run_contract, records, monkeypatch):
+    engine = client.app.state.service.engine
+
+    def explode(*_args, **_kwargs):
+        raise RuntimeError("/very/secret/place exploded")
+
+    monkeypatch.setattr(engine, "generate", explode)
+    reply = client.post("/infer/", json=infer_body([wire_request(records[0], run_contract.template)]))
+    assert reply.status_code == 500
+    assert "secret" not in reply.text and "exploded" not in reply.text and "RuntimeError" not in reply.text
+    assert "incident" in reply.json()["detail"]
+
+
+@pytest.mark.parametrize("extra, name", [
+    ({"request_config": {"structured_outputs_regex": "[0-9]+"}}, "request_config.structured_outputs_regex"),
+    ({"request_config": {"stream": True}}, "request_config.stream"),
+    ({"request_config": {"top_logprobs": 3}}, "request_config.top_logprobs"),
+    ({"request_config": {"logprobs": True, "top_logprobs": 50}}, "request_config.top_logprobs"),
+    ({"request_config": {"presence_penalty": 0.5}}, "request_config.presence_penalty"),
+    ({"request_config": {"length_penalty": 2.0}}, "request_config.length_penalty"),
+    ({"request_config": {"guided_json": {}}}, "request_config.guided_json"),
+    ({"request_config": {"stop": ["}"]}}, "request_config.stop"),
+    ({"adapter_request": {"name": "a", "path": "b"}}, "adapter_request"),
+    ({"template": "qwen2_vl"}, "template"),
+    ({"metrics": [{}]}, "metrics"),
+    ({"sampling": {"x": 1}}, "sampling"),
+    ({"request_extra": {"voice": "x"}}, "infer_requests[0].voice"),
+    ({"request_extra": {"tools": [{"name": "f"}]}}, "infer_requests[0].tools"),
 ])
-def test_image_root_is_enforced(client, run_contract, records, image, status, needle):
-    reply = client.post("/infer/", json=infer_body([wire_request(records[0], run_contract.template,
-                                                                 image=lambda _: image)]))
-    assert reply.status_code == status and needle in reply.json()["detail"]
+def test_a_field_that_cannot_be_honoured_is_a_400_naming_it(client, run_contract, records, extra, name):
+    """Regression (issue 11): structured_outputs_regex (and any unknown key) was silently ignored."""
+    request = {**wire_request(records[0], run_contract.template), **extra.get("request_extra", {})}
+    body = infer_body([request], **extra.get("request_config", {}))
+    body.update({k: v for k, v in extra.items() if k not in ("request_config", "request_extra")})
+    reply = client.post("/infer/", json=body)
+    assert reply.status_code == 400 and name in reply.json()["detail"], reply.text
 
 
-def test_relative_path_under_the_root_is_served(client, run_contract, records, dataset):
-    relative = records[0].image_paths[0].relative_to(dataset.root)
-    reply = client.post("/infer/", json=infer_body([wire_request(records[0], run_contract.template,
-                                                                 image=lambda _: str(relative))]))
+def test_out_of_range_values_are_refused(client, run_contract, records):
+    reply = client.post("/infer/", json=infer_body([wire_request(records[0], run_contract.template)], top_p=2.0))
+    assert reply.status_code in (400, 422) and "top_p" in reply.text
+
+
+def _rendered_ids(processor, messages) -> list[int]:
+    """The chat template's own tokenisation of ``messages`` (image pads not yet expanded)."""
+    text = processor.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return processor.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _collapse_pads(ids, pad_id) -> list[int]:
+    out = []
+    for i in ids:
+        if not (i == pad_id and out and out[-1] == pad_id):
+            out.append(i)
+    return out
+
+
+@pytest.mark.parametrize("shape", ["text_only", "text_before_image", "multi_turn", "two_images_two_turns"])
+def test_any_chat_the_template_accepts_is_served(client, run_contract, records, processor, shape):
+    """Regression (issue 11): text-only, text-before-image and multi-turn chats were refused with 400."""
+    image = str(records[0].image_paths[0])
+    system = {"role": "system", "content": "You are terse."}
+    chats = {
+        "text_only": [system, {"role": "user", "content": "Say hi."}],
+        "text_before_image": [{"role": "user", "content": [{"type": "text", "text": "Look:"},
+                                                            {"type": "image", "image": image}]}],
+        "multi_turn": [system, {"role": "user", "content": [{"type": "image", "image": image},
+                                                            {"type": "text", "text": "What is it?"}]},
+                       {"role": "assistant", "content": "A shape."}, {"role": "user", "content": "Which colour?"}],
+        "two_images_two_turns": [{"role": "user", "content": [{"type": "image", "image": image}]},
+                                 {"role": "assistant", "content": "ok"},
+                                 {"role": "user", "content": [{"type": "text", "text": "and"},
+                                                              {"type": "image", "image": image}]}],
+    }
+    messages = chats[shape]
+    reply = client.post("/infer/", json=infer_body([{"messages": messages}]))
     assert reply.status_code == 200, reply.text
+    out = p.item_to_rollout_output(p.parse_infer_response(reply.json(), expected=1)[0])
+    expected_messages = [dict(m, content=[{"type": "image"} if i.get("type") == "image" else i for i in m["content"]])
+                         if isinstance(m["content"], list) else m for m in messages]
+    if expected_messages[0]["role"] != "system":
+        expected_messages.insert(0, {"role": "system", "content": run_contract.template.system_prompt})
+    pad_id = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert _collapse_pads(out.prompt_token_ids, pad_id) == _rendered_ids(processor, expected_messages)
+    assert out.prompt_token_ids.count(pad_id) >= sum(str(m).count("'image'") for m in messages)
 
 
-@pytest.mark.parametrize("config, needle", [
-    ({"logprobs": True}, "logprobs"),
-    ({"stop": ["}"]}, "stop"),
-    ({"top_p": 2.0}, "top_p"),
-])
-def test_unsupported_request_config_is_a_400_with_the_reason(client, run_contract, records, config, needle):
-    reply = client.post("/infer/", json=infer_body([wire_request(records[0], run_contract.template)], **config))
-    assert reply.status_code in (400, 422) and needle in reply.text
+def test_logprobs_have_swifts_shape_and_greedy_picks_the_best(client, run_contract, records, processor):
+    """Regression (issue 11): every /infer/ of a swift >= 3.11 GRPO trainer (logprobs: true) was a 400."""
+    body = infer_body([wire_request(r, run_contract.template) for r in records[:2]], logprobs=True, top_logprobs=3)
+    reply = client.post("/infer/", json=body)
+    assert reply.status_code == 200, reply.text
+    end_of_turn = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for item in reply.json():
+        choice = item["response"]["choices"][0]
+        content = choice["logprobs"]["content"]
+        ids = choice["token_ids"] + ([end_of_turn] if choice["finish_reason"] == "stop" else [])
+        assert [e["token"] for e in content] == [processor.tokenizer.decode([i]) for i in ids]
+        for entry in content:
+            assert entry["bytes"] == list(entry["token"].encode("utf-8")) and entry["logprob"] <= 0
+            tops = entry["top_logprobs"]
+            assert len(tops) == 3 and tops == sorted(tops, key=lambda t: -t["logprob"])
+            assert entry["logprob"] == pytest.approx(tops[0]["logprob"], abs=1e-4)  # greedy took the argmax
+    plain = client.post("/infer/", json=infer_body([wire_request(records[0], run_contract.template)], logprobs=True))
+    entry = plain.json()[0]["response"]["choices"][0]["logprobs"]["content"][0]
+    assert "top_logprobs" not in entry or entry["top_logprobs"] is None
 
 
-def test_non_detection_message_shapes_are_rejected(client, run_contract, records):
-    request = wire_request(records[0], run_contract.template)
-    request["messages"].append({"role": "user", "content": "and again"})
-    reply = client.post("/infer/", json=infer_body([request]))
-    assert reply.status_code == 400 and "ONE user message" in reply.json()["detail"]
+def test_sampled_logprobs_are_after_temperature(client, run_contract, records, processor, tiny_model_dir):
+    """The chosen token's logprob is log_softmax(logits / T) of a plain forward (swift 3.12: processed_logprobs)."""
+    from coordexp.runtime.model.encoding import encode_teacher_forced
+
+    record, temperature = records[2], 0.7
+    reply = client.post("/infer/", json=infer_body([wire_request(record, run_contract.template)], logprobs=True,
+                                                   temperature=temperature, seed=11, top_p=1.0, top_k=-1))
+    assert reply.status_code == 200, reply.text
+    choice = reply.json()[0]["response"]["choices"][0]
+    ids = choice["token_ids"]
+    sample = encode_teacher_forced(processor, record, run_contract.template, ids)
+    with torch.no_grad():
+        logits = load_model(tiny_model_dir)(**sample.model_inputs()).logits[0].float()
+    start = sample.assistant_start - 1
+    expected = torch.log_softmax(logits[start:start + len(ids)] / temperature, dim=-1)
+    got = [e["logprob"] for e in choice["logprobs"]["content"][:len(ids)]]
+    want = expected.gather(1, torch.tensor(ids)[:, None])[:, 0].tolist()
+    assert got == pytest.approx(want, abs=1e-3)
+
+
+def test_n_choices_are_returned_per_request(client, run_contract, records):
+    reply = client.post("/infer/", json=infer_body([wire_request(records[0], run_contract.template)], n=2,
+                                                   temperature=1.0, seed=5))
+    assert reply.status_code == 200 and len(reply.json()[0]["response"]["choices"]) == 2
 
 
 def test_empty_infer_answers_an_empty_list(client):

@@ -25,9 +25,10 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from coordexp.runtime.rollout.base import RolloutBackend, RolloutOutput, RolloutRequest, finish_output
+from coordexp.runtime.rollout.weight_export import unwrap_model
 from coordexp.runtime.core.pieces import PieceTable
 from coordexp.runtime.core.repeat import RepeatGuard, RepeatTracker, count_object_keys, should_terminate
-from coordexp.schema.contract import RolloutMatchingContract
+from coordexp.schema.contract import RunContract
 from coordexp.schema.rollout import DecodingConfig, RepeatTerminateConfig
 
 __all__ = ["HfRolloutBackend", "RepeatGuardProcessor", "SeededSampler", "PaddingAwareRepetitionPenalty"]
@@ -120,9 +121,8 @@ class SeededSampler(LogitsProcessor):
 
 
 def _unwrap(model: Any) -> Any:
-    """The module that owns ``generate`` (DDP / accelerate wrappers hold it as ``.module``)."""
-    while not hasattr(model, "generate") and hasattr(model, "module"):
-        model = model.module
+    """The module that owns ``generate`` (inside DDP / accelerate wrappers)."""
+    model = unwrap_model(model)
     if not hasattr(model, "generate"):
         raise TypeError(f"the HF rollout backend needs a transformers model with generate(); got {type(model)!r}")
     return model
@@ -130,8 +130,6 @@ def _unwrap(model: Any) -> Any:
 
 class HfRolloutBackend(RolloutBackend):
     """Rollouts with the live training model (``sync_weights`` only rebinds: it already has the new weights)."""
-
-    name = "hf"
 
     def __init__(self, model: Any, tokenizer: Any, *, decode_batch_size: int, max_new_tokens: int,
                  decoding: DecodingConfig, repeat_terminate: RepeatTerminateConfig | RepeatGuard):
@@ -159,11 +157,9 @@ class HfRolloutBackend(RolloutBackend):
         self.decode_calls = 0  # generate() calls made (one per chunk); telemetry and tests read it
 
     @classmethod
-    def from_contract(cls, rollout: RolloutMatchingContract, *, model: Any, tokenizer: Any,
-                      **options: Any) -> "HfRolloutBackend":
-        if options:
-            raise TypeError(f"the HF rollout backend takes no options; got {sorted(options)}")
-        return cls(model, tokenizer, decode_batch_size=rollout.decode_batch_size,
+    def from_run(cls, run: RunContract, model: Any, processor: Any) -> "HfRolloutBackend":
+        rollout = run.rollout_matching
+        return cls(model, processor.tokenizer, decode_batch_size=rollout.decode_batch_size,
                    max_new_tokens=rollout.max_new_tokens, decoding=rollout.decoding,
                    repeat_terminate=rollout.repeat_terminate)
 
@@ -226,16 +222,17 @@ class HfRolloutBackend(RolloutBackend):
                 torch.cat([torch.full((width - t.shape[0],), value, dtype=t.dtype), t]) for t in tensors
             ]).to(device)
 
-        pixel_values = torch.cat([p.pixel_values for p in prompts]).to(device)
-        if pixel_values.is_floating_point():
-            pixel_values = pixel_values.to(policy.dtype)
         batch = {
             "input_ids": left_pad([p.input_ids for p in prompts], pad_id),
             "attention_mask": left_pad([p.attention_mask for p in prompts], 0),
             "mm_token_type_ids": left_pad([p.mm_token_type_ids for p in prompts], 0),
-            "pixel_values": pixel_values,
-            "image_grid_thw": torch.cat([p.image_grid_thw for p in prompts]).to(device),
         }
+        if any(p.image_grid_thw.shape[0] for p in prompts):  # a text-only chunk has no vision input at all
+            pixel_values = torch.cat([p.pixel_values for p in prompts]).to(device)
+            if pixel_values.is_floating_point():
+                pixel_values = pixel_values.to(policy.dtype)
+            batch["pixel_values"] = pixel_values
+            batch["image_grid_thw"] = torch.cat([p.image_grid_thw for p in prompts]).to(device)
         return batch, pad_lengths
 
     def _generation_config(self, policy: Any) -> tuple[Any, frozenset[int]]:

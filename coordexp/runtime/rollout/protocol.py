@@ -2,9 +2,11 @@
 
 Clients written for ``swift rollout`` talk to ``coordexp serve-rollout`` unchanged, and the coordexp client
 (``vllm_server`` backend) speaks the same JSON. Paths, methods, bodies and the acknowledgement ``message`` strings are
-MS310's (see ``ENDPOINTS`` and ``MESSAGE_*``). Request models IGNORE unknown keys (swift clients send ``metrics``,
-``template``, ``use_tqdm``, ``adapter_request``, ...); response models allow extras so that a newer server's additions
-never break an older client.
+MS310's (see ``ENDPOINTS`` and ``MESSAGE_*``). Weight-sync request models ignore unknown keys; the ``/infer/`` models
+(:class:`InferRequestBody`, :class:`RolloutInferRequest`, :class:`RequestConfig`) KEEP them so that the server can
+refuse each by name (:func:`unknown_infer_fields`) instead of silently ignoring a setting it would not honour (e.g. a
+newer swift's sampling field). Response models allow extras so that a newer server's additions never break an older
+client.
 
 coordexp extensions (additive; a swift client never sees a difference):
 
@@ -41,6 +43,7 @@ __all__ = [
     "RolloutInferRequest",
     "RequestConfig",
     "InferRequestBody",
+    "unknown_infer_fields",
     "ResponseMessage",
     "LogprobToken",
     "ChoiceLogprobs",
@@ -103,6 +106,12 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
 
+class _InferRequest(BaseModel):
+    """``/infer/`` request parts: unknown keys are kept (``model_extra``) for the server to refuse by name."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+
 class _Response(BaseModel):
     """Response bodies: extras are kept, so additions by a newer server survive a round trip."""
 
@@ -112,7 +121,7 @@ class _Response(BaseModel):
 # --------------------------------------------------------------------------------------------------- /infer/
 
 
-class RolloutInferRequest(_Request):
+class RolloutInferRequest(_InferRequest):
     """One request of ``/infer/`` (MS310 ``RolloutInferRequest``).
 
     ``messages``: ``{"role", "content"}`` dicts; content is a string (``"<image>"`` tags mark where the top-level
@@ -148,7 +157,7 @@ class RolloutInferRequest(_Request):
         return value
 
 
-class RequestConfig(_Request):
+class RequestConfig(_InferRequest):
     """Sampling settings of one ``/infer/`` call (MS310 ``RequestConfig``). ``None`` means "the server's default"
     (for coordexp: the config's ``rollout_matching.decoding`` / ``max_new_tokens``). ``temperature: 0`` is greedy.
     ``seed`` 0 or ``None`` means unset (MS310 treats 0 as unset; coordexp clients map seeds to 1..2**31-1).
@@ -171,6 +180,7 @@ class RequestConfig(_Request):
     frequency_penalty: float = 0.0
     length_penalty: float = 1.0
     return_details: bool = False
+    structured_outputs_regex: Optional[str] = None  # swift >= 3.12 (vLLM guided decoding)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -178,17 +188,32 @@ class RequestConfig(_Request):
         return [value] if isinstance(value, str) else ([] if value is None else value)
 
 
-class InferRequestBody(_Request):
-    """The ``/infer/`` body: ``{"infer_requests": [...], "request_config": {...}}`` (other keys are ignored).
+class InferRequestBody(_InferRequest):
+    """The ``/infer/`` body: ``{"infer_requests": [...], "request_config": {...}}`` plus the keys swift's
+    ``VLLMClient.infer`` always sends (``metrics``, ``template``, ``use_tqdm``, ``adapter_request``; null there).
     A missing or null ``request_config`` means all defaults (MS310 answers 500 there; we do not)."""
 
     infer_requests: list[RolloutInferRequest]
     request_config: RequestConfig = Field(default_factory=RequestConfig)
+    metrics: Optional[Any] = None
+    template: Optional[Any] = None
+    use_tqdm: Optional[bool] = None
+    adapter_request: Optional[Any] = None
 
     @field_validator("request_config", mode="before")
     @classmethod
     def _null_config(cls, value: Any) -> Any:
         return {} if value is None else value
+
+
+def unknown_infer_fields(body: InferRequestBody) -> list[str]:
+    """Dotted names of every key of ``body`` that no ms-swift 3.12 ``/infer/`` model defines, in body order
+    (``request_config.foo``, ``infer_requests[2].bar``, ``baz``)."""
+    names = [str(k) for k in body.model_extra or {}]
+    names += [f"request_config.{k}" for k in body.request_config.model_extra or {}]
+    for j, item in enumerate(body.infer_requests):
+        names += [f"infer_requests[{j}].{k}" for k in item.model_extra or {}]
+    return names
 
 
 class ResponseMessage(_Response):

@@ -17,6 +17,7 @@ import random
 import tempfile
 import threading
 import time
+import uuid
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -28,8 +29,8 @@ from fastapi.responses import JSONResponse
 
 from coordexp.runtime.rollout.base import RolloutOutput, RolloutRequest
 from coordexp.runtime.rollout import protocol as p
-from coordexp.runtime.server.engine import EngineError, GenerationParams, RolloutEngine
-from coordexp.runtime.server.inputs import InferInputError, request_to_record
+from coordexp.runtime.server.engine import EngineError, GenerationParams, RolloutEngine, TokenLogprob
+from coordexp.runtime.server.inputs import InferInputError, encode_served, request_to_prompt, scrub_paths
 from coordexp.runtime.rollout.weight_sync import DEFAULT_TIMEOUT_S, WeightSyncError, WeightSyncReceiver
 from coordexp.schema.rollout import DecodingConfig
 from coordexp.schema.template import TemplateConfig
@@ -39,6 +40,7 @@ __all__ = ["create_app", "RolloutService", "END_OF_TURN_TOKEN"]
 log = logging.getLogger("coordexp.serve")
 END_OF_TURN_TOKEN = "<|im_end|>"
 _SEED_MASK = 0x7FFFFFFF
+MAX_TOP_LOGPROBS = 20  # vLLM's default max_logprobs: what a swift server answers at most
 _RECENT_OPS = 16
 RECEIVERS = 1  # this server process is the only weight-sync receiver (the engine fans weights out itself)
 
@@ -170,18 +172,38 @@ class RolloutService:
 
     # ------------------------------------------------------------------------------------------ inference
 
-    def generation_params(self, config: p.RequestConfig) -> GenerationParams:
-        unsupported = [(name, bad) for name, bad in (
-            ("stream", config.stream), ("logprobs", config.logprobs), ("top_logprobs", config.top_logprobs),
-            ("presence_penalty", config.presence_penalty != 0), ("frequency_penalty", config.frequency_penalty != 0),
-            ("best_of", config.best_of not in (None, 1, config.n))) if bad]
-        if unsupported:
-            raise InferInputError(f"request_config sets {', '.join(n for n, _ in unsupported)}, which this server "
-                                  "does not support; leave them at their defaults")
+    def refused_fields(self, body: p.InferRequestBody) -> list[str]:
+        """``field: reason`` for every request field this server would not honour (never silently ignored)."""
+        config = body.request_config
+        refused = [f"{name}: not an ms-swift 3.12 /infer/ field" for name in p.unknown_infer_fields(body)]
+        checks = (
+            ("request_config.stream", config.stream, "streaming is not served; send stream: false"),
+            ("request_config.structured_outputs_regex", config.structured_outputs_regex is not None,
+             "guided decoding is not served (the learner parses and checks rollouts itself)"),
+            ("request_config.logprobs", config.logprobs and not callable(getattr(self.engine, "token_logprobs", None)),
+             f"the {self.engine.engine_type} engine does not return logprobs"),
+            ("request_config.top_logprobs", config.top_logprobs is not None and not config.logprobs,
+             "needs logprobs: true"),
+            ("request_config.top_logprobs", config.top_logprobs is not None
+             and not 0 <= config.top_logprobs <= MAX_TOP_LOGPROBS, f"must be 0..{MAX_TOP_LOGPROBS}"),
+            ("request_config.presence_penalty", config.presence_penalty != 0, "not supported; leave it 0"),
+            ("request_config.frequency_penalty", config.frequency_penalty != 0, "not supported; leave it 0"),
+            ("request_config.length_penalty", config.length_penalty != 1.0,
+             "not supported (beam search ranks with the model's own length_penalty); leave it 1.0"),
+            ("request_config.best_of", config.best_of not in (None, 1, config.n), "not supported; leave it unset"),
+            ("metrics", body.metrics is not None, "metrics are computed by the client; send null"),
+            ("template", body.template is not None, "the server renders with the model's own chat template; send null"),
+            ("adapter_request", body.adapter_request is not None,
+             "per-request adapters are not served; push weights with the weight-sync endpoints"),
+        )
+        refused += [f"{name}: {reason}" for name, bad, reason in checks if bad]
         extra_stops = sorted(set(config.stop) - self._stop_strings)
         if extra_stops:
-            raise InferInputError(f"request_config.stop {extra_stops}: the server stops at {END_OF_TURN_TOKEN} only "
-                                  "(other stop strings would cut JSON rollouts); drop them")
+            refused.append(f"request_config.stop {extra_stops}: the server stops at {END_OF_TURN_TOKEN} only (other "
+                           "stop strings would cut JSON rollouts); drop them")
+        return refused
+
+    def generation_params(self, config: p.RequestConfig) -> GenerationParams:
         base = self.defaults.decoding
         decoding = {
             "temperature": base.temperature if config.temperature is None else config.temperature,
@@ -206,9 +228,11 @@ class RolloutService:
         return [self._unseeded.randint(1, _SEED_MASK) for _ in range(count * n)]
 
     def infer(self, body: p.InferRequestBody) -> list[dict[str, Any]]:
-        """Runs on the worker: encode with the trainer's encoder, generate, shape MS310 replies."""
-        from coordexp.runtime.model.encoding import EncodingError, encode_prompt
-
+        """Runs on the worker: refuse what cannot be honoured, encode with the trainer's encoder (any chat the
+        template accepts), generate, add logprobs if asked, shape MS310 replies."""
+        refused = self.refused_fields(body)
+        if refused:
+            raise InferInputError("these request fields cannot be honoured: " + "; ".join(refused))
         config = body.request_config
         params = self.generation_params(config)
         n = config.n
@@ -216,27 +240,44 @@ class RolloutService:
         requests: list[RolloutRequest] = []
         with tempfile.TemporaryDirectory(prefix="coordexp-infer-") as scratch:
             for j, item in enumerate(body.infer_requests):
-                record, template = request_to_record(item, j, self.template, self.image_root, Path(scratch))
-                try:
-                    prompt = encode_prompt(self.processor, record, template)
-                except EncodingError as exc:
-                    raise InferInputError(str(exc)) from None
-                requests.extend(RolloutRequest(prompt=prompt, index=j * n + k, seed=seeds[j * n + k], record=record)
-                                for k in range(n))
-        outputs = self.engine.generate(requests, params) if requests else []
+                served = request_to_prompt(item, j, self.template, self.image_root, Path(scratch))
+                prompt = encode_served(self.processor, served)
+                requests.extend(RolloutRequest(prompt=prompt, index=j * n + k, seed=seeds[j * n + k],
+                                               record=served.record) for k in range(n))
+            outputs = self.engine.generate(requests, params) if requests else []
         if len(outputs) != len(requests):
             raise EngineError(f"the engine returned {len(outputs)} outputs for {len(requests)} requests")
-        return [self._reply(outputs[j * n:(j + 1) * n], config.return_details)
+        logprobs: list[Any] = [None] * len(outputs)
+        if config.logprobs and outputs:
+            top = config.top_logprobs or 0
+            logprobs = [self._choice_logprobs(tokens, config.top_logprobs is not None)
+                        for tokens in self.engine.token_logprobs(requests, outputs, params, top)]  # type: ignore[attr-defined]
+        return [self._reply(outputs[j * n:(j + 1) * n], logprobs[j * n:(j + 1) * n], config.return_details)
                 for j in range(len(body.infer_requests))]
 
-    def _reply(self, outputs: Sequence[RolloutOutput], details: bool) -> dict[str, Any]:
+    def _token_entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        token = self.processor.tokenizer.decode([token_id], skip_special_tokens=False)
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    def _choice_logprobs(self, tokens: Sequence[TokenLogprob], with_top: bool) -> p.ChoiceLogprobs:
+        """swift's per-choice shape: ``{"content": [{token, logprob, bytes[, top_logprobs]}]}``."""
+        content = []
+        for entry in tokens:
+            item = self._token_entry(entry.token_id, entry.logprob)
+            if with_top:
+                item["top_logprobs"] = [self._token_entry(i, v) for i, v in entry.top]
+            content.append(p.LogprobToken.model_validate(item))
+        return p.ChoiceLogprobs(content=content)
+
+    def _reply(self, outputs: Sequence[RolloutOutput], logprobs: Sequence[p.ChoiceLogprobs | None],
+               details: bool) -> dict[str, Any]:
         with self._lock:
             self._requests += 1
             request_id = str(self._requests)
         prompt_ids = list(outputs[0].prompt_token_ids)
         choices = [p.ChatCompletionChoice(
             index=k, message=p.ResponseMessage(content=out.text),
-            finish_reason="length" if out.finish_reason == "length" else "stop",
+            finish_reason="length" if out.finish_reason == "length" else "stop", logprobs=logprobs[k],
             token_ids=list(out.response_token_ids) if details else None) for k, out in enumerate(outputs)]
         completion = sum(len(out.response_token_ids) for out in outputs)
         reasons = [out.finish_reason for out in outputs]
@@ -249,7 +290,7 @@ class RolloutService:
         item = p.RolloutResponseItem(response=response, rollout_infos={"repeat_terminate_triggered": triggered},
                                      coordexp=p.CoordexpInferInfo(repeat_terminate_triggered=triggered,
                                                                   finish_reasons=reasons))
-        return item.model_dump(mode="json")
+        return item.model_dump(mode="json", exclude_none=False)
 
     def shutdown(self) -> None:
         """Stop taking work, drop queued operations, leave the group, free the engine."""
@@ -298,10 +339,13 @@ def create_app(engine: RolloutEngine, processor: Any, template: TemplateConfig, 
         try:
             return JSONResponse(await on_worker(lambda: service.infer(body)))
         except (InferInputError, EngineError) as exc:
-            raise HTTPException(400, f"/infer/: {exc}") from None
-        except Exception as exc:  # noqa: BLE001 - answer 500 with the reason, log the traceback
-            log.exception("/infer/ failed")
-            raise HTTPException(500, f"/infer/ failed: {type(exc).__name__}: {exc}") from None
+            log.info("/infer/ refused: %s", exc)
+            raise HTTPException(400, f"/infer/: {scrub_paths(str(exc))}") from None
+        except Exception:  # noqa: BLE001 - the log keeps the traceback; the body names no path or exception text
+            incident = uuid.uuid4().hex[:12]
+            log.exception("/infer/ failed (incident %s)", incident)
+            raise HTTPException(500, f"/infer/ failed inside the server (incident {incident}); the server log has "
+                                     "the details") from None
 
     @app.post("/init_communicator/")
     async def init_communicator(body: p.InitCommunicatorRequest) -> dict:

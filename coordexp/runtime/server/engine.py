@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
     from coordexp.schema.contract import RunContract
 
-__all__ = ["GenerationParams", "RolloutEngine", "EngineError", "HfEngine"]
+__all__ = ["GenerationParams", "TokenLogprob", "RolloutEngine", "EngineError", "HfEngine"]
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,17 @@ class GenerationParams:
 
     max_new_tokens: int
     decoding: DecodingConfig
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability under the request's sampling transforms (repetition penalty, then
+    temperature, top-k and top-p when sampling: vLLM's ``processed_logprobs``, which swift 3.12 reports), and the
+    ``top`` most likely ``(token_id, logprob)`` at that step, best first (empty unless ``top_logprobs`` was asked)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 class EngineError(ExternalSystemError, RuntimeError):
@@ -45,6 +56,10 @@ class RolloutEngine(Protocol):
     - ``supports_adapter``: whether :meth:`load_adapter` works (``enable_lora`` in ``/get_engine_type/``).
     - ``repeat_terminate``: the config subtree installed at construction (active iff ``enabled``); an engine that
       cannot activate an enabled guard must raise in its constructor, never run without it.
+
+    Optional: ``token_logprobs(requests, outputs, params, top)`` -> one ``list[TokenLogprob]`` per output, covering
+    its response ids then the stop token when it stopped (swift reports the unstripped ids). An engine without it
+    answers ``logprobs: true`` with a 400 that says so.
     """
 
     engine_type: str
@@ -146,6 +161,49 @@ class HfEngine:
         except ValueError as exc:  # unsupported decoding combination (e.g. beam sampling)
             raise EngineError(str(exc)) from None
 
+    def token_logprobs(self, requests: Sequence[RolloutRequest], outputs: Sequence[RolloutOutput],
+                       params: GenerationParams, top: int) -> list[list[TokenLogprob]]:
+        """Teacher-forced log-probabilities of each output's tokens (response ids, then ``<|im_end|>`` when it
+        stopped), one forward per request, with the sampling transforms of ``params`` applied as vLLM does for
+        ``processed_logprobs``: repetition penalty over prompt + earlier tokens, then (sampling only) temperature,
+        top-k and top-p. The repeat guard's forced EOS and the never-emit suppression are not part of it."""
+        import torch
+
+        model = self._require_model()
+        stop_id = int(self._tokenizer.convert_tokens_to_ids("<|im_end|>"))
+        device = self.device
+        results: list[list[TokenLogprob]] = []
+        with torch.no_grad():
+            for request, output in zip(requests, outputs, strict=True):
+                generated = list(output.response_token_ids) + ([stop_id] if output.finish_reason != "length" else [])
+                if not generated:
+                    results.append([])
+                    continue
+                prompt = request.prompt
+                ids = torch.cat([prompt.input_ids, torch.tensor(generated, dtype=torch.long)])
+                inputs: dict[str, Any] = {
+                    "input_ids": ids[None].to(device), "attention_mask": torch.ones_like(ids)[None].to(device),
+                    "mm_token_type_ids": torch.cat([prompt.mm_token_type_ids, torch.zeros(len(generated),
+                                                                                          dtype=torch.long)])[None].to(device)}
+                if prompt.image_grid_thw.shape[0]:
+                    pixel_values = prompt.pixel_values.to(device)
+                    inputs["pixel_values"] = pixel_values.to(model.dtype) if pixel_values.is_floating_point() \
+                        else pixel_values
+                    inputs["image_grid_thw"] = prompt.image_grid_thw.to(device)
+                start = int(prompt.input_ids.shape[0]) - 1
+                logits = model(**inputs).logits[0, start:start + len(generated)].float()
+                logprobs = processed_logprobs(logits, ids.to(device), start + 1, params.decoding)
+                chosen = torch.tensor(generated, device=logprobs.device)
+                values = logprobs.gather(1, chosen[:, None])[:, 0].tolist()
+                tops: list[tuple[tuple[int, float], ...]] = [()] * len(generated)
+                if top > 0:
+                    best = logprobs.topk(min(top, logprobs.shape[1]), dim=1)
+                    tops = [tuple((int(i), float(v)) for i, v in zip(row_ids, row_values) if v != float("-inf"))
+                            for row_ids, row_values in zip(best.indices.tolist(), best.values.tolist())]
+                results.append([TokenLogprob(token_id=t, logprob=float(v), top=tp)
+                                for t, v, tp in zip(generated, values, tops)])
+        return results
+
     def load_weights(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]]) -> None:
         import torch
 
@@ -178,3 +236,31 @@ class HfEngine:
     def close(self) -> None:
         self._backends.clear()
         self._model = None
+
+
+def processed_logprobs(logits: "torch.Tensor", ids: "torch.Tensor", first: int,
+                       decoding: DecodingConfig) -> "torch.Tensor":
+    """Log-softmax of ``logits`` (row s predicts ``ids[first + s]``) after the sampling transforms, in vLLM's order:
+    repetition penalty on every id in ``ids[:first + s]`` (divide positive logits, multiply negative ones), then,
+    when sampling, temperature, top-k and top-p (kept set: the smallest prefix of the sorted distribution whose mass
+    reaches ``top_p``; the rest is -inf)."""
+    import torch
+
+    scores = logits.float().clone()
+    if decoding.repetition_penalty != 1.0:
+        penalty = float(decoding.repetition_penalty)
+        for s in range(scores.shape[0]):
+            seen = torch.unique(ids[:first + s])
+            row = scores[s, seen]
+            scores[s, seen] = torch.where(row > 0, row / penalty, row * penalty)
+    if decoding.temperature > 0:
+        scores = scores / float(decoding.temperature)
+        if decoding.top_k > 0 and decoding.top_k < scores.shape[1]:
+            kth = scores.topk(int(decoding.top_k), dim=1).values[:, -1:]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        if decoding.top_p < 1.0:
+            ordered, order = scores.sort(dim=1, descending=True)
+            mass = ordered.softmax(dim=1).cumsum(dim=1)
+            drop = (mass - ordered.softmax(dim=1)) >= float(decoding.top_p)  # mass before this token already enough
+            scores = scores.scatter(1, order, ordered.masked_fill(drop, float("-inf")))
+    return scores.log_softmax(dim=1)

@@ -1,151 +1,261 @@
-"""``/infer/`` request -> encoded prompt, through the trainer's own :func:`~coordexp.runtime.model.encoding.encode_prompt`.
+"""``/infer/`` request -> encoded prompt: any chat the model's chat template accepts, images anywhere.
 
-A request is turned back into the (record, template) pair that :func:`~coordexp.runtime.model.encoding.build_messages`
-renders: an optional system message (else the config's), ONE user message whose content is the images followed by
-the prompt text (inline ``{"type": "image", ...}`` items, or ``<image>`` tags with the top-level ``images``). The
-prompt is then encoded by the same function the learner uses, so ``prompt_token_ids`` are identical by
-construction. Other message shapes (multi-turn, text before images) are rejected with the reason, never
-re-ordered.
+A request's messages (ms-swift's ``RolloutInferRequest`` rules: a trailing assistant turn is dropped; without a
+system message the config's system prompt is used; media are inline items OR ``<image>`` tags / empty image items
+filled from the top-level ``images`` in order, never both) become the transformers chat messages the processor's
+template renders. When they are exactly the learner's detection prompt (:func:`build_messages`: system, then ONE
+user turn with the images followed by the prompt text), the prompt is encoded by the learner's own
+:func:`encode_prompt`, so ``prompt_token_ids`` are identical by construction; any other shape (text-only,
+multi-turn, text before images, images in several turns) is rendered by the same chat template and encoded by the
+same tail (:func:`encode_rendered_prompt`). Detection-specific checks stay on the learner side.
 
-Images are strings: a path, read only inside ``image_root`` (relative paths are joined to it; symlinks are
-resolved before the check); base64 data (``data:image/...;base64,...`` or bare); http(s) URLs are REJECTED: the
-server is meant to run without network access, so the client must send a path under the root or the bytes.
+Images are strings: base64 data (``data:image/...;base64,...``, or bare base64 as swift sends it, recognised by the
+decoded bytes being an image), or a path read only inside ``image_root`` (relative paths are joined to it; symlinks
+are resolved before the check). http(s) URLs are refused: the server runs without network access.
+
+Hygiene: a 4xx text names the request item (``infer_requests[0].images[1]``), never a server path or an exception
+text, and every refused local path gets the SAME message (outside the root, missing, a directory, unreadable name),
+so the server is no oracle for which files exist. The server log keeps the detail.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import logging
+import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from coordexp.runtime.model.data import DetectionRecord
 from coordexp.runtime.rollout.protocol import RolloutInferRequest
 from coordexp.schema.template import TemplateConfig
 
-__all__ = ["InferInputError", "IMAGE_TAG", "request_to_record", "resolve_image"]
+__all__ = ["InferInputError", "IMAGE_TAG", "ServedPrompt", "request_to_prompt", "encode_served", "resolve_image",
+           "scrub_paths"]
 
+log = logging.getLogger("coordexp.serve")
 IMAGE_TAG = "<image>"
 _IMAGE_TYPES = ("image", "image_url")
+_OTHER_MEDIA = ("audio", "audio_url", "video", "video_url")
 _DATA_URI = re.compile(r"^data:(?P<mime>[\w/+.-]*)(?:;[\w=-]+)*;base64,(?P<data>.*)$", re.DOTALL)
-_BASE64 = re.compile(r"^[A-Za-z0-9+/=\s]+$")
+_BASE64 = re.compile(r"^[A-Za-z0-9+/=\s_-]+$")
+_IMAGE_MAGIC = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"GIF87a", b"GIF89a", b"BM", b"II*\x00", b"MM\x00*")
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.])/(?:[^\s'\"():,]+)")
+REFUSED_PATH = ("not an image the server may read: a local path must name an existing file under the server's "
+                "--image-root (relative paths are joined to it, symlinks resolved); or send the image as base64 data")
 
 
 class InferInputError(ValueError):
-    """A request the server cannot encode (answered with HTTP 400 and this text)."""
+    """A request the server cannot encode (answered with HTTP 400 and this text, which names no server path)."""
 
 
-def _text_of(content: Any, where: str) -> str:
+@dataclass(frozen=True)
+class ServedPrompt:
+    """One request ready to encode: ``record`` holds its resolved images (in prompt order); ``messages`` is the
+    chat to render, or None when the request is the learner's detection prompt for ``template``."""
+
+    record: DetectionRecord
+    template: TemplateConfig
+    messages: list[dict[str, Any]] | None
+
+
+def scrub_paths(text: str, names: dict[str, str] | None = None) -> str:
+    """``text`` with each known path replaced by its request-side name and any other absolute path by ``<path>``."""
+    for path, name in sorted((names or {}).items(), key=lambda kv: -len(kv[0])):
+        text = text.replace(path, name)
+    return _ABSOLUTE_PATH.sub("<path>", text)
+
+
+def _looks_like_image(raw: bytes) -> bool:
+    return raw.startswith(_IMAGE_MAGIC) or (raw[:4] == b"RIFF" and raw[8:12] == b"WEBP")
+
+
+def _bare_base64_image(value: str) -> bytes | None:
+    """The bytes of ``value`` if it is bare base64 (swift's form) of an image file, else None (then it is a path)."""
+    if len(value) < 16 or not _BASE64.match(value):
+        return None
+    compact = "".join(value.split())
+    try:
+        raw = base64.b64decode(compact + "=" * (-len(compact) % 4), altchars=b"-_" if "-" in compact or "_" in compact
+                               else None, validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    return raw if _looks_like_image(raw) else None
+
+
+def resolve_image(value: str, image_root: Path | None, scratch: Path, name: str, file_name: str) -> Path:
+    """The local file of one image string (base64 data is written into ``scratch`` as ``file_name``)."""
+    if value.startswith(("http://", "https://")):
+        raise InferInputError(f"{name}: image URLs are not fetched: the rollout server runs without network access; "
+                              "send a path under the server's --image-root or base64 data")
+    data_uri = _DATA_URI.match(value)
+    raw: bytes | None
+    if data_uri is not None:
+        try:
+            raw = base64.b64decode("".join(data_uri.group("data").split()), validate=True)
+        except (binascii.Error, ValueError):
+            raise InferInputError(f"{name}: the data URI does not hold valid base64 data") from None
+    else:
+        raw = _bare_base64_image(value)
+    if raw is not None:
+        path = scratch / file_name
+        path.write_bytes(raw)
+        return path
+    if image_root is None:
+        raise InferInputError(f"{name}: not base64 image data, and this server reads no local files (started "
+                              "without --image-root); send base64 data or restart the server with --image-root DIR")
+    try:
+        candidate = Path(value).expanduser()
+        resolved = (candidate if candidate.is_absolute() else image_root / candidate).resolve()
+        if resolved.is_relative_to(image_root) and os.access(resolved, os.R_OK) and resolved.is_file():
+            return resolved
+        why = "outside the image root" if not resolved.is_relative_to(image_root) else "not a readable file"
+    except (OSError, ValueError, RuntimeError) as exc:  # name too long, NUL byte, unknown ~user, symlink loop
+        why = f"{type(exc).__name__}: {exc}"
+    log.info("refused image %s (%r): %s", name, value[:200], why)
+    raise InferInputError(f"{name}: {REFUSED_PATH}")
+
+
+def _text_of(content: Any) -> str | None:
+    """The text of a content made of text only (a string or text items), else None."""
     if isinstance(content, str):
         return content
     if isinstance(content, list) and all(isinstance(i, dict) and i.get("type") == "text" for i in content):
         return "".join(str(i.get("text", "")) for i in content)
-    raise InferInputError(f"{where}: content must be text (a string or text items)")
+    return None
 
 
-def _image_value(item: dict[str, Any]) -> str:
-    value = item.get(item.get("type"), item.get("image", item.get("image_url")))
+def _image_value(item: dict[str, Any], where: str) -> str:
+    value = item.get(item["type"], item.get("image", item.get("image_url")))
     if isinstance(value, dict):
         value = value.get("url")
     if value is None:
         return ""
     if not isinstance(value, str):
-        raise InferInputError(f"an image item holds a {type(value).__name__}; images are strings (path or base64)")
+        raise InferInputError(f"{where}: an image item holds a {type(value).__name__}; images are strings (a path "
+                              "or base64 data)")
     return value
 
 
-def _user_parts(content: Any, top_level: Sequence[str], where: str) -> tuple[list[str], str]:
-    """(image strings, prompt text) of the user message; images must come first."""
+def _chat_items(content: Any, where: str) -> list[tuple[str, str]]:
+    """(kind, value) items of one message: ("text", text) or ("image", inline value or "" for a slot)."""
+    if content is None:
+        return []
     if isinstance(content, str):
-        text, tags = content, 0
-        while text.startswith(IMAGE_TAG):
-            text, tags = text[len(IMAGE_TAG):].lstrip("\n"), tags + 1
-        if IMAGE_TAG in text:
-            raise InferInputError(f"{where}: {IMAGE_TAG} tags must all come before the prompt text")
-        if tags != len(top_level):
-            raise InferInputError(f"{where}: {tags} {IMAGE_TAG} tag(s) for {len(top_level)} image(s) in 'images'; "
-                                  "send one tag per image (or inline image items)")
-        return list(top_level), text
-    if not isinstance(content, list):
-        raise InferInputError(f"{where}: content must be a string or a list of items")
-    images: list[str] = []
-    texts: list[str] = []
+        items: list[tuple[str, str]] = []
+        for k, piece in enumerate(content.split(IMAGE_TAG)):
+            if k:
+                items.append(("image", ""))
+            if piece:
+                items.append(("text", piece))
+        return items
+    items = []
     for k, item in enumerate(content):
         kind = item.get("type") if isinstance(item, dict) else None
         if kind in _IMAGE_TYPES:
-            if texts:
-                raise InferInputError(f"{where}: item {k} is an image after text; the detection prompt is the "
-                                      "images followed by the prompt text")
-            images.append(_image_value(item))
+            items.append(("image", _image_value(item, f"{where}.content[{k}]")))
         elif kind == "text":
-            texts.append(str(item.get("text", "")))
+            text = item.get("text", "")
+            if not isinstance(text, str):
+                raise InferInputError(f"{where}.content[{k}]: text must be a string")
+            items.extend(_chat_items(text, where))  # an <image> tag inside a text item is a slot too
+        elif kind in _OTHER_MEDIA:
+            raise InferInputError(f"{where}.content[{k}]: {kind} items are not served; this server encodes text "
+                                  "and images only")
         else:
-            raise InferInputError(f"{where}: item {k} has type {kind!r}; only 'image' and 'text' items are served")
-    if len(texts) > 1:
-        raise InferInputError(f"{where}: {len(texts)} text items; send the prompt as ONE text item after the images")
-    inline = [v for v in images if v]
-    if inline and top_level:
-        raise InferInputError(f"{where}: images are given both inline and in 'images'; use one of the two")
-    if not inline:
-        if len(top_level) != len(images):
-            raise InferInputError(f"{where}: {len(images)} image item(s) for {len(top_level)} entries in 'images'")
-        images = list(top_level)
-    elif len(inline) != len(images):
-        raise InferInputError(f"{where}: some image items are empty and others are not; fill every item")
-    return images, texts[0] if texts else ""
+            raise InferInputError(f"{where}.content[{k}] has type {kind!r}; 'text' and 'image' items are served")
+    return items
 
 
-def resolve_image(value: str, image_root: Path | None, scratch: Path, name: str) -> Path:
-    """The local file of one image string (base64 data is written into ``scratch`` as ``name``)."""
-    if value.startswith(("http://", "https://")):
-        raise InferInputError(f"{name}: image URLs are not fetched ({value[:80]}): the rollout server runs without "
-                              "network access; send a path under the server's --image-root or base64 data")
-    data_uri = _DATA_URI.match(value)
-    if data_uri is None and image_root is not None:
-        candidate = Path(value).expanduser()
-        candidate = candidate if candidate.is_absolute() else image_root / candidate
-        resolved = candidate.resolve()
-        if resolved.is_file():
-            if not resolved.is_relative_to(image_root):
-                raise InferInputError(f"{name}: {value} is outside the allowed image root {image_root}; the server "
-                                      "reads images only under --image-root (symlinks resolved)")
-            return resolved
-    payload = data_uri.group("data") if data_uri is not None else value
-    if data_uri is None and (len(value) < 64 or not _BASE64.match(value)):
-        if image_root is None:
-            raise InferInputError(f"{name}: {value[:120]} is not base64 data, and this server reads no local files "
-                                  "(started without --image-root); send base64 data or restart with --image-root DIR")
-        raise InferInputError(f"{name}: image file {value} not found under the allowed image root {image_root}")
-    try:
-        raw = base64.b64decode("".join(payload.split()), validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise InferInputError(f"{name}: invalid base64 image data ({exc})") from None
-    path = scratch / name
-    path.write_bytes(raw)
-    return path
+def _refuse_unserved_fields(request: RolloutInferRequest, where: str) -> None:
+    for field, value in (("audios", request.audios), ("videos", request.videos)):
+        if value:
+            raise InferInputError(f"{where}.{field}: not served; this server encodes text and images only")
+    if request.tools:
+        raise InferInputError(f"{where}.tools: tool definitions are not rendered by this server; send the chat "
+                              "without tools")
+    if request.objects:
+        raise InferInputError(f"{where}.objects: grounding objects are not rendered by this server; put the text "
+                              "into the messages")
 
 
-def request_to_record(request: RolloutInferRequest, index: int, template: TemplateConfig,
-                      image_root: Path | None, scratch: Path) -> tuple[DetectionRecord, TemplateConfig]:
-    """The record (images resolved) and template (system/user prompt of the request) that re-render the request's
-    messages with :func:`~coordexp.runtime.model.encoding.build_messages`."""
+def request_to_prompt(request: RolloutInferRequest, index: int, template: TemplateConfig,
+                      image_root: Path | None, scratch: Path) -> ServedPrompt:
+    """The images (resolved) and the chat of one request; see the module docstring for the rules."""
+    from coordexp.runtime.model.encoding import build_messages
+
     where = f"infer_requests[{index}]"
-    if request.audios or request.videos:
-        raise InferInputError(f"{where}: audios/videos are not served; a detection prompt holds images only")
-    messages = list(request.messages)
+    _refuse_unserved_fields(request, where)
+    messages = [dict(m) for m in request.messages]
     if messages and messages[-1].get("role") == "assistant":
         messages.pop()  # swift drops a trailing assistant turn too (it is not a prefill)
-    system_prompt = template.system_prompt
-    if messages and messages[0].get("role") == "system":
-        system_prompt = _text_of(messages.pop(0)["content"], f"{where}.messages[0] (system)")
-    if len(messages) != 1 or messages[0].get("role") != "user":
-        roles = [m.get("role") for m in request.messages]
-        raise InferInputError(f"{where}: messages have roles {roles}; the server encodes the detection prompt: an "
-                              "optional system message and ONE user message (images, then the prompt text)")
-    images, text = _user_parts(messages[0]["content"], request.images, f"{where} user message")
-    if not images:
-        raise InferInputError(f"{where}: no image; every detection prompt holds at least one image")
-    paths = tuple(resolve_image(value, image_root, scratch, f"{where}.image{k}") for k, value in enumerate(images))
+    if not messages:
+        raise InferInputError(f"{where}.messages: nothing left to answer after the trailing assistant turn")
+    if messages[0].get("role") != "system":
+        messages.insert(0, {"role": "system", "content": template.system_prompt})
+    chat: list[dict[str, Any]] = []
+    slots: list[tuple[str, str]] = []  # (name, inline value or "") per image, in prompt order
+    for m, message in enumerate(messages):
+        items = _chat_items(message.get("content"), f"{where}.messages[{m}]")
+        rendered: list[dict[str, Any]] = []
+        for kind, value in items:
+            if kind == "image":
+                slots.append((f"{where}.images[{len(slots)}]", value))
+                rendered.append({"type": "image"})
+            else:
+                rendered.append({"type": "text", "text": value})
+        chat.append({**message, "content": rendered})
+    inline = [value for _, value in slots if value]
+    if inline and request.images:
+        raise InferInputError(f"{where}: images are given both inline and in 'images'; use one of the two")
+    if inline and len(inline) != len(slots):
+        raise InferInputError(f"{where}: some image items are empty and others are not; fill every item or send "
+                              "all images in 'images'")
+    values = inline or list(request.images)
+    if len(values) != len(slots):
+        raise InferInputError(f"{where}: {len(slots)} image placeholder(s) ({IMAGE_TAG} tags or empty image items) "
+                              f"for {len(request.images)} entries in 'images'")
+    paths = tuple(resolve_image(value, image_root, scratch, name, f"r{index}_i{k}")
+                  for k, ((name, _), value) in enumerate(zip(slots, values)))
     record = DetectionRecord(image_paths=paths, width=0, height=0, objects=(), source=where)
-    return record, template.model_copy(update={"system_prompt": system_prompt, "user_prompt": text})
+    system = _text_of(chat[0]["content"])
+    user = _text_of(chat[-1]["content"][-1:]) if len(chat) == 2 and chat[1]["content"] else None
+    if system is not None and user is not None:
+        detection = template.model_copy(update={"system_prompt": system, "user_prompt": user})
+        if build_messages(record, detection) == [{"role": "system", "content": system}, chat[1]] \
+                and set(chat[0]) == {"role", "content"} and set(chat[1]) == {"role", "content"} and paths:
+            return ServedPrompt(record=record, template=detection, messages=None)
+    return ServedPrompt(record=record, template=template, messages=chat)
+
+
+def encode_served(processor: Any, prompt: ServedPrompt) -> Any:
+    """The :class:`EncodedPrompt` of ``prompt``; template and image failures are :class:`InferInputError` whose
+    text names the request's items instead of server paths."""
+    from coordexp.runtime.model.encoding import (IMAGE_PAD_TOKEN, EncodingError, encode_prompt,
+                                                 encode_rendered_prompt)
+
+    names = {str(path): f"{prompt.record.source}.images[{k}]" for k, path in enumerate(prompt.record.image_paths)}
+    try:
+        if prompt.messages is None:
+            return encode_prompt(processor, prompt.record, prompt.template)
+        chat_template = getattr(processor, "chat_template", None) or processor.tokenizer.chat_template
+        try:
+            text = processor.tokenizer.apply_chat_template(prompt.messages, chat_template=chat_template,
+                                                           tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # noqa: BLE001 - jinja's TemplateError, or a TypeError inside the template
+            log.info("%s: the chat template refused the messages: %r", prompt.record.source, exc)
+            detail = scrub_paths(str(exc))[:300] if type(exc).__name__ == "TemplateError" else type(exc).__name__
+            raise InferInputError(f"{prompt.record.source}.messages: the model's chat template does not accept "
+                                  f"these messages ({detail})") from None
+        rendered = text.count(IMAGE_PAD_TOKEN)
+        if rendered != len(prompt.record.image_paths):
+            raise InferInputError(f"{prompt.record.source}.messages: the chat template rendered {rendered} image "
+                                  f"placeholder(s) for {len(prompt.record.image_paths)} image(s); put images in "
+                                  "turns the template renders")
+        return encode_rendered_prompt(processor, text, prompt.record, prompt.template)
+    except EncodingError as exc:
+        log.info("%s: encoding failed: %s", prompt.record.source, exc)
+        raise InferInputError(scrub_paths(str(exc), names)) from None
