@@ -212,6 +212,18 @@ def _match(tokens: PathTuple, path: PathTuple) -> Optional[list[str]]:
 
 
 _COMPILED = tuple((parse_path(k.pattern), k) for k in LEGACY_KEYS)
+
+
+def _shape(tokens: PathTuple) -> tuple:
+    """Index key of a pattern or path: its length and first two parts (a wildcard part indexes as None)."""
+    head = tuple(None if t in ("*", "[*]") else t for t in tokens[:2])
+    return (len(tokens), *head)
+
+
+_BY_SHAPE: dict[tuple, list] = {}
+for _tokens, _entry in _COMPILED:  # table order kept inside each bucket: the first matching entry wins
+    _BY_SHAPE.setdefault(_shape(_tokens), []).append((_tokens, _entry))
+_WILDCARD_HEADS = any(None in _shape(tokens)[1:] for tokens, _ in _COMPILED)
 _PRUNABLE = frozenset(
     [".".join(p.old.split(".")[:n]) for p in LEGACY_PREFIXES for n in range(2, p.old.count(".") + 2)]
     + [k.pattern for k in LEGACY_KEYS if k.container]
@@ -238,8 +250,17 @@ class LegacyHit:
         return ConfigIssue(self.dotted, message, guidance, file)
 
 
+def _candidates(path: PathTuple) -> Any:
+    """The table entries that can match ``path`` (all of them if a pattern starts with a wildcard), so a mapping
+    of many keys is classified in linear time instead of against the whole table per key."""
+    if _WILDCARD_HEADS:
+        return _COMPILED
+    shape = (len(path), *(p if isinstance(p, str) else None for p in path[:2]))
+    return _BY_SHAPE.get(shape, ())
+
+
 def _match_table(path: PathTuple, value: Any) -> Optional[tuple[LegacyKey, Optional[str]]]:
-    for tokens, entry in _COMPILED:
+    for tokens, entry in _candidates(path):
         captures = _match(tokens, path)
         if captures is None or (entry.value is not _ANY and value != entry.value):
             continue

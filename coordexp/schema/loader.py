@@ -11,7 +11,7 @@ import copy
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 from pydantic import ValidationError
 
@@ -33,6 +33,9 @@ __all__ = [
 ]
 
 EXTENDS_KEY = "extends"
+MAX_REPORTED_ISSUES = 100
+"""Schema problems listed per file; the rest are counted in one closing line (a file of 9,000 stray keys
+otherwise spends seconds on spelling suggestions nobody reads)."""
 
 
 @dataclass
@@ -86,19 +89,41 @@ def deep_merge(base: dict, override: dict) -> dict:
     return merged
 
 
+def _subtree_paths(node: Any, path: PathTuple) -> Iterator[PathTuple]:
+    """``path`` and the path of every value below it."""
+    stack = [(node, path)]
+    while stack:
+        node, path = stack.pop()
+        yield path
+        if isinstance(node, dict):
+            stack.extend((value, (*path, key)) for key, value in node.items())
+        elif isinstance(node, list):
+            stack.extend((value, (*path, i)) for i, value in enumerate(node))
+
+
+_NOTHING = object()
+
+
 def _overlay_origins(
-    into: dict[PathTuple, str], layer: dict, layer_origins: dict[PathTuple, str], path: PathTuple = ()
+    into: dict[PathTuple, str], below: Any, layer: dict, layer_origins: dict[PathTuple, str], path: PathTuple = ()
 ) -> None:
-    """Record that ``layer`` was merged on top: replaced subtrees forget their old origins."""
+    """Record that ``layer`` was merged on top of ``below``: replaced subtrees forget their old origins.
+
+    Walks only the two trees (not every recorded path per key), so a file of many keys loads in linear time.
+    """
     for key, value in layer.items():
         child = (*path, key)
-        if isinstance(value, dict):
+        old = below.get(key, _NOTHING) if isinstance(below, dict) else _NOTHING
+        if isinstance(value, dict) and isinstance(old, dict):
             into[child] = layer_origins.get(child, into.get(child, ""))
-            _overlay_origins(into, value, layer_origins, child)
+            _overlay_origins(into, old, value, layer_origins, child)
             continue
-        for stale in [p for p in into if p[: len(child)] == child]:
-            del into[stale]
-        into.update({p: f for p, f in layer_origins.items() if p[: len(child)] == child})
+        if old is not _NOTHING:
+            for stale in _subtree_paths(old, child):
+                into.pop(stale, None)
+        for fresh in _subtree_paths(value, child):
+            if fresh in layer_origins:
+                into[fresh] = layer_origins[fresh]
 
 
 def _display(path: Path) -> str:
@@ -109,18 +134,77 @@ def _display(path: Path) -> str:
     return str(path) if rel.startswith("..") else rel
 
 
+MAX_EXTENDS_DEPTH = 16
+"""Longest ``extends`` chain (a file, its base, the base's base, ...)."""
+MAX_EXTENDS_FILES = 64
+"""Distinct files one config may pull in through ``extends``."""
+MAX_MERGED_NODES = 200_000
+"""Values copied by all the ``extends`` merges of one load together (a base listed many times counts each time)."""
+
+
+@dataclass
+class _LoadState:
+    """One ``load_merged`` call: each file is read once (a diamond of ``extends`` stays linear) within budgets."""
+
+    loaded: dict[Path, Union[MergedConfig, ConfigError]] = field(default_factory=dict)
+    sizes: dict[int, int] = field(default_factory=dict)
+    merged_nodes: int = 0
+
+    def charge_merge(self, layer: MergedConfig, shown: str) -> None:
+        """Count the values a merge of ``layer`` copies; refuse once the load exceeds :data:`MAX_MERGED_NODES`."""
+        size = self.sizes.get(id(layer))
+        if size is None:
+            size = self.sizes[id(layer)] = sum(1 for _ in _subtree_paths(layer.data, ()))
+        self.merged_nodes += size
+        if self.merged_nodes > MAX_MERGED_NODES:
+            raise ConfigError([ConfigIssue(
+                EXTENDS_KEY,
+                f"extends merges copy more than {MAX_MERGED_NODES:,} values in total",
+                "List each base once; a config and its bases hold a few hundred values.",
+                shown,
+            )])
+
+
 def load_merged(path: Union[str, Path]) -> MergedConfig:
     """Read ``path`` and its ``extends`` chain into one raw mapping; raises :class:`ConfigError`."""
-    return _load_merged(Path(path).absolute(), chain=())
+    return _load_merged(Path(path).absolute(), chain=(), state=_LoadState())
 
 
-def _load_merged(path: Path, chain: tuple[Path, ...]) -> MergedConfig:
+def _load_merged(path: Path, chain: tuple[Path, ...], state: _LoadState) -> MergedConfig:
     shown = _display(path)
     resolved = path.resolve()
     if resolved in chain:
         cycle = " -> ".join(_display(p) for p in (*chain, resolved))
         issue = ConfigIssue(EXTENDS_KEY, f"extends cycle: {cycle}", "Remove one of the extends links.", shown)
         raise ConfigError([issue])
+    earlier = state.loaded.get(resolved)
+    if isinstance(earlier, ConfigError):
+        raise earlier
+    if earlier is not None:
+        return earlier  # reached twice (a diamond): read and merged once
+    if len(chain) >= MAX_EXTENDS_DEPTH:
+        names = " -> ".join(_display(p) for p in (*chain[:2], Path("..."), *chain[-1:], resolved))
+        raise ConfigError([ConfigIssue(
+            EXTENDS_KEY, f"extends chain is deeper than {MAX_EXTENDS_DEPTH} files ({names})",
+            "Flatten the chain: a config rarely needs more than two levels of bases.", shown,
+        )])
+    if len(state.loaded) >= MAX_EXTENDS_FILES:
+        raise ConfigError([ConfigIssue(
+            EXTENDS_KEY, f"extends pulls in more than {MAX_EXTENDS_FILES} files",
+            "Merge some bases into one file.", shown,
+        )])
+    try:
+        merged = _read_and_merge(path, shown, resolved, chain, state)
+    except ConfigError as exc:
+        state.loaded[resolved] = exc
+        raise
+    state.loaded[resolved] = merged
+    return merged
+
+
+def _read_and_merge(
+    path: Path, shown: str, resolved: Path, chain: tuple[Path, ...], state: _LoadState
+) -> MergedConfig:
     try:
         data = read_yaml_file(path)
     except YamlReadError as exc:
@@ -157,7 +241,7 @@ def _load_merged(path: Path, chain: tuple[Path, ...]) -> MergedConfig:
         base_path = Path(os.path.expanduser(base))
         base_path = base_path if base_path.is_absolute() else path.parent / base_path
         try:
-            loaded = _load_merged(base_path, (*chain, resolved))
+            loaded = _load_merged(base_path, (*chain, resolved), state)
         except ConfigError as exc:
             issues.extend(
                 i if i.path or i.message.startswith("extends") else ConfigIssue(
@@ -166,15 +250,16 @@ def _load_merged(path: Path, chain: tuple[Path, ...]) -> MergedConfig:
                 for i in exc.issues
             )
             continue
+        state.charge_merge(loaded, shown)
+        _overlay_origins(merged.origins, merged.data, loaded.data, loaded.origins)
         merged.data = deep_merge(merged.data, loaded.data)
-        _overlay_origins(merged.origins, loaded.data, loaded.origins)
         merged.files = (*merged.files, *(f for f in loaded.files if f not in merged.files))
     if issues:
-        raise ConfigError(issues)
-    merged.data = deep_merge(merged.data, data)
+        raise ConfigError(dict.fromkeys(issues))  # a failing base reached twice is reported once
     own: dict[PathTuple, str] = {}
     _record_origins(data, (), shown, own)
-    _overlay_origins(merged.origins, data, own)
+    _overlay_origins(merged.origins, merged.data, data, own)
+    merged.data = deep_merge(merged.data, data)
     merged.origins[()] = shown
     merged.files = (*merged.files, shown)
     return merged
@@ -233,9 +318,14 @@ def validate_merged(merged: MergedConfig) -> ValidationReport:
         config = CoordExpConfig.model_validate(data)
     except ValidationError as exc:
         config = None
-        for loc, issue in validation_issues(exc, data, CoordExpConfig):
+        for seen, (loc, issue) in enumerate(validation_issues(exc, data, CoordExpConfig)):
             if issue.message.startswith("required key is missing") and issue.path in covered:
                 continue  # the legacy message above already names this key
+            if len(issues) >= MAX_REPORTED_ISSUES:
+                more = max(exc.error_count() - seen, 1)
+                issues.append(ConfigIssue("", f"and about {more} more problem(s) not listed", "Fix the ones above "
+                                          "first (unknown keys are often one mis-indented block).", top))
+                break
             issues.append(ConfigIssue(issue.path, issue.message, issue.hint, merged.file_of(loc)))
     if issues:
         return ValidationReport(top or "", None, tuple(issues), ())

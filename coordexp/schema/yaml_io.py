@@ -129,7 +129,7 @@ def _check_expanded_size(root: yaml.Node) -> None:
         key = id(node)
         if finished:
             on_path.discard(key)
-            sizes[key] = 1 + sum(sizes[id(child)] for child in _children(node))
+            sizes[key] = 1 + sum(sizes.get(id(child), 1) for child in _children(node))  # a scalar is 1
             if sizes[key] > MAX_YAML_NODES:
                 raise YamlReadError(
                     f"document expands to more than {MAX_YAML_NODES:,} nodes (each use of an alias counts its whole "
@@ -143,6 +143,8 @@ def _check_expanded_size(root: yaml.Node) -> None:
         on_path.add(key)
         stack.append((node, True))
         for child in _children(node):
+            if isinstance(child, yaml.ScalarNode):
+                continue
             if id(child) in on_path:
                 raise YamlReadError(
                     f"line {child.start_mark.line + 1}: recursive alias (an anchored value contains itself)",
