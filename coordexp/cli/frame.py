@@ -167,7 +167,7 @@ def report_exception(exc: BaseException, *, as_json: bool = False) -> int:
     # A user or external error is the same on every rank: rank 0 says it. A bug may be rank-specific: all say it.
     if not is_rank_zero() and code != EXIT_INTERNAL and not debug:
         return code
-    prefix = "" if rank == "0" else f"[rank {safe(rank)}] "
+    prefix = "" if rank == "0" else safe(f"[rank {rank}] ")
     if debug:
         err.print(plain("".join(traceback.format_exception(exc)), multiline=True), markup=False)
     if code == EXIT_INTERNAL:
