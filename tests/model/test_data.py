@@ -11,8 +11,16 @@ from coordexp.runtime.model.data import MAX_REPORTED_ERRORS, DatasetError, load_
 from coordexp.runtime.core.objects import DetObject
 
 
+def _png(path, size=(8, 8)):
+    """A real (tiny) PNG: the loader reads every image header."""
+    from PIL import Image
+
+    Image.new("RGB", size).save(path)
+    return path
+
+
 def _write(tmp_path, records, name="train.jsonl", image="img.png"):
-    (tmp_path / image).write_bytes(b"not decoded by the loader")
+    _png(tmp_path / image)
     lines = [r if isinstance(r, str) else json.dumps(r) for r in records]
     path = tmp_path / name
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
@@ -50,7 +58,7 @@ def test_accepts_ints_coord_tokens_flat_and_paired_polygons(tmp_path):
 def test_image_root_and_max_samples(tmp_path):
     images = tmp_path / "pics"
     images.mkdir()
-    (images / "a.png").write_bytes(b"x")
+    _png(images / "a.png")
     path = tmp_path / "data" / "train.jsonl"
     path.parent.mkdir()
     path.write_text("\n".join(json.dumps(_record([], image="a.png")) for _ in range(3)) + "\n{broken\n")

@@ -177,6 +177,7 @@ def _object(raw: Any, field: str) -> DetObject:
     desc = raw.get("desc")
     if not isinstance(desc, str) or not desc.strip():
         raise _RecordProblem(f"{field}.desc", f"expected a non-empty string, got {_short(desc)}")
+    _require_utf8(desc, f"{field}.desc")
     special = _SPECIAL_TOKEN.search(desc)
     if special:
         raise _RecordProblem(f"{field}.desc", f"contains the special-token form {_short(special.group())}; a desc is "
@@ -233,7 +234,17 @@ def open_image(path: Path) -> Any:
     return image
 
 
+def _require_utf8(text: str, field: str) -> None:
+    """JSON ``\\ud800`` escapes decode to lone surrogates, which no tokenizer or file system can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise _RecordProblem(field, f"{_short(text)} holds a lone surrogate {ascii(text[exc.start])[1:-1]} (a "
+                                    "JSON \\uXXXX escape of half a character); write the whole character") from None
+
+
 def _image_path(name: str, field: str, image_root: Path, check_files: bool) -> Path:
+    _require_utf8(name, field)
     if "\x00" in name:
         raise _RecordProblem(field, f"{_short(name)} contains a NUL byte; write the plain file path")
     encoded = name.encode("utf-8", "surrogatepass")
