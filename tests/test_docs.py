@@ -18,7 +18,7 @@ SOURCES = sorted(PACKAGE.rglob("*.py"))
 ANCHOR_LINK = re.compile(r"docs/design\.md#([A-Za-z0-9_-]+)")
 SECTION_CITE = re.compile(r"docs/design\.md, ([A-Za-z0-9_ -]*[A-Za-z0-9_])")
 DECISION_CITE = re.compile(r"\bdecision (\d+)\b", re.IGNORECASE)
-STALE_CITE = re.compile(r"\bspec \d{3}\b|\bspec decision\b|\(spec\b|\bissue \d+\b", re.IGNORECASE)
+STALE_CITE = re.compile(r"\bspec \d{3}\b|\bspec decision\b|\(spec\b", re.IGNORECASE)
 
 
 def github_slug(heading: str) -> str:
