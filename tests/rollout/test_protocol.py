@@ -31,8 +31,42 @@ def test_coordexp_infer_request_parses_and_ignores_swift_extras():
         3084, 0.0, -1, 1000020, True)
     assert config.stop == ["<|im_end|>"]
     dumped = body.model_dump(mode="json")
-    assert "metrics" not in dumped and "use_tqdm" not in dumped  # extras ignored, not echoed
+    assert dumped["metrics"] is None and dumped["adapter_request"] is None  # swift's always-sent keys are fields
+    assert p.unknown_infer_fields(body) == []  # everything swift's client sends is a known field
     assert p.InferRequestBody.model_validate(dumped) == body  # round trip
+
+
+# every RequestConfig field of ms-swift 3.12 (swift/llm/infer/protocol.py), written out from the reference
+SWIFT_312_REQUEST_CONFIG = {
+    "max_tokens": None, "temperature": None, "top_k": None, "top_p": None, "repetition_penalty": None,
+    "num_beams": 1, "stop": [], "seed": None, "stream": False, "logprobs": False, "top_logprobs": None, "n": 1,
+    "best_of": None, "presence_penalty": 0.0, "frequency_penalty": 0.0, "length_penalty": 1.0,
+    "return_details": False, "structured_outputs_regex": None}
+
+
+def test_every_swift_312_request_config_field_is_known():
+    body = p.InferRequestBody.model_validate({"infer_requests": [], "request_config": SWIFT_312_REQUEST_CONFIG})
+    assert p.unknown_infer_fields(body) == []
+    assert body.request_config.structured_outputs_regex is None
+
+
+_names = st.text(st.characters(whitelist_categories=("Ll",)), min_size=3, max_size=12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(top=st.lists(_names, max_size=3, unique=True), config=st.lists(_names, max_size=3, unique=True),
+       item=st.lists(_names, max_size=3, unique=True))
+def test_unknown_keys_are_kept_and_named_with_their_path(top, config, item):
+    """No silent ignore: every key outside swift 3.12's /infer/ models is reported, each with its dotted path."""
+    top = [k for k in top if k not in p.InferRequestBody.model_fields]
+    config = [k for k in config if k not in p.RequestConfig.model_fields]
+    item = [k for k in item if k not in p.RolloutInferRequest.model_fields]
+    raw = {"infer_requests": [{"messages": [{"role": "user", "content": "hi"}]},
+                              {"messages": [{"role": "user", "content": "hi"}], **{k: 1 for k in item}}],
+           "request_config": {"n": 1, **{k: True for k in config}}, **{k: None for k in top}}
+    body = p.InferRequestBody.model_validate(raw)
+    assert p.unknown_infer_fields(body) == (top + [f"request_config.{k}" for k in config]
+                                            + [f"infer_requests[1].{k}" for k in item])
 
 
 def test_swift_tag_form_wraps_single_image_string_and_defaults_config():

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from coordexp.runtime.rollout.base import RolloutRequest
@@ -445,3 +447,38 @@ def test_busy_port_is_an_error_not_a_silent_move(server_config):
     assert done.returncode == 3  # a busy port is an external condition (the error family), not bad input
     assert f"port {port} on 127.0.0.1 is already in use" in " ".join(done.stderr.split())
     assert time.monotonic() - started < 30
+
+
+# ------------------------------------------------------------------------------------------------ processed logprobs
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), vocab=st.integers(2, 40), temperature=st.sampled_from([0.0, 0.5, 1.0, 2.0]),
+       top_k=st.integers(-1, 45), top_p=st.floats(0.05, 1.0), penalty=st.sampled_from([1.0, 1.3]))
+def test_processed_logprobs_follow_vllms_order(seed, vocab, temperature, top_k, top_p, penalty):
+    """Rows are normalised; greedy is the plain log-softmax (after the penalty); sampling keeps the top-k, then the
+    smallest best-first prefix whose mass reaches top_p; a seen id's positive logit is divided by the penalty."""
+    from coordexp.runtime.server.engine import processed_logprobs
+
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(3, vocab, generator=generator) * 3
+    ids = torch.randint(0, vocab, (6,), generator=generator)
+    decoding = DecodingConfig(temperature=temperature, top_k=top_k if top_k > 0 else -1,
+                              top_p=top_p if temperature > 0 else 1.0, repetition_penalty=penalty)
+    out = processed_logprobs(logits, ids, 4, decoding)
+    assert torch.allclose(torch.logsumexp(out, dim=1), torch.zeros(3), atol=1e-5)
+    penalised = logits.clone()
+    for s in range(3):
+        for i in set(ids[:4 + s].tolist()):
+            penalised[s, i] = penalised[s, i] / penalty if penalised[s, i] > 0 else penalised[s, i] * penalty
+    if temperature == 0:
+        assert torch.allclose(out, torch.log_softmax(penalised, dim=1), atol=1e-5)
+        return
+    for s in range(3):
+        kept = torch.isfinite(out[s])
+        scaled = penalised[s] / temperature
+        allowed = scaled.argsort(descending=True)[:top_k] if 0 < top_k < vocab else torch.arange(vocab)
+        assert set(kept.nonzero()[:, 0].tolist()) <= set(allowed.tolist())
+        probs = torch.softmax(scaled[allowed], dim=0).sort(descending=True).values
+        need = int((torch.cumsum(probs, 0) < top_p - 1e-6).sum()) + 1  # the smallest prefix reaching top_p
+        assert int(kept.sum()) == min(need, len(allowed))
