@@ -170,9 +170,20 @@ def load_merged(path: Union[str, Path]) -> MergedConfig:
     return _load_merged(Path(path).absolute(), chain=(), state=_LoadState())
 
 
+_PATH_HINT = "Check the path: a file name of at most 255 bytes, no NUL byte, in folders you may read."
+
+
+def _path_error(exc: Exception) -> str:
+    """The OS reason without the (possibly huge or hostile) path itself."""
+    return (exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)).replace("\x00", "\\x00")
+
+
 def _load_merged(path: Path, chain: tuple[Path, ...], state: _LoadState) -> MergedConfig:
     shown = _display(path)
-    resolved = path.resolve()
+    try:
+        resolved = path.resolve()
+    except (OSError, ValueError) as exc:  # a NUL byte, a name too long for the file system, an unreadable folder
+        raise ConfigError([ConfigIssue("", f"cannot use this path ({_path_error(exc)})", _PATH_HINT, shown)]) from None
     if resolved in chain:
         cycle = " -> ".join(_display(p) for p in (*chain, resolved))
         issue = ConfigIssue(EXTENDS_KEY, f"extends cycle: {cycle}", "Remove one of the extends links.", shown)
@@ -209,6 +220,8 @@ def _read_and_merge(
         data = read_yaml_file(path)
     except YamlReadError as exc:
         raise ConfigError([ConfigIssue("", exc.message, exc.hint, shown)]) from None
+    except (OSError, ValueError) as exc:  # the path itself is unusable (NUL byte, too long, no permission on a folder)
+        raise ConfigError([ConfigIssue("", f"cannot read file ({_path_error(exc)})", _PATH_HINT, shown)]) from None
     if data is None:
         raise ConfigError(
             [ConfigIssue("", "file is empty", "A config is a mapping with global_max_length, model, data, ...", shown)]
