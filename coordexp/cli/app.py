@@ -11,7 +11,6 @@ topology, a missing package, a busy port); 1 internal error (a bug in coordexp).
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -124,43 +123,27 @@ def migrate(
         Optional[Path], typer.Option("--output", "-o", help="Write the canonical YAML here instead of stdout.")
     ] = None,
 ) -> None:
-    """Rewrite legacy keys into canonical YAML; report what could not be moved (exit 2 if anything is left)."""
+    """Rewrite legacy keys into canonical YAML; report what could not be moved (exit 2 if anything is left).
+
+    The original bytes are never lost: writes go to a temp file renamed into place, --in-place keeps a
+    byte-identical backup under a fresh name (.bak, .bak.1, ...), read-only targets and -o onto the input are refused.
+    """
     from coordexp.schema.loader import validate_config_file
-    from coordexp.schema.migrate import migrate_text
-    from coordexp.schema.yaml_io import YamlReadError, read_yaml_file
+    from coordexp.schema.migrate_io import migrate_file
 
-    if in_place and output is not None:
-        err.print("[red]error[/red]: use either --in-place or --output, not both")
-        raise typer.Exit(EXIT_INVALID)
-    try:
-        data = read_yaml_file(config)
-        if not isinstance(data, dict):
-            raise YamlReadError("top level must be a mapping of sections", "Pass a coordexp YAML config.")
-        text = config.read_text(encoding="utf-8")
-        target = config if in_place else output
-        new_text, migration = migrate_text(text, config, target)
-    except YamlReadError as exc:
-        err.print(f"[red]✗[/red] {safe(str(config))}: {safe(exc.message)}. [dim]{safe(exc.hint)}[/dim]")
-        raise typer.Exit(EXIT_INVALID) from None
-
+    result = migrate_file(config, in_place=in_place, output=output)  # errors: exit 2 through the frame
+    migration = result.migration
     for change in migration.changes:
         err.print(f"  [green]moved[/green]  {safe(change)}")
     for left in migration.unresolved:
         err.print(f"  [yellow]left[/yellow]   {safe(left)}")
     if not migration.changed:
         err.print(f"[green]✓[/green] {safe(str(config))}: nothing to migrate")
-
-    if in_place:
-        if migration.changed:
-            backup = config.with_name(config.name + ".bak")
-            backup.write_text(text, encoding="utf-8")
-            _write_atomic(config, new_text)
-            err.print(f"wrote {safe(str(config))} (backup: {safe(str(backup))})")
-    elif output is not None:
-        _write_atomic(output, new_text)
-        err.print(f"wrote {safe(str(output))}")
-    else:
-        sys.stdout.write(new_text)
+    if result.written is None and not in_place:
+        sys.stdout.write(result.text)
+    elif result.written is not None:
+        kept = f" (backup: {safe(str(result.backup))})" if result.backup else ""
+        err.print(f"wrote {safe(str(result.written))}{kept}")
 
     written = config if in_place else output
     if written is not None:
@@ -173,12 +156,6 @@ def migrate(
                 err.print("  [red]•[/red] " + issue_line(issue, report.path))
             raise typer.Exit(EXIT_INVALID)
     raise typer.Exit(EXIT_INVALID if migration.unresolved else EXIT_OK)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 app.command("validate")(guarded(validate))

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from coordexp.schema.errors import ConfigError, ConfigIssue, format_path
 from coordexp.schema.legacy import find_legacy_keys
 from coordexp.schema.loader import deep_merge, load_merged
 from coordexp.schema.yaml_io import dump_yaml, parse_yaml_text
@@ -130,7 +131,7 @@ class _Rewriter:
         parts = _split(target)
         for part in parts[:-1]:
             child = node.get(part, _ABSENT)
-            if child is _ABSENT:
+            if child is _ABSENT or child is None:  # an empty (null) section takes the moved key
                 child = node[part] = {}
             if not isinstance(child, dict):
                 self.m.unresolved.append(f"{source}: cannot move to {target}: {part} is not a mapping")
@@ -297,7 +298,9 @@ def _coord_losses(rw: _Rewriter, old_variant: bool) -> None:
         enabled = not (isinstance(section, dict) and section.get("enabled") is False)
         pipeline = _baseline_pipeline({**OLD_COORD_DEFAULTS, **values})
         pipeline["objective"][1]["enabled"] = enabled
-        rw.data.setdefault(_RM, {})["pipeline"] = pipeline
+        if not isinstance(rw.data.get(_RM), dict):
+            rw.data[_RM] = {}  # absent or null (the shape check refused anything else)
+        rw.data[_RM]["pipeline"] = pipeline
         moved = sources
         target = f"{_RM}.pipeline (new: token_ce baseline + coord_reg with the old trainer's defaults)"
     for source in moved:
@@ -359,12 +362,59 @@ def _training(rw: _Rewriter) -> None:
             )
 
 
+# Sections the rewrites read into or write under: each must be a mapping where present (``None`` means empty).
+_MAPPING_SECTIONS = ("custom", "custom.extra", "custom.coord_soft_ce_w1", "training")
+_RM_SECTIONS = ("", "decoding", "vllm", "vllm.server", "matching", "ot", "pipeline")
+
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _shape_issues(raw: dict) -> list[ConfigIssue]:
+    """Where ``raw`` holds a scalar or list in place of a section migrate edits: one issue per dotted path."""
+    hint = "migrate edits keys inside this section; write it as `key: value` lines (or remove it)"
+    issues = []
+    rm_roots = (_RM, "custom.extra.rollout_matching")
+    sections = [*_MAPPING_SECTIONS, *(f"{root}.{s}".rstrip(".") for root in rm_roots for s in _RM_SECTIONS)]
+    for dotted in sections:
+        value = _get(raw, dotted)
+        if value is not _ABSENT and value is not None and not isinstance(value, dict):
+            issues.append(ConfigIssue(dotted, f"expected a mapping of keys (got a {_kind(value)})", hint))
+    for root in rm_roots:
+        for part in ("objective", "diagnostics"):
+            modules = _get(raw, f"{root}.pipeline.{part}")
+            where = f"{root}.pipeline.{part}"
+            if modules is _ABSENT or modules is None:
+                continue
+            if not isinstance(modules, list):
+                issues.append(ConfigIssue(where, f"expected a list of modules (got a {_kind(modules)})",
+                                          "Write one `- name: ...` entry per loss module."))
+                continue
+            for i, module in enumerate(modules):
+                config = module.get("config") if isinstance(module, dict) else None
+                if not isinstance(module, dict):
+                    issues.append(ConfigIssue(format_path((*where.split("."), i)),
+                                              f"expected a module mapping (got a {_kind(module)})",
+                                              "Each entry has name, enabled, weight, channels, config."))
+                elif config is not None and not isinstance(config, dict):
+                    issues.append(ConfigIssue(format_path((*where.split("."), i, "config")),
+                                              f"expected a mapping of keys (got a {_kind(config)})", hint))
+    return issues
+
+
 def migrate_mapping(raw: dict, base_view: Optional[dict] = None) -> Migration:
     """Rewrite every mechanical legacy move of ``raw`` (a copy is returned; ``raw`` is not modified).
 
     ``base_view`` is the merged mapping of the file's ``extends`` bases, consulted (never edited) to decide
-    whether a pipeline already exists.
+    whether a pipeline already exists. A section of the wrong shape raises :class:`ConfigError` naming its path.
     """
+    if not isinstance(raw, dict):
+        raise ConfigError([ConfigIssue("", f"top level must be a mapping of sections (got a {_kind(raw)})",
+                                       "Pass a coordexp YAML config.")])
+    issues = _shape_issues(raw)
+    if issues:
+        raise ConfigError(issues)
     rw = _Rewriter(copy.deepcopy(raw), base_view or {})
     old_variant = _get(rw.data, "custom.trainer_variant") == "rollout_matching_sft"
     if old_variant:
@@ -401,10 +451,14 @@ def migrate_text(
     """
     raw = parse_yaml_text(text)
     if not isinstance(raw, dict):
-        raise ValueError("top level must be a mapping")
+        raise ConfigError([ConfigIssue("", f"top level must be a mapping of sections (got a {_kind(raw)})",
+                                       "Pass a coordexp YAML config.")])
     source = Path(source).absolute()
     bases = raw.get("extends")
     base_list = [bases] if isinstance(bases, str) else bases if isinstance(bases, list) else []
+    if bases is not None and not all(isinstance(b, str) and b and "\x00" not in b for b in base_list or [None]):
+        raise ConfigError([ConfigIssue("extends", "extends must be a path or a list of paths (non-empty, no NUL)",
+                                       "e.g. extends: base.yaml")])
     base_view: dict = {}
     for base in base_list:
         try:
