@@ -90,6 +90,7 @@ def _print_summary(result: Any, total: float) -> None:
     b, a = result.before, result.after
     table.add_row("parse valid rate", _pct(b.parse_valid_rate), _pct(a.parse_valid_rate))
     table.add_row("match rate", _pct(b.match_rate), _pct(a.match_rate))
+    table.add_row("box AP50 (COCO)", _pct(b.ap50), _pct(a.ap50))
     table.add_row("stage-2 loss on val", _num(b.loss), _num(a.loss))
     table.add_row("valid objects / GT", f"{b.counters.pred_valid} / {b.counters.gt_objects}",
                   f"{a.counters.pred_valid} / {a.counters.gt_objects}")

@@ -66,6 +66,7 @@ def test_quick_demo_runs_both_stages_and_reports_before_and_after(quick_demo):
         assert counters["samples"] == QUICK_STEPS["eval_records"]
         assert counters["fn_appended"] == counters["gt_objects"] - counters["matched"]
         assert summary[point]["loss"] > 0
+        assert 0.0 <= summary[point]["box_AP50"] <= 1.0  # COCO AP50 of the val rollouts
     assert summary["stage1_dir"] == str(root / "runs" / "s1")
     # stage 2 started from the stage-1 model, which was saved with its processor
     assert (root / "runs" / "s1" / "model.safetensors").is_file() and (root / "runs" / "s1" / "tokenizer.json").is_file()
@@ -84,7 +85,7 @@ def test_quick_demo_writes_pngs_of_the_final_evaluation(quick_demo):
     for path in map(Path, summary["pngs"]):
         assert path.parent == root / "runs" / "s2" / "demo_png"
         with Image.open(path) as image:
-            assert image.size == (448, 448)
+            assert image.size == (672, 672)  # 112 px upscaled to the legible minimum canvas side
     final = [e for e in read_rollout_log(root / "runs" / "s2") if e.tag == "eval" and e.step == summary["stage2_steps"]]
     assert len(final) == QUICK_EVAL_RECORDS
     assert any(e.tag == "train" for e in read_rollout_log(root / "runs" / "s2"))  # logging_steps 1

@@ -2,8 +2,9 @@
 
 Everything is driven by two YAML files (``examples/demo_stage1.yaml``, ``examples/demo_stage2.yaml``); stage 2's
 ``model.path`` is stage 1's ``output_dir``. Assets are built where the stage-1 config points and reused when present.
-The before/after numbers come from rolling out the same validation records through the trainer's own
-parse/match path (:meth:`CoordExpTrainer.evaluate_rollouts`), not from training logs.
+The before/after numbers come from rolling out the same validation records through the training parse/match path
+(:func:`coordexp.runtime.train.evaluate.roll_out_and_score`), not from training logs: the rollout counters and COCO
+box AP/AP50 (objects ranked by the log-probability of their tokens).
 """
 
 from __future__ import annotations
@@ -81,10 +82,13 @@ class DemoPlan:
 
 @dataclass(frozen=True)
 class RolloutEval:
-    """Rollout health of a model on the validation records, plus the stage-2 objective on those rollouts."""
+    """Rollout health and detection quality (COCO box AP) of a model on the validation records, plus the stage-2
+    objective on those rollouts."""
 
     counters: RolloutCounters
     loss: Optional[float]
+    ap: Optional[float] = None
+    ap50: Optional[float] = None
 
     @property
     def parse_valid_rate(self) -> Optional[float]:
@@ -197,10 +201,21 @@ def evaluate(trainer: "CoordExpTrainer", records: Sequence["DetectionRecord"], *
 
     from coordexp.runtime.train.trainer import StepStats
 
+    from coordexp.runtime.train.evaluate import detection_metrics, roll_out_and_score
+    from coordexp.runtime.train.visualize import append_rollout_log
+
     was_training = trainer.model.training
     trainer.model.eval()
     try:
-        counters = trainer.evaluate_rollouts(records)
+        rollouts = roll_out_and_score(
+            trainer.model, trainer.host, trainer.backend, list(records),
+            decode_batch_size=trainer.run.rollout_matching.decode_batch_size, seed=trainer.args.seed,
+            step=trainer.state.global_step,
+        )
+        if trainer.rollout_log_every:
+            append_rollout_log(trainer.args.output_dir, [r.entry for r in rollouts])
+        detection, _, _ = detection_metrics(rollouts, image_root=trainer.run.data.image_root)
+        counters = detection.counters
         loss = None
         if with_loss:
             saved = trainer.stats, trainer.buffer, trainer._micro_step
@@ -217,7 +232,7 @@ def evaluate(trainer: "CoordExpTrainer", records: Sequence["DetectionRecord"], *
             loss = sum(value * n for value, n in losses) / max(1, sum(n for _, n in losses))
     finally:
         trainer.model.train(was_training)
-    return RolloutEval(counters, loss)
+    return RolloutEval(counters, loss, ap=detection.bbox["AP"], ap50=detection.bbox["AP50"])
 
 
 class ParseRateStop(TrainerCallback):
@@ -234,14 +249,15 @@ class ParseRateStop(TrainerCallback):
         self.reached = False
 
     def check(self, step: int) -> RolloutCounters:
-        counters = evaluate(self.trainer, self.records, with_loss=False).counters
+        result = evaluate(self.trainer, self.records, with_loss=False)
+        counters = result.counters
         self.history.append((step, counters))
         ratios = counters.ratios()
         rate, match = ratios["parse_valid_rate"], ratios["match_rate"]
         self.reached = counters.pred_parsed > 0 and rate is not None and rate >= self.target
         self.log(
             f"stage 1 check at step {step}: parse valid {_pct(rate)} of {counters.pred_parsed} parsed objects, "
-            f"match {_pct(match)}, truncated {counters.truncated_rollouts}/{counters.samples}"
+            f"match {_pct(match)}, box AP50 {_pct(result.ap50)}, truncated {counters.truncated_rollouts}/{counters.samples}"
         )
         return counters
 
@@ -347,7 +363,7 @@ def result_to_dict(result: DemoResult) -> dict[str, Any]:
 
     def point(e: RolloutEval) -> dict[str, Any]:
         return {"parse_valid_rate": e.parse_valid_rate, "match_rate": e.match_rate, "loss": e.loss,
-                "counters": e.counters.to_log_dict(prefix="")}
+                "box_AP": e.ap, "box_AP50": e.ap50, "counters": e.counters.to_log_dict(prefix="")}
 
     return {
         "stage1_steps": result.stage1_steps,

@@ -104,31 +104,59 @@ def _pixels(obj: DetObject, width: int, height: int) -> list[tuple[float, float]
     return [(x * width / 1000.0, y * height / 1000.0) for x, y in obj.points()]
 
 
-def render_rollout(entry: RolloutLogEntry, out_path: str | Path, *, scale: int = 4) -> Path:
-    """Draw one rollout: GT (green), matched predictions (blue), FPs (red), FNs (orange, thicker)."""
+MIN_CANVAS_SIDE = 672  # the rendered long side at least this many pixels, so labels stay readable at a glance
+
+
+def _font(size: int) -> Any:
+    from PIL import ImageFont
+
+    try:
+        return ImageFont.load_default(size=size)  # scalable (FreeType) default font
+    except (TypeError, OSError, ImportError):  # Pillow without FreeType: the fixed bitmap font
+        return ImageFont.load_default()
+
+
+def render_rollout(entry: RolloutLogEntry, out_path: str | Path, *, scale: int | None = None) -> Path:
+    """Draw one rollout: GT (green), matched predictions (blue), FPs (red), FNs (orange, thicker), each labelled
+    with its desc. The image is upscaled (nearest) by ``scale``, by default until its long side reaches
+    :data:`MIN_CANVAS_SIDE`; fonts and line widths grow with the canvas."""
     from PIL import Image, ImageDraw
 
     base = Image.open(entry.image).convert("RGB")
     width, height = base.size
+    if scale is None:
+        scale = max(1, -(-MIN_CANVAS_SIDE // max(width, height)))
     canvas = base.resize((width * scale, height * scale), Image.NEAREST)
     draw = ImageDraw.Draw(canvas)
+    font = _font(max(12, max(canvas.size) // 42))
+    thin = max(2, max(canvas.size) // 300)
     fn = set(entry.fn_indices)
     fp = set(entry.fp_indices)
 
-    def outline(obj: DetObject, colour: tuple[int, int, int], line_width: int, label: str) -> None:
+    def outline(obj: DetObject, colour: tuple[int, int, int], line_width: int, label: str, below: bool) -> None:
         points = [(x * scale, y * scale) for x, y in _pixels(obj, width, height)]
-        draw.line(points + [points[0]], fill=colour, width=line_width)
-        anchor = (points[0][0] + 2, points[0][1] + 1)
-        draw.rectangle(draw.textbbox(anchor, label), fill=(0, 0, 0))
-        draw.text(anchor, label, fill=colour)
+        draw.line(points + [points[0]], fill=colour, width=line_width, joint="curve")
+        left, top, right, bottom = draw.textbbox((0, 0), label, font=font)
+        # ground truth labelled above the shape, predictions below it (a matched pair stays readable); on canvas
+        x = min(max(0.0, min(p[0] for p in points)), canvas.width - (right - left) - 4)
+        if below:
+            y = min(max(p[1] for p in points) + 2, canvas.height - 2 * (bottom - top) - 14)
+        else:
+            y = max(0.0, min(p[1] for p in points) - (bottom - top) - 6)
+        draw.rectangle([x, y, x + right - left + 4, y + bottom - top + 4], fill=(0, 0, 0))
+        draw.text((x + 2 - left, y + 2 - top), label, fill=colour, font=font)
 
     for i, obj in enumerate(entry.gt):
-        outline(obj, COLOURS["fn"] if i in fn else COLOURS["gt"], 3 if i in fn else 2, f"{'FN' if i in fn else 'GT'} {obj.desc}")
+        outline(obj, COLOURS["fn"] if i in fn else COLOURS["gt"], 2 * thin if i in fn else thin,
+                f"{'FN' if i in fn else 'GT'} {obj.desc}", below=False)
     for i, obj in enumerate(entry.predictions):
-        outline(obj, COLOURS["fp"] if i in fp else COLOURS["matched"], 2, f"{'FP' if i in fp else 'P'} {obj.desc}")
+        outline(obj, COLOURS["fp"] if i in fp else COLOURS["matched"], thin, f"{'FP' if i in fp else 'P'} {obj.desc}",
+                below=True)
     legend = "GT green | matched blue | FP red | FN orange"
-    draw.rectangle([0, canvas.height - 12, canvas.width, canvas.height], fill=(0, 0, 0))
-    draw.text((2, canvas.height - 12), legend, fill=(255, 255, 255))
+    left, top, right, bottom = draw.textbbox((0, 0), legend, font=font)
+    bar = bottom - top + 6
+    draw.rectangle([0, canvas.height - bar, canvas.width, canvas.height], fill=(0, 0, 0))
+    draw.text((3 - left, canvas.height - bar + 3 - top), legend, fill=(255, 255, 255), font=font)
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     canvas.save(out)
