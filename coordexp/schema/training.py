@@ -10,7 +10,6 @@ from coordexp.schema.base import (
     MAX_WORKERS,
     BatchSize,
     Count,
-    NonNegFloat,
     PathStr,
     Probability,
     Seed,
@@ -41,7 +40,7 @@ class TrainingConfig(StrictModel):
     weight_decay: float_in(ge=0.0, le=10.0) = Field(0.0, description="AdamW weight decay, in [0, 10].")
     adam_beta1: float_in(ge=0.0, lt=1.0) = Field(0.9)
     adam_beta2: float_in(ge=0.0, lt=1.0) = Field(0.999)
-    max_grad_norm: NonNegFloat = Field(1.0, description="Gradient clipping; 0 disables.")
+    max_grad_norm: float_in(ge=0.0, le=1e6) = Field(1.0, description="Gradient clipping; 0 disables.")
     warmup_ratio: Probability = Field(0.0, description="Fraction of steps spent warming up.")
     lr_scheduler_type: Literal["constant", "constant_with_warmup", "linear", "cosine"] = Field("cosine")
     optim: Literal["adamw_torch", "adamw_torch_fused", "sgd"] = Field("adamw_torch")

@@ -238,3 +238,65 @@ def test_generated_extreme_configs_through_the_cli_exit_0_or_2(tmp_path, data):
     code, errors = _cli_errors(tmp_path, config)
     assert code in (0, 2)
     assert (code == 2) == bool(errors) and all(e["path"] for e in errors)
+
+
+# --- every numeric field, present and future -------------------------------------------------------------------
+
+def _constraints(annotation) -> list:
+    """Constraint objects of an annotation, through Optional/Union and nested Annotated."""
+    import typing
+
+    from pydantic.fields import FieldInfo
+
+    found = []
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:
+        for extra in args[1:]:
+            found += list(extra.metadata) if isinstance(extra, FieldInfo) else [extra]
+        return found + _constraints(args[0])
+    if origin is typing.Union:
+        return [c for member in args for c in _constraints(member)]
+    return found
+
+
+def _numeric_fields(model, prefix=""):
+    import typing
+
+    from pydantic import BaseModel
+
+    for name, info in model.model_fields.items():
+        pending, kinds = [info.annotation], set()
+        while pending:
+            current = pending.pop()
+            origin, args = typing.get_origin(current), typing.get_args(current)
+            if origin is typing.Annotated:
+                pending.append(args[0])
+            elif origin in (typing.Union, list) or str(origin) == "<class 'types.UnionType'>":
+                pending.extend(args)
+            elif isinstance(current, type) and issubclass(current, BaseModel):
+                yield from _numeric_fields(current, f"{prefix}{name}.")
+            elif current in (int, float):
+                kinds.add(current)
+        if kinds:
+            yield f"{prefix}{name}", kinds, [*info.metadata, *_constraints(info.annotation)]
+
+
+def _all_numeric_fields():
+    from coordexp.schema.pipeline import BboxGeoModule, CoordDiagModule, CoordRegModule, TokenCeModule
+    from coordexp.schema.root import CoordExpConfig
+
+    for model in (CoordExpConfig, TokenCeModule, CoordRegModule, BboxGeoModule, CoordDiagModule):
+        yield from _numeric_fields(model, f"{model.__name__}:")
+
+
+def test_every_numeric_field_has_both_bounds_and_floats_refuse_inf_and_nan():
+    fields = list(_all_numeric_fields())
+    assert len(fields) > 50  # the walk reaches the nested sections and the pipeline modules
+    problems = []
+    for path, kinds, constraints in fields:
+        names = {type(c).__name__ for c in constraints}
+        if not names & {"Ge", "Gt"} or not names & {"Le", "Lt"}:
+            problems.append(f"{path}: needs a lower and an upper bound")
+        if float in kinds and not any(getattr(c, "allow_inf_nan", None) is False for c in constraints):
+            problems.append(f"{path}: float must refuse inf/nan")
+    assert problems == []
