@@ -148,9 +148,40 @@ def bench_infer(reps: int) -> None:
         print(f"/infer/ decode_batch_size 8, 8 requests, 32 new tokens max: in-process {a * 1e3:7.1f} ms, "
               f"server {b * 1e3:7.1f} ms, added {100 * (b - a) / a:+5.1f}% (target < 10%)")
         remote.close()
+        bench_infer_logprobs(f"http://127.0.0.1:{port}", records, run.template, reps)
     finally:
         server.terminate()
         server.wait(30)
+
+
+def bench_infer_logprobs(url: str, records, template, reps: int) -> None:
+    """``POST /infer/`` as swift's GRPO trainer sends it (``logprobs: true``) against the same body without."""
+    import base64
+
+    import httpx
+
+    from coordexp.runtime.model.encoding import build_messages
+
+    requests = [{"messages": build_messages(r, template),
+                 "images": [base64.b64encode(path.read_bytes()).decode() for path in r.image_paths]} for r in records]
+
+    def body(**extra) -> dict:
+        return {"infer_requests": requests, "request_config": {"max_tokens": 32, "temperature": 0.0,
+                                                               "return_details": True, **extra}}
+
+    def timed(payload: dict) -> float:
+        start = time.perf_counter()
+        httpx.post(f"{url}/infer/", json=payload, timeout=300).raise_for_status()
+        return time.perf_counter() - start
+
+    timed(body(logprobs=True))  # warm-up
+    plain, with_logprobs = [], []
+    for _ in range(reps):  # interleaved
+        plain.append(timed(body()))
+        with_logprobs.append(timed(body(logprobs=True, top_logprobs=5)))
+    a, b = statistics.median(plain), statistics.median(with_logprobs)
+    print(f"/infer/ {len(requests)} requests, 32 new tokens max: without logprobs {a * 1e3:7.1f} ms, with logprobs "
+          f"(top_logprobs 5) {b * 1e3:7.1f} ms, added {100 * (b - a) / a:+5.1f}%")
 
 
 def main() -> None:
