@@ -29,7 +29,6 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Optional, TypeVar
 
-import click
 import typer
 from rich.console import Console
 from rich.markup import escape
@@ -61,8 +60,10 @@ _CONTROL = "\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u20
 _UNSAFE_INLINE = re.compile(f"[\t\n{_CONTROL}]")
 _UNSAFE_MULTILINE = re.compile(f"[{_CONTROL}]")
 F = TypeVar("F", bound=Callable[..., Any])
-# Exits and usage errors that typer/click turn into their own exit codes (typer >= 0.20 has its own Exit class).
-_PASS_THROUGH = (typer.Exit, typer.Abort, click.exceptions.Exit, click.exceptions.Abort, click.ClickException)
+# Exits and usage errors that typer turns into its own exit codes. Usage errors derive from click's ClickException,
+# which recent typer versions vendor: found through the public BadParameter, so no second click is imported.
+_USAGE_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+_PASS_THROUGH = (typer.Exit, typer.Abort, _USAGE_ERROR)
 
 
 def _escape_char(match: re.Match[str]) -> str:

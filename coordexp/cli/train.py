@@ -105,7 +105,7 @@ def train(
 
 def show_rollouts(
     run_dir: Annotated[Path, typer.Argument(help="A run's output_dir (holds rollouts.jsonl).", show_default=False)],
-    out: Annotated[Optional[Path], typer.Option("--out", help="PNG directory (default RUN_DIR/rollout_png).")] = None,
+    png_dir: Annotated[Optional[Path], typer.Option("--out", help="PNG directory (default RUN_DIR/rollout_png).")] = None,
     limit: Annotated[int, typer.Option("--limit", min=1, help="Render the last N logged rollouts.")] = 8,
 ) -> None:
     """Render logged rollouts to PNGs: GT green, matched predictions blue, FPs red, FNs orange."""
@@ -117,7 +117,7 @@ def show_rollouts(
             "Pass the output_dir of a `coordexp train` / `coordexp demo` run (stage 2 logs its rollouts)",
         )
     try:
-        paths = render_rollout_log(run_dir, out, limit=limit)
+        paths = render_rollout_log(run_dir, png_dir, limit=limit)
     except (ValueError, OSError) as exc:
         fail(" ".join(str(exc).split()) or type(exc).__name__,
              "The rollout log or an image it names is unreadable; re-run training to rewrite it")

@@ -55,7 +55,8 @@ def test_validate_print_contract_json(stage2_config, write_yaml):
     result = _run("validate", "--json", "--print-contract", str(write_yaml(stage2_config)))
     assert result.exit_code == 0
     contract = json.loads(result.stdout)[0]["contract"]
-    assert contract["rollout_matching"]["vllm"]["sync_mode"] == "full"
+    backend = contract["rollout_matching"]["backend"]  # the one resolved backend (issue 10 item 2)
+    assert backend["kind"] == "vllm_colocate" and backend["sync"]["mode"] == "full"
     assert contract["rollout_matching"]["packing"]["packing_length"] == 2048
 
 

@@ -175,3 +175,10 @@ def test_an_oversized_packing_segment_exits_2_with_its_mitigations(write_config)
     text = " ".join(result.stderr.split())
     assert "packing_length=32" in text and "global_max_length" in text and "training.packing: false" in text
     assert "bug in coordexp" not in result.output and "Traceback" not in result.output
+
+
+def test_usage_errors_and_exits_pass_through_the_frame():
+    """typer's own exits keep their codes: a BadParameter raised in a command is a usage error (2), not a bug."""
+    result = runner.invoke(_app_raising(typer.BadParameter("--limit must be positive")), ["boom"])
+    assert result.exit_code == 2 and "--limit must be positive" in result.output and "bug" not in result.output
+    assert runner.invoke(_app_raising(typer.Exit(7)), ["boom"]).exit_code == 7
