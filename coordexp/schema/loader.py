@@ -327,6 +327,7 @@ def validate_merged(merged: MergedConfig) -> ValidationReport:
         h.replacement.split(":")[0].removesuffix("[]") for h in hits if h.replacement
     }
     data = _resolve_paths(strip_legacy_keys(merged.data, hits), merged)
+    unlisted = 0
     try:
         config = CoordExpConfig.model_validate(data)
     except ValidationError as exc:
@@ -335,11 +336,15 @@ def validate_merged(merged: MergedConfig) -> ValidationReport:
             if issue.message.startswith("required key is missing") and issue.path in covered:
                 continue  # the legacy message above already names this key
             if len(issues) >= MAX_REPORTED_ISSUES:
-                more = max(exc.error_count() - seen, 1)
-                issues.append(ConfigIssue("", f"and about {more} more problem(s) not listed", "Fix the ones above "
-                                          "first (unknown keys are often one mis-indented block).", top))
+                unlisted += max(exc.error_count() - seen, 1)
                 break
             issues.append(ConfigIssue(issue.path, issue.message, issue.hint, merged.file_of(loc)))
+    if len(issues) > MAX_REPORTED_ISSUES:  # legacy keys alone can be thousands (a relocated namespace)
+        unlisted += len(issues) - MAX_REPORTED_ISSUES
+        issues = issues[:MAX_REPORTED_ISSUES]
+    if unlisted:
+        issues.append(ConfigIssue("", f"and about {unlisted} more problem(s) not listed",
+                                  "Fix the ones above first (unknown keys are often one mis-indented block).", top))
     if issues:
         return ValidationReport(top or "", None, tuple(issues), ())
     warnings = tuple(ConfigIssue(w.path, w.message, w.hint, top) for w in config_warnings(config))

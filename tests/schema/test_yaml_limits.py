@@ -169,3 +169,10 @@ def test_many_stray_keys_are_summarised_not_all_suggested(stage2_config):
     report = validate_mapping(stage2_config)
     assert len(report.errors) == loader_module.MAX_REPORTED_ISSUES + 1
     assert report.errors[-1].message.startswith("and about") and "more problem(s)" in report.errors[-1].message
+
+
+def test_thousands_of_legacy_keys_are_summarised_too():
+    report = validate_mapping({"custom": {"extra": {"rollout_matching": {f"k{i}": i for i in range(3000)}}}})
+    assert len(report.errors) == loader_module.MAX_REPORTED_ISSUES + 1
+    assert report.errors[0].message.startswith("legacy key")
+    assert "about" in report.errors[-1].message and int(report.errors[-1].message.split()[2]) >= 2900
