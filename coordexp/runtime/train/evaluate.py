@@ -11,6 +11,7 @@ masks (``segm``) too when any ground-truth object is a polygon (boxes count as r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -24,7 +25,7 @@ from coordexp.runtime.core.coco import CocoImage, ScoredObject, build_coco_gt, c
 from coordexp.runtime.core.coco_metrics import CocoMetrics, evaluate_coco
 from coordexp.runtime.core.objects import DetObject
 from coordexp.runtime.core.telemetry import RolloutCounters, sum_counters
-from coordexp.runtime.model.encoding import encode_prompt, encode_teacher_forced
+from coordexp.runtime.model.encoding import encode_prompt
 from coordexp.runtime.model.scoring import response_token_logprobs
 from coordexp.runtime.rollout.base import RolloutRequest, request_seed
 from coordexp.runtime.train.rollout_step import build_rollout_sample
@@ -32,8 +33,9 @@ from coordexp.runtime.train.visualize import RolloutLogEntry, render_rollout
 
 if TYPE_CHECKING:
     from coordexp.runtime.model.data import DetectionRecord
+    from coordexp.runtime.model.encoding import EncodedSample
     from coordexp.runtime.rollout.base import RolloutBackend
-    from coordexp.runtime.train.rollout_step import HostContext
+    from coordexp.runtime.train.rollout_step import HostContext, SampleTarget
     from coordexp.schema.contract import RunContract
 
 __all__ = [
@@ -43,6 +45,7 @@ __all__ = [
     "ImageRollout",
     "DetectionEval",
     "roll_out_and_score",
+    "score_samples",
     "detection_metrics",
     "write_eval_files",
     "evaluate_detection",
@@ -119,6 +122,56 @@ def _pad_id(host: "HostContext") -> int:
     return int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else host.eos_id)
 
 
+def _rollout_encoding(sample: "SampleTarget") -> "EncodedSample":
+    """The sample's prompt followed by the raw rollout ids (not ``Y_train``): what the policy generated."""
+    import torch
+
+    encoded = sample.encoded
+    start = int(encoded.assistant_start)
+    response = torch.tensor(sample.parse.response_ids, dtype=torch.long)
+    input_ids = torch.cat([encoded.input_ids[:start], response])
+    return dataclasses.replace(
+        encoded, input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+        mm_token_type_ids=torch.cat([encoded.mm_token_type_ids[:start], torch.zeros_like(response)]),
+    )
+
+
+def score_samples(
+    model: Any, host: "HostContext", records: Sequence["DetectionRecord"], samples: Sequence["SampleTarget"], *,
+    score: ScoreMode = "logprob", step: int = 0, batch_size: int = 8,
+) -> list[ImageRollout]:
+    """Each rollout sample's valid objects with the log-probability of their tokens (one teacher-forced forward
+    per ``batch_size`` rollouts; skipped for ``score="constant"``)."""
+    if score not in SCORE_MODES:
+        raise ValueError(f"score must be one of {list(SCORE_MODES)}, got {score!r}")
+    logprobs: list[Optional[np.ndarray]] = [None] * len(samples)
+    if score != "constant":
+        todo = [k for k, s in enumerate(samples) if s.parse is not None and s.parse.response_ids and s.valid_positions]
+        was_training = getattr(model, "training", False)
+        model.eval()
+        try:
+            for lo in range(0, len(todo), max(1, batch_size)):
+                part = todo[lo : lo + max(1, batch_size)]
+                values = response_token_logprobs(model, [_rollout_encoding(samples[k]) for k in part],
+                                                 pad_token_id=_pad_id(host))
+                for k, v in zip(part, values, strict=True):
+                    logprobs[k] = v
+        finally:
+            model.train(was_training)
+    out: list[ImageRollout] = []
+    for record, sample, values in zip(records, samples, logprobs, strict=True):
+        predictions = []
+        for position in sample.valid_positions:
+            parsed = sample.parse.objects[position]
+            # the span of a final object may end one past the rollout (its closing brace is fused)
+            lo, hi = parsed.token_span[0], min(parsed.token_span[1], len(sample.parse.response_ids))
+            total = float(values[lo:hi].sum()) if values is not None else float("nan")
+            predictions.append(ScoredPrediction(parsed.to_det_object(), total, hi - lo))
+        counters = sample.counters if sample.counters is not None else RolloutCounters()
+        out.append(ImageRollout(record, tuple(predictions), counters, sample.log_entry(record, step, "eval")))
+    return out
+
+
 def roll_out_and_score(
     model: Any,
     host: "HostContext",
@@ -147,23 +200,7 @@ def roll_out_and_score(
                         for i, (r, p) in enumerate(zip(part, prompts, strict=True))]
             outputs = backend.generate(requests)
             samples = [build_rollout_sample(r, p, o, host) for r, p, o in zip(part, prompts, outputs, strict=True)]
-            logprobs: list[Optional[np.ndarray]] = [None] * len(part)
-            if score != "constant":
-                todo = [k for k, o in enumerate(outputs) if o.response_token_ids and samples[k].valid_positions]
-                encoded = [encode_teacher_forced(host.processor, part[k], host.template, outputs[k].response_token_ids,
-                                                 prompt=prompts[k]) for k in todo]
-                for k, values in zip(todo, response_token_logprobs(model, encoded, pad_token_id=_pad_id(host))):
-                    logprobs[k] = values
-            for record, sample, values in zip(part, samples, logprobs, strict=True):
-                predictions = []
-                for position in sample.valid_positions:
-                    parsed = sample.parse.objects[position]
-                    # the span of a final object may end one past the rollout (its closing brace is fused)
-                    lo, hi = parsed.token_span[0], min(parsed.token_span[1], len(sample.parse.response_ids))
-                    total = float(values[lo:hi].sum()) if values is not None else float("nan")
-                    predictions.append(ScoredPrediction(parsed.to_det_object(), total, hi - lo))
-                out.append(ImageRollout(record, tuple(predictions), sample.counters,
-                                        sample.log_entry(record, step, "eval")))
+            out += score_samples(model, host, part, samples, score=score, step=step, batch_size=chunk)
     finally:
         model.train(was_training)
     return out
