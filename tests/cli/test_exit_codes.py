@@ -182,3 +182,15 @@ def test_usage_errors_and_exits_pass_through_the_frame():
     result = runner.invoke(_app_raising(typer.BadParameter("--limit must be positive")), ["boom"])
     assert result.exit_code == 2 and "--limit must be positive" in result.output and "bug" not in result.output
     assert runner.invoke(_app_raising(typer.Exit(7)), ["boom"]).exit_code == 7
+
+
+def test_an_invalid_run_with_json_reports_every_problem_as_json_before_loading(write_yaml, stage2_config):
+    stage2_config["training"]["max_stepz"] = 3
+    stage2_config["rollout_matching"]["decode_batch_size"] = 0
+    result = runner.invoke(app, ["train", str(write_yaml(stage2_config)), "--json"], catch_exceptions=False)
+    assert result.exit_code == 2
+    payload = json.loads(result.stdout)
+    assert payload["ok"] is False and payload["exit_code"] == 2
+    paths = {e["path"] for e in payload["errors"]}
+    assert {"training.max_stepz", "rollout_matching.decode_batch_size"} <= paths
+    assert "Nothing was loaded" in result.stderr
