@@ -3,7 +3,8 @@
 Run: ``.venv/bin/python benchmarks/bench_weight_sync.py [--sizes-gb 0.1 0.25 0.5 1.0] [--reps 5]``
 
 1. Weight sync: a receiver process (:class:`~coordexp.runtime.rollout.weight_sync.WeightSyncReceiver`, rank 0) and this
-   process as the sender (last rank), fp32 parameter sets of the given sizes in 512 MiB single-dtype buckets.
+   process as the sender (last rank), fp32 parameter sets of the given sizes exported by
+   :func:`~coordexp.runtime.rollout.weight_export.named_tensors` in 512 MiB single-dtype buckets.
    Printed: GB/s of ``send_full`` (broadcast + the receiver's verdict), best of 3.
 2. /infer/ overhead: ``coordexp serve-rollout --engine hf`` on 127.0.0.1 with the tiny offline model versus the
    same HF generate in-process, greedy, ``decode_batch_size`` 8 (8 requests per call). Printed: median latency
@@ -52,13 +53,15 @@ def _receiver(port: int, queue, done) -> None:
 def bench_sync(sizes_gb: list[float]) -> None:
     import torch
 
+    from coordexp.runtime.rollout.weight_export import named_tensors
     from coordexp.runtime.rollout.weight_sync import WeightSyncSender
 
     ctx = mp.get_context("spawn")
     for size in sizes_gb:
         numel = int(size * 1e9 / 4)
         per = numel // 16
-        params = [(f"layer{i}.weight", torch.randn(per)) for i in range(16)]
+        # a stand-in policy: 16 fp32 parameters, exported exactly like the training policy is
+        policy = torch.nn.ParameterDict({f"layer{i}": torch.nn.Parameter(torch.randn(per)) for i in range(16)})
         port = _free_port()
         queue, done = ctx.Queue(), ctx.Event()
         proc = ctx.Process(target=_receiver, args=(port, queue, done), daemon=True)
@@ -67,7 +70,7 @@ def bench_sync(sizes_gb: list[float]) -> None:
         sender.init("127.0.0.1", port, 2)
         rates = []
         for _ in range(3):
-            report = sender.send_full(params, announce=queue.put)
+            report = sender.send_full(named_tensors(policy), announce=queue.put)
             rates.append(report.gb_per_s)
         queue.put(None)
         done.wait(60)
@@ -75,7 +78,7 @@ def bench_sync(sizes_gb: list[float]) -> None:
         proc.join(30)
         print(f"weight sync gloo loopback  {report.bytes / 1e9:5.2f} GB in {report.buckets} bucket(s): "
               f"best {max(rates):5.2f} GB/s, median {statistics.median(rates):5.2f} GB/s")
-        del params
+        del policy
 
 
 def bench_infer(reps: int) -> None:
@@ -123,8 +126,7 @@ def bench_infer(reps: int) -> None:
         rollout = run.rollout_matching
         local = HfRolloutBackend(model, processor.tokenizer, decode_batch_size=8, max_new_tokens=32,
                                  decoding=rollout.decoding, repeat_terminate=rollout.repeat_terminate)
-        remote = VllmServerBackend.from_contract(rollout, model=None, tokenizer=processor.tokenizer,
-                                                 template=run.template, topology=lambda: (0, 1))
+        remote = VllmServerBackend.from_run(run, None, processor)
 
         def timed(backend, encode: bool) -> list[float]:
             backend.generate(requests)  # warm-up

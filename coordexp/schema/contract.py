@@ -6,7 +6,7 @@ and never the original key paths (``auto`` sync, ``packing_length``, server list
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
@@ -26,7 +26,13 @@ from coordexp.schema.training import TrainingConfig
 
 __all__ = [
     "ServerEndpoint",
-    "VllmContract",
+    "VllmEngineContract",
+    "WeightSyncContract",
+    "HfBackendContract",
+    "VllmColocateContract",
+    "VllmServerContract",
+    "BackendContract",
+    "ServingContract",
     "PackingContract",
     "RolloutMatchingContract",
     "RunContract",
@@ -44,10 +50,10 @@ class ServerEndpoint:
 
 
 @dataclass(frozen=True)
-class VllmContract:
-    """Resolved vLLM settings (colocate knobs are present in server mode too, and unused there)."""
+class VllmEngineContract:
+    """The resolved vLLM engine knobs (``rollout_matching.vllm.*``): what an engine starts with, in the learner
+    (colocate) or in ``coordexp serve-rollout --engine vllm``."""
 
-    mode: Literal["colocate", "server"]
     gpu_memory_utilization: float
     tensor_parallel_size: int
     max_model_len: int  # resolved: vllm.max_model_len or global_max_length
@@ -55,12 +61,55 @@ class VllmContract:
     enable_prefix_caching: bool
     enforce_eager: bool
     max_num_seqs: Optional[int]
-    sync_mode: Literal["full", "adapter"]  # `auto` resolved: adapter iff enable_lora
-    sync_mode_requested: Literal["full", "adapter", "auto"]
+
+
+@dataclass(frozen=True)
+class WeightSyncContract:
+    """How learner weights reach a vLLM engine: ``mode`` is resolved (``auto`` -> adapter iff enable_lora)."""
+
+    mode: Literal["full", "adapter"]
+    requested_mode: Literal["full", "adapter", "auto"]
     fallback_to_full: bool
-    servers: tuple[ServerEndpoint, ...]  # empty in colocate mode
+
+
+@dataclass(frozen=True)
+class HfBackendContract:
+    """Rollouts with transformers ``generate`` on the live policy; it needs nothing beyond the shared knobs."""
+
+    kind: Literal["hf"] = field(default="hf", init=False)
+
+
+@dataclass(frozen=True)
+class VllmColocateContract:
+    """A vLLM engine inside the training process: its engine knobs, weight sync and offload around rollouts."""
+
+    engine: VllmEngineContract
+    sync: WeightSyncContract
+    offload: OffloadConfig
+    kind: Literal["vllm_colocate"] = field(default="vllm_colocate", init=False)
+
+
+@dataclass(frozen=True)
+class VllmServerContract:
+    """Pre-launched rollout servers: where they are, how long to wait, and how weights are pushed to them."""
+
+    servers: tuple[ServerEndpoint, ...]
     timeout_s: float
     infer_timeout_s: Optional[float]  # None: no /infer/ timeout (null or <= 0 in the YAML)
+    sync: WeightSyncContract
+    kind: Literal["vllm_server"] = field(default="vllm_server", init=False)
+
+
+BackendContract = Union[HfBackendContract, VllmColocateContract, VllmServerContract]
+
+
+@dataclass(frozen=True)
+class ServingContract:
+    """What ``coordexp serve-rollout`` starts for this config, whichever backend the learner uses: the vLLM engine
+    knobs and the weight-sync timeout of the receiving end."""
+
+    engine: VllmEngineContract
+    sync_timeout_s: float
 
 
 @dataclass(frozen=True)
@@ -78,20 +127,22 @@ class PackingContract:
 class RolloutMatchingContract:
     """The spec's ``rollout_matching_cfg``: what rollout, matching, target and loss code reads."""
 
-    rollout_backend: Literal["vllm", "hf"]
-    vllm_mode: Optional[Literal["colocate", "server"]]  # None when rollout_backend is hf
+    backend: BackendContract  # the ONE resolved rollout backend, carrying only its own settings
     decode_batch_size: int
     max_new_tokens: int
     decoding: DecodingConfig
     repeat_terminate: RepeatTerminateConfig
-    vllm: VllmContract
-    offload: OffloadConfig
-    offload_active: bool  # offload requested AND the backend is vLLM colocate (otherwise a no-op)
+    serving: ServingContract
     pipeline: PipelineConfig
     matching: MatchingConfig
     ot: OtConfig
     object_field_order: ObjectFieldOrder
     packing: PackingContract
+
+    @property
+    def offload_active(self) -> bool:
+        """Offload requested AND the backend is vLLM colocate (for any other backend offload is a no-op)."""
+        return isinstance(self.backend, VllmColocateContract) and self.backend.offload.enabled
 
     @property
     def is_beam_search(self) -> bool:
@@ -103,8 +154,9 @@ class RolloutMatchingContract:
 
     def require_full_sync_for(self, world_size: int) -> None:
         """Fail with guidance when server-mode weight sync is not ``full`` under a multi-process learner."""
-        if world_size > 1 and self.vllm_mode == "server" and self.vllm.sync_mode != "full":
-            requested = self.vllm.sync_mode_requested
+        backend = self.backend
+        if world_size > 1 and isinstance(backend, VllmServerContract) and backend.sync.mode != "full":
+            requested = backend.sync.requested_mode
             how = f"sync.mode: {requested}"
             if requested == "auto":
                 how += " (resolves to adapter because enable_lora: true)"
@@ -148,18 +200,9 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _vllm_contract(cfg: CoordExpConfig) -> VllmContract:
+def _engine_contract(cfg: CoordExpConfig) -> VllmEngineContract:
     v = cfg.rollout_matching.vllm
-    resolved_sync = v.sync.mode if v.sync.mode != "auto" else ("adapter" if v.enable_lora else "full")
-    server = v.server
-    servers = (
-        tuple(ServerEndpoint(s.base_url.rstrip("/"), s.group_port) for s in server.servers)
-        if server is not None and v.mode == "server"
-        else ()
-    )
-    infer_timeout = server.infer_timeout_s if server is not None else None
-    return VllmContract(
-        mode=v.mode,
+    return VllmEngineContract(
         gpu_memory_utilization=v.gpu_memory_utilization,
         tensor_parallel_size=v.tensor_parallel_size,
         max_model_len=v.max_model_len if v.max_model_len is not None else cfg.global_max_length,
@@ -167,12 +210,31 @@ def _vllm_contract(cfg: CoordExpConfig) -> VllmContract:
         enable_prefix_caching=v.enable_prefix_caching,
         enforce_eager=v.enforce_eager,
         max_num_seqs=v.max_num_seqs,
-        sync_mode=resolved_sync,
-        sync_mode_requested=v.sync.mode,
+    )
+
+
+def _backend_contract(cfg: CoordExpConfig, engine: VllmEngineContract) -> BackendContract:
+    """The typed backend choice of ``rollout_backend`` + ``vllm.mode`` (the only place that reads those two keys)."""
+    rm = cfg.rollout_matching
+    if rm.rollout_backend == "hf":
+        return HfBackendContract()
+    v = rm.vllm
+    sync = WeightSyncContract(
+        mode=v.sync.mode if v.sync.mode != "auto" else ("adapter" if v.enable_lora else "full"),
+        requested_mode=v.sync.mode,
         fallback_to_full=v.sync.fallback_to_full,
-        servers=servers,
-        timeout_s=server.timeout_s if server is not None else 240.0,
+    )
+    if v.mode == "colocate":
+        return VllmColocateContract(engine=engine, sync=sync, offload=rm.offload)
+    server = v.server
+    if server is None:  # unreachable for a validated config (server mode requires vllm.server)
+        raise ConfigError([ConfigIssue("rollout_matching.vllm.server", "vllm.mode: server needs vllm.server.servers")])
+    infer_timeout = server.infer_timeout_s
+    return VllmServerContract(
+        servers=tuple(ServerEndpoint(s.base_url.rstrip("/"), s.group_port) for s in server.servers),
+        timeout_s=server.timeout_s,
         infer_timeout_s=infer_timeout if infer_timeout is not None and infer_timeout > 0 else None,
+        sync=sync,
     )
 
 
@@ -189,17 +251,15 @@ def build_contract(cfg: CoordExpConfig) -> RunContract:
         min_fill_ratio=t.packing_min_fill_ratio,
         drop_last=t.packing_drop_last,
     )
-    vllm = _vllm_contract(cfg)
+    engine = _engine_contract(cfg)
+    server = rm.vllm.server
     rollout = RolloutMatchingContract(
-        rollout_backend=rm.rollout_backend,
-        vllm_mode=vllm.mode if rm.rollout_backend == "vllm" else None,
+        backend=_backend_contract(cfg, engine),
         decode_batch_size=rm.decode_batch_size,
         max_new_tokens=rm.max_new_tokens,
         decoding=rm.decoding,
         repeat_terminate=rm.repeat_terminate,
-        vllm=vllm,
-        offload=rm.offload,
-        offload_active=rm.offload.enabled and rm.rollout_backend == "vllm" and vllm.mode == "colocate",
+        serving=ServingContract(engine=engine, sync_timeout_s=server.timeout_s if server is not None else 240.0),
         pipeline=rm.pipeline,
         matching=rm.matching,
         ot=rm.ot,

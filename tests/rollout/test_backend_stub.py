@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from coordexp.runtime.rollout.base import RolloutRequest
-from coordexp.runtime.rollout.vllm_server import RolloutServerError, VllmServerBackend, WeightSyncError
+from coordexp.runtime.rollout.vllm_server import RolloutServerError, VllmServerBackend
+from coordexp.runtime.rollout.weight_sync import WeightSyncError
 from coordexp.runtime.model.data import DetectionRecord
 from coordexp.runtime.core.distribution import InfeasibleTopologyError
 from coordexp.runtime.rollout.client import RolloutServerClient
@@ -153,16 +154,14 @@ def test_beam_search_is_rejected_at_construction():
                               decoding=DecodingConfig(num_beams=2), topology=lambda: (0, 1))
 
 
-class FakeModel:
-    """Parameters with a version counter, like torch tensors after an in-place optimizer step."""
+class FakeModel(__import__("torch").nn.Module):
+    """One parameter whose version counter moves on an in-place update, like an optimizer step."""
 
     def __init__(self):
         import torch
 
+        super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(2))
-
-    def parameters(self):
-        return [self.weight]
 
     def step(self):
         import torch

@@ -15,8 +15,8 @@ from coordexp.runtime.rollout.registry import (
     BACKENDS,
     BackendEntry,
     BackendUnavailableError,
+    RolloutBackend,
     RolloutRequest,
-    backend_name_for,
     create_backend,
     finish_output,
     get_backend_class,
@@ -26,7 +26,7 @@ from coordexp.runtime.rollout.hf import HfRolloutBackend, PaddingAwareRepetition
 from coordexp.runtime.model.data import load_records
 from coordexp.runtime.model.encoding import encode_prompt
 from coordexp.runtime.core.repeat import RepeatGuard
-from coordexp.schema.contract import load_contract
+from coordexp.schema.contract import HfBackendContract, VllmColocateContract, VllmServerContract, load_contract
 from coordexp.schema.rollout import DecodingConfig, RepeatTerminateConfig
 from coordexp.schema.template import TemplateConfig
 
@@ -289,44 +289,79 @@ def test_request_seed_is_deterministic_positive_and_distinct():
     assert request_seed(-(2 ** 31), 0, 0) == 1  # 0 is never a seed
 
 
-def test_registry_builds_hf_from_the_contract(model, tokenizer):
-    rollout = load_contract(REPO / "examples" / "stage2_cpu_hf.yaml").rollout_matching
-    assert backend_name_for(rollout) == "hf" and get_backend_class("hf") is HfRolloutBackend
-    with create_backend("hf", rollout, model=model, tokenizer=tokenizer) as built:
+def test_registry_builds_hf_from_the_run_contract(model, tokenizer):
+    run = load_contract(REPO / "examples" / "stage2_cpu_hf.yaml")
+    rollout = run.rollout_matching
+    assert get_backend_class(rollout.backend) is get_backend_class(HfBackendContract) is HfRolloutBackend
+    with create_backend(run, model, SimpleNamespace(tokenizer=tokenizer)) as built:
         assert (built.decode_batch_size, built.max_new_tokens) == (rollout.decode_batch_size, rollout.max_new_tokens)
         assert built.guard == RepeatGuard.from_config(rollout.repeat_terminate) and built.guard.active
     with pytest.raises(RuntimeError, match="closed"):
         built.generate([])
-    with pytest.raises(TypeError, match="no options"):
-        create_backend("hf", rollout, model=model, tokenizer=tokenizer, gpu_memory_utilization=0.5)
-    assert backend_name_for(SimpleNamespace(rollout_backend="vllm", vllm_mode="server")) == "vllm_server"
-    assert backend_name_for(SimpleNamespace(rollout_backend="vllm", vllm_mode="colocate")) == "vllm_colocate"
 
 
-@pytest.mark.parametrize("name", ["vllm_colocate", "vllm_server"])
-def test_backend_whose_module_is_missing_fails_with_guidance(name, monkeypatch):
+def test_every_backend_contract_has_a_backend_class_keyed_by_its_type():
+    assert set(BACKENDS) == {HfBackendContract, VllmColocateContract, VllmServerContract}
+    for choice, entry in BACKENDS.items():
+        assert entry.class_name.lower().startswith(choice.kind.replace("_", ""))
+
+
+def test_interface_hooks_are_declared_no_ops():
+    """The trainer calls every hook on every backend: a backend that needs none of them implements generate only."""
+
+    class Minimal(RolloutBackend):
+        @classmethod
+        def from_run(cls, run, model, processor):
+            return cls()
+
+        def generate(self, requests):
+            return []
+
+    backend = Minimal()
+    assert backend.begin_step(3) is None and backend.attach_optimizer(object()) is None
+    assert backend.sync_weights(object()) is None and backend.close() is None
+    with pytest.raises(TypeError, match="abstract"):
+        type("NoGenerate", (RolloutBackend,), {"from_run": classmethod(lambda cls, *a: cls())})()
+
+
+@pytest.mark.parametrize("choice", [VllmColocateContract, VllmServerContract])
+def test_backend_whose_module_is_missing_fails_with_guidance(choice, monkeypatch):
     """A registered backend whose module is absent from this install (e.g. a trimmed build) names the fallback."""
-    entry = BACKENDS[name]
-    monkeypatch.setitem(BACKENDS, name, dataclasses.replace(entry, module="coordexp.runtime.rollout.registry._absent"))
+    entry = BACKENDS[choice]
+    monkeypatch.setitem(BACKENDS, choice, dataclasses.replace(entry, module="coordexp.runtime.rollout.registry._absent"))
     with pytest.raises(BackendUnavailableError, match="not available yet") as info:
-        get_backend_class(name)
+        get_backend_class(choice)
     assert "rollout_matching.rollout_backend: hf" in str(info.value)
     assert info.value.__cause__ is None and info.value.__suppress_context__
 
 
-def test_missing_dependency_and_unknown_names_fail_with_guidance(tmp_path, monkeypatch):
+def test_missing_dependency_and_unknown_choices_fail_with_guidance(tmp_path, monkeypatch):
+    @dataclasses.dataclass(frozen=True)
+    class FakeContract:
+        kind = "fake"
+
+    @dataclasses.dataclass(frozen=True)
+    class HollowContract:
+        kind = "hollow"
+
+    @dataclasses.dataclass(frozen=True)
+    class TpuContract:
+        kind = "tpu"
+
     (tmp_path / "fake_backend_module.py").write_text("import vllm_not_installed_anywhere\n", encoding="utf-8")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setitem(BACKENDS, "fake", BackendEntry("fake_backend_module", "Backend", "vllm"))
+    monkeypatch.setitem(BACKENDS, FakeContract, BackendEntry("fake_backend_module", "Backend", "vllm"))
     with pytest.raises(BackendUnavailableError, match=r"needs the Python package 'vllm_not_installed_anywhere'.*"
                                                        r"pip install vllm.*rollout_backend: hf"):
-        get_backend_class("fake")
+        get_backend_class(FakeContract())
     (tmp_path / "hollow_backend_module.py").write_text("Backend = object\n", encoding="utf-8")
-    monkeypatch.setitem(BACKENDS, "hollow", BackendEntry("hollow_backend_module", "Backend"))
-    with pytest.raises(BackendUnavailableError, match="defines no RolloutBackend class"):
-        get_backend_class("hollow")
-    with pytest.raises(BackendUnavailableError, match="unknown rollout backend 'tpu'; known backends: .*hf"):
-        get_backend_class("tpu")
+    monkeypatch.setitem(BACKENDS, HollowContract, BackendEntry("hollow_backend_module", "Backend"))
+    with pytest.raises(BackendUnavailableError, match="defines no RolloutBackend class") as info:
+        get_backend_class(HollowContract)
+    assert info.value.hint == "reinstall coordexp" and info.value.exit_code == 3
+    with pytest.raises(BackendUnavailableError, match="unknown rollout backend 'tpu'; known backends: .*hf") as info:
+        get_backend_class(TpuContract())
+    assert "rollout_backend: hf" in info.value.hint
 
 
 def test_beam_sampling_is_rejected_when_the_backend_is_built(model, tokenizer):

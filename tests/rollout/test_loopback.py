@@ -88,9 +88,8 @@ def make_requests(run, processor, records, seed0=1000):
     return [RolloutRequest(encode_prompt(processor, r, run.template), i, seed0 + i, r) for i, r in enumerate(records)]
 
 
-def backend_for(run, processor, **options):
-    return VllmServerBackend.from_contract(run.rollout_matching, model=None, tokenizer=processor.tokenizer,
-                                           template=run.template, topology=lambda: (0, 1), **options)
+def backend_for(run, processor):
+    return VllmServerBackend.from_run(run, None, processor)
 
 
 def test_one_and_two_servers_same_outputs_in_request_order_and_none_for_n0(servers, write_config):
@@ -132,6 +131,40 @@ def test_weight_sync_makes_server_outputs_match_the_learner(servers, write_confi
     assert [o.response_token_ids for o in before] != [o.response_token_ids for o in expected]
 
 
+def test_lora_policy_full_sync_through_a_server_never_touches_the_training_model(servers, write_config):
+    """Regression: the server path used to merge_adapter()/unmerge_adapter() the live model (in place, not bit-exact).
+    The weights now leave through weight_export: the server serves the merged policy, the learner keeps its
+    parameters bit for bit and its adapter unmerged."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    peft = pytest.importorskip("peft", reason="needs peft (pip install peft)")
+    from peft.tuners.lora import LoraLayer
+
+    procs = servers(1)
+    run, processor, records = learner_setup(write_config, procs, decoding={**SAMPLING, "temperature": 0.0})
+    base = AutoModelForImageTextToText.from_pretrained(run.model.path, torch_dtype=torch.float32)
+    policy = peft.get_peft_model(base, peft.LoraConfig(
+        r=4, lora_alpha=16, lora_dropout=0.0, target_modules=r".*language_model.*\.(q|k|v|o|gate|up|down)_proj"))
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, parameter in policy.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5)
+    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    requests = make_requests(run, processor, records[:4])
+    local = HfRolloutBackend(policy, processor.tokenizer, decode_batch_size=2, max_new_tokens=12,
+                             decoding=run.rollout_matching.decoding, repeat_terminate=run.rollout_matching.repeat_terminate)
+    expected = local.generate(requests)
+    with backend_for(run, processor) as remote:
+        remote.sync_weights(policy)
+        after = remote.generate(requests)
+    now = dict(policy.named_parameters())
+    assert all(torch.equal(now[n].detach(), value) for n, value in before.items())
+    assert not any(m.merged for m in policy.modules() if isinstance(m, LoraLayer))
+    assert [o.response_token_ids for o in after] == [o.response_token_ids for o in expected]
+
+
 def test_adapter_sync_on_a_server_without_lora_falls_back_to_full_once(servers, write_config, caplog):
     import torch
     from transformers import AutoModelForImageTextToText
@@ -139,7 +172,7 @@ def test_adapter_sync_on_a_server_without_lora_falls_back_to_full_once(servers, 
     procs = servers(1)
     run, processor, _ = learner_setup(write_config, procs, vllm={"enable_lora": True,
                                                                   "sync": {"mode": "adapter", "fallback_to_full": True}})
-    assert run.rollout_matching.vllm.sync_mode == "adapter"
+    assert run.rollout_matching.backend.sync.mode == "adapter"
     model = AutoModelForImageTextToText.from_pretrained(run.model.path, torch_dtype=torch.float32)
     with backend_for(run, processor) as backend, caplog.at_level(logging.WARNING, "coordexp.rollout.server"):
         backend.sync_weights(model)

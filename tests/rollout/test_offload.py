@@ -53,14 +53,15 @@ def test_offload_is_inactive_for_hf_and_server_backends(stage2_config, write_yam
     assert run.rollout_matching.offload_active is False
     model, optimizer = _trained_pair("cpu")
     storage = {n: p.data_ptr() for n, p in model.named_parameters()}
-    with offload_context(model, optimizer, run.rollout_matching.offload, active=False, target="meta") as report:
+    with offload_context(model, optimizer, BOTH, active=False, target="meta") as report:
         assert {n: p.data_ptr() for n, p in model.named_parameters()} == storage  # nothing moved, not even to meta
     assert report.tensors_moved == 0
 
 
 def test_offload_active_for_colocate(stage2_config, write_yaml):
     stage2_config["rollout_matching"]["offload"] = BOTH.model_dump()
-    assert load_contract(write_yaml(stage2_config)).rollout_matching.offload_active is True
+    rollout = load_contract(write_yaml(stage2_config)).rollout_matching
+    assert rollout.offload_active is True and rollout.backend.offload == BOTH
 
 
 def test_tensors_already_on_the_target_stay_put():

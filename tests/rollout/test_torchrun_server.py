@@ -149,7 +149,7 @@ def test_rank0_push_failure_ends_both_ranks_with_the_same_error(tmp_path, write_
     assert errors[0]["type"] == errors[1]["type"] == "WeightSyncError"
     assert errors[0]["message"] == errors[1]["message"]
     message = errors[0]["message"]
-    # The trainer's set_step hook names the optimizer step the run stopped at (the first push, step 0).
+    # The trainer's begin_step hook names the optimizer step the run stopped at (the first push, step 0).
     assert message.startswith("weight sync on learner rank 0 failed (training global step 0) (raised on every rank)")
     assert "not parameters of the served model" in message and "layers.1." in message
     for rank in (0, 1):  # each rank printed it on its own line of torchrun's combined stderr
@@ -183,7 +183,7 @@ def test_stage2_server_example_trains_two_steps_single_process(tmp_path, tiny_mo
     report = validate_config_file(path)
     assert report.ok, report.errors
     run = load_contract(path)
-    assert run.rollout_matching.vllm.mode == "server" and run.rollout_matching.vllm.sync_mode == "full"
+    assert run.rollout_matching.backend.kind == "vllm_server" and run.rollout_matching.backend.sync.mode == "full"
     outcome = run_training(run, print_logs=False)
     assert outcome.global_step == 2
     assert [log["rollout/samples"] for log in outcome.log_history if "loss" in log] == [2, 2]

@@ -15,7 +15,7 @@ from coordexp.runtime.rollout.hf import HfRolloutBackend
 from coordexp.runtime.rollout.vllm_colocate import VllmColocateBackend
 from coordexp.runtime.model.encoding import EncodingError, encode_prompt
 from coordexp.runtime.core.repeat import RepeatGuard
-from coordexp.schema.contract import load_contract
+from coordexp.schema.contract import VllmColocateContract, load_contract
 from coordexp.schema.rollout import DecodingConfig
 from coordexp.schema.template import TemplateConfig
 
@@ -33,8 +33,7 @@ def hf_rollouts(model, processor, requests, decoding=GREEDY):
 
 def colocate_backend(write_run_config, engine, model, processor, **vllm_overrides):
     run = load_contract(write_run_config({"rollout_matching": {"vllm": vllm_overrides}} if vllm_overrides else {}))
-    return VllmColocateBackend.from_contract(run.rollout_matching, model=model, tokenizer=processor.tokenizer,
-                                             engine=engine, template=run.template)
+    return VllmColocateBackend.from_run(run, model, processor, engine=engine)
 
 
 def perturb_(model, seed: int, scale: float = 0.1) -> None:
@@ -178,13 +177,11 @@ def test_stage2_trains_three_steps_with_colocated_vllm_rollouts(write_run_config
     run = load_contract(write_run_config({"training": {
         "output_dir": str(tmp_path / "run"), "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
         "max_steps": 3, "logging_steps": 1, "save_steps": 1000, "learning_rate": 1e-2}}))
-    assert run.rollout_matching.rollout_backend == "vllm" and run.rollout_matching.vllm_mode == "colocate"
+    assert isinstance(run.rollout_matching.backend, VllmColocateContract)
     trainer = build_trainer(run)
     assert isinstance(trainer.backend, VllmColocateBackend)
     trainer.backend.close()  # lazily built, never started; share the session engine instead
-    backend = VllmColocateBackend.from_contract(run.rollout_matching, model=trainer.model,
-                                                tokenizer=processor.tokenizer, engine=restore_engine,
-                                                template=run.template)
+    backend = VllmColocateBackend.from_run(run, trainer.model, processor, engine=restore_engine)
     trainer.backend = backend
     trainer.train()
     assert trainer.state.global_step == 3

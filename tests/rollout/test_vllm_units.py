@@ -1,5 +1,5 @@
 """Pieces of the vLLM backends that need no engine: import errors, device checks, engine arguments, prompt ids,
-the per-row repeat trackers, parameter versions and the on-the-fly LoRA merge."""
+the per-row repeat trackers (weight export: test_weight_export.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from coordexp.runtime.rollout.registry import BackendUnavailableError, get_backend_class
-from coordexp.runtime.rollout.vllm_colocate import policy_named_tensors, policy_version
 from coordexp.runtime.core.repeat import RepeatGuard, should_terminate
 from coordexp.runtime.rollout.vllm_engine import (
     EngineSettings,
@@ -33,10 +32,14 @@ def test_missing_vllm_fails_fast_with_install_and_fallback_guidance(monkeypatch)
 
 def test_the_colocate_backend_module_does_not_import_vllm():
     code = ("import sys; from coordexp.runtime.rollout.registry import get_backend_class; "
-            "get_backend_class('vllm_colocate'); import coordexp.runtime.rollout.vllm_repeat; "
+            "from coordexp.schema.contract import VllmColocateContract; "
+            "get_backend_class(VllmColocateContract); import coordexp.runtime.rollout.vllm_repeat; "
             "assert 'vllm' not in sys.modules, 'vllm imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
-    assert get_backend_class("vllm_colocate").name == "vllm_colocate"
+    from coordexp.runtime.rollout.vllm_colocate import VllmColocateBackend
+    from coordexp.schema.contract import VllmColocateContract
+
+    assert get_backend_class(VllmColocateContract) is VllmColocateBackend
 
 
 @pytest.mark.parametrize(("size", "device", "count", "match"), [
@@ -88,44 +91,3 @@ def test_row_trackers_follow_live_output_lists_incrementally():
         expected = [row for row, ids in rows.items() if should_terminate(ids, guard)]
         assert trackers.tripped_rows() == expected
     assert trackers.tripped_rows() == [0]
-
-
-def test_policy_version_changes_on_updates_only():
-    model = torch.nn.Linear(3, 2)
-    version = policy_version(model)
-    for parameter in model.parameters():
-        parameter.data = parameter.data.clone()  # an offload round trip swaps storage, not values
-    assert policy_version(model) == version
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    model(torch.ones(1, 3)).sum().backward()
-    optimizer.step()
-    assert policy_version(model) != version
-
-
-def test_plain_policy_tensors_are_its_parameters():
-    model = torch.nn.Sequential(torch.nn.Linear(3, 2))
-    assert [(n, t.data_ptr()) for n, t in policy_named_tensors(model)] == [
-        (n, p.data_ptr()) for n, p in model.named_parameters()]
-
-
-def test_lora_merge_on_the_fly_equals_peft_merge_and_leaves_the_policy_unmerged():
-    peft = pytest.importorskip("peft", reason="needs peft (pip install peft)")
-
-    class Block(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.q_proj = torch.nn.Linear(4, 4)
-            self.head = torch.nn.Linear(4, 2)
-
-    torch.manual_seed(0)
-    policy = peft.get_peft_model(Block(), peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"]))
-    with torch.no_grad():
-        for name, parameter in policy.named_parameters():
-            if "lora_B" in name:
-                parameter.normal_()
-    merged = dict(policy_named_tensors(policy))
-    assert set(merged) == {"q_proj.weight", "q_proj.bias", "head.weight", "head.bias"}
-    reference = {n: p for n, p in __import__("copy").deepcopy(policy).merge_and_unload().named_parameters()}
-    assert all(torch.allclose(merged[n], reference[n], atol=1e-6) for n in merged)
-    assert not policy.base_model.model.q_proj.merged
-    assert not torch.allclose(policy.base_model.model.q_proj.base_layer.weight, merged["q_proj.weight"])

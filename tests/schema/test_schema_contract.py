@@ -8,7 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from coordexp.schema.contract import RunContract, ServerEndpoint, build_contract, load_contract
+from coordexp.schema.contract import (
+    HfBackendContract,
+    RunContract,
+    ServerEndpoint,
+    VllmColocateContract,
+    VllmServerContract,
+    build_contract,
+    load_contract,
+)
 from coordexp.schema.errors import ConfigError
 from coordexp.schema.loader import validate_mapping
 
@@ -36,20 +44,21 @@ def _server_mode(data: dict, **vllm) -> dict:
                           ("adapter", True, "adapter")])
 def test_sync_mode_resolution(stage2_config, requested, lora, resolved):
     stage2_config["rollout_matching"]["vllm"] = {"enable_lora": lora, "sync": {"mode": requested}}
-    vllm = _contract(stage2_config).rollout_matching.vllm
-    assert (vllm.sync_mode, vllm.sync_mode_requested) == (resolved, requested)
+    sync = _contract(stage2_config).rollout_matching.backend.sync
+    assert (sync.mode, sync.requested_mode) == (resolved, requested)
 
 
 def test_server_list_and_timeouts(stage2_config):
     rm = _contract(_server_mode(stage2_config)).rollout_matching
-    assert rm.vllm_mode == "server"
-    assert rm.vllm.servers == (ServerEndpoint("http://a:8000", 51216), ServerEndpoint("https://b:9000", 51217))
-    assert (rm.vllm.timeout_s, rm.vllm.infer_timeout_s) == (240.0, None)  # <= 0 means no timeout
+    assert isinstance(rm.backend, VllmServerContract)
+    assert rm.backend.servers == (ServerEndpoint("http://a:8000", 51216), ServerEndpoint("https://b:9000", 51217))
+    assert (rm.backend.timeout_s, rm.backend.infer_timeout_s) == (240.0, None)  # <= 0 means no timeout
+    assert rm.serving.sync_timeout_s == 240.0
 
 
 def test_packing_length_and_max_model_len(stage2_config):
     rm = _contract(stage2_config).rollout_matching
-    assert rm.packing.packing_length == 2048 and rm.vllm.max_model_len == 2048
+    assert rm.packing.packing_length == 2048 and rm.backend.engine.max_model_len == 2048
     stage2_config["template"] = {"max_length": 1024}
     stage2_config["training"].update({"packing": True, "packing_buffer": 64, "packing_min_fill_ratio": 0.5})
     packing = _contract(stage2_config).rollout_matching.packing
@@ -61,7 +70,24 @@ def test_hf_backend_has_no_vllm_mode_and_offload_is_inactive(stage2_config):
     stage2_config["rollout_matching"].update(
         {"rollout_backend": "hf", "offload": {"enabled": True, "offload_model": True}})
     rm = _contract(stage2_config).rollout_matching
-    assert (rm.vllm_mode, rm.offload_active, rm.offload.enabled) == (None, False, True)
+    assert rm.backend == HfBackendContract() and rm.offload_active is False
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    ({"rollout_backend": "hf"}, HfBackendContract),
+    ({"rollout_backend": "vllm", "vllm": {"mode": "colocate"}}, VllmColocateContract),
+    ({"rollout_backend": "vllm", "vllm": {"mode": "server", "server": {
+        "servers": [{"base_url": "http://a:1", "group_port": 2}]}}}, VllmServerContract),
+])
+def test_backend_choice_is_one_typed_contract_with_only_its_settings(stage2_config, overrides, expected):
+    stage2_config["rollout_matching"].update(overrides)
+    contract = _contract(stage2_config)
+    backend = contract.rollout_matching.backend
+    assert type(backend) is expected
+    plain = contract.to_dict()["rollout_matching"]["backend"]
+    assert plain["kind"] == backend.kind
+    assert ("servers" in plain, "engine" in plain, "offload" in plain) == (
+        expected is VllmServerContract, expected is VllmColocateContract, expected is VllmColocateContract)
 
 
 def test_top_level_fields(stage2_config):
@@ -104,9 +130,10 @@ def test_every_example_builds_a_json_contract():
 
 def test_example_specifics():
     server = load_contract(REPO / "examples" / "stage2_server_3v1.yaml").rollout_matching
-    assert server.vllm_mode == "server" and len(server.vllm.servers) == 1 and server.decode_batch_size == 8
+    assert isinstance(server.backend, VllmServerContract) and len(server.backend.servers) == 1
+    assert server.decode_batch_size == 8
     cpu = load_contract(REPO / "examples" / "stage2_cpu_hf.yaml")
-    assert cpu.rollout_matching.rollout_backend == "hf"
+    assert isinstance(cpu.rollout_matching.backend, HfBackendContract)
     assert cpu.model.path == str(REPO / ".coordexp" / "tiny-model")
     assert cpu.rollout_matching.packing.packing_length == 512
     assert load_contract(REPO / "examples" / "stage1_sft.yaml").trainer_variant == "stage1_sft"

@@ -2,6 +2,7 @@
 
 The trainer talks to every backend (HF ``generate``, vLLM colocate, vLLM server) through :class:`RolloutBackend`
 and gets the same :class:`RolloutOutput` fields back, so strict token-aligned parsing never depends on which one ran.
+The interface declares every hook the trainer calls (no-op defaults), so the trainer never probes a backend.
 :func:`finish_output` is the one place that turns raw generated ids into an output (stop trim and finish reason),
 so every backend trims and labels identically.
 """
@@ -10,14 +11,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
 
+from coordexp.errors import ExternalSystemError
 from coordexp.runtime.core.repeat import RepeatGuard, count_object_keys, should_terminate
 
 if TYPE_CHECKING:
     from coordexp.runtime.model.data import DetectionRecord
     from coordexp.runtime.model.encoding import EncodedPrompt
-    from coordexp.schema.contract import RolloutMatchingContract
+    from coordexp.schema.contract import RunContract
 
 __all__ = [
     "FinishReason",
@@ -60,34 +62,38 @@ class RolloutOutput:
     finish_reason: FinishReason
 
 
-class BackendUnavailableError(RuntimeError):
-    """The configured rollout backend cannot be used in this installation (message says why and what to do)."""
+class BackendUnavailableError(ExternalSystemError, RuntimeError):
+    """The configured rollout backend cannot be used in this installation (message says why, hint what to do)."""
 
 
 class RolloutBackend(ABC):
     """What the trainer needs from a rollout engine. Outputs come back in request order, one per request.
 
-    Every backend is built with ``cls.from_contract(rollout, model=..., tokenizer=..., **options)`` so the trainer
-    constructs any of them the same way (see :func:`coordexp.runtime.rollout.registry.create_backend`).
+    Every backend is built the same way, ``cls.from_run(run, model, processor)``: it reads its own settings from
+    ``run.rollout_matching.backend`` and anything else (template, model path, dtype, seed) from the run contract
+    (see :func:`coordexp.runtime.rollout.registry.create_backend`). Per micro-step the trainer calls
+    :meth:`begin_step`, :meth:`sync_weights`, then :meth:`generate` (training and evaluation alike).
     """
-
-    name: ClassVar[str]
 
     @classmethod
     @abstractmethod
-    def from_contract(cls, rollout: "RolloutMatchingContract", *, model: Any, tokenizer: Any,
-                      **options: Any) -> "RolloutBackend":
-        """Build the backend from the resolved ``rollout_matching`` contract and the live policy."""
+    def from_run(cls, run: "RunContract", model: Any, processor: Any) -> "RolloutBackend":
+        """Build the backend of ``run.rollout_matching.backend`` for the live policy ``model``."""
 
     @abstractmethod
     def generate(self, requests: Sequence[RolloutRequest]) -> list[RolloutOutput]:
         """Roll out every request (no gradients), batching at most ``decode_batch_size`` per decode call."""
 
-    @abstractmethod
-    def sync_weights(self, model: Any) -> None:
-        """Make the next rollouts use ``model``'s current weights (after an optimizer step)."""
+    def begin_step(self, global_step: int) -> None:
+        """The trainer's optimizer step before the next rollouts (backends name it in their errors)."""
 
-    @abstractmethod
+    def attach_optimizer(self, optimizer: Any) -> None:
+        """The optimizer, once the trainer has created it (a backend that offloads its state keeps it)."""
+
+    def sync_weights(self, model: Any) -> None:
+        """Make the next rollouts use ``model``'s current weights (called before every rollout; cheap when the
+        weights did not change since the last call)."""
+
     def close(self) -> None:
         """Release engines, memory and connections; the backend is unusable afterwards."""
 

@@ -1,8 +1,9 @@
-"""Rollout backends by name, imported only when asked for (a vLLM backend must not import vLLM for an HF run).
+"""Rollout backends keyed by the contract's typed backend choice, imported only when asked for (a vLLM backend
+must not import vLLM for an HF run).
 
-Names: ``hf`` (transformers ``generate``), ``vllm_colocate`` and ``vllm_server``. The trainer maps its contract to
-a name with :func:`backend_name_for` and builds the backend with :func:`create_backend`; it never branches on the
-backend itself.
+``run.rollout_matching.backend`` is an :class:`~coordexp.schema.contract.HfBackendContract`,
+:class:`~coordexp.schema.contract.VllmColocateContract` or :class:`~coordexp.schema.contract.VllmServerContract`;
+:func:`create_backend` looks its type up and calls ``from_run(run, model, processor)``. Nobody branches on a name.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from coordexp.runtime.rollout.base import (
     finish_output,
     request_seed,
 )
+from coordexp.schema.contract import HfBackendContract, VllmColocateContract, VllmServerContract
 
 if TYPE_CHECKING:
-    from coordexp.schema.contract import RolloutMatchingContract
+    from coordexp.schema.contract import RunContract
 
 __all__ = [
     "BackendUnavailableError",
@@ -29,7 +31,7 @@ __all__ = [
     "RolloutOutput",
     "RolloutRequest",
     "BACKENDS",
-    "backend_name_for",
+    "BackendEntry",
     "create_backend",
     "finish_output",
     "get_backend_class",
@@ -46,31 +48,32 @@ class BackendEntry:
     requirement: str | None = None
 
 
-BACKENDS: dict[str, BackendEntry] = {
-    "hf": BackendEntry("coordexp.runtime.rollout.hf", "HfRolloutBackend"),
-    "vllm_colocate": BackendEntry("coordexp.runtime.rollout.vllm_colocate", "VllmColocateBackend", "vllm"),
-    "vllm_server": BackendEntry("coordexp.runtime.rollout.vllm_server", "VllmServerBackend", "vllm"),
+BACKENDS: dict[type, BackendEntry] = {
+    HfBackendContract: BackendEntry("coordexp.runtime.rollout.hf", "HfRolloutBackend"),
+    VllmColocateContract: BackendEntry("coordexp.runtime.rollout.vllm_colocate", "VllmColocateBackend", "vllm"),
+    VllmServerContract: BackendEntry("coordexp.runtime.rollout.vllm_server", "VllmServerBackend", "vllm"),
 }
 _FALLBACK_HINT = "use rollout_matching.rollout_backend: hf (transformers generate, no extra dependency)"
 
 
-def backend_name_for(rollout: "RolloutMatchingContract") -> str:
-    """The registry name of the contract's backend: ``hf``, ``vllm_colocate`` or ``vllm_server``."""
-    if rollout.rollout_backend == "hf":
-        return "hf"
-    return f"vllm_{rollout.vllm_mode or 'colocate'}"
+def _label(choice: type) -> str:
+    kind = getattr(choice, "kind", None)
+    return kind if isinstance(kind, str) else choice.__name__
 
 
-def get_backend_class(name: str) -> type[RolloutBackend]:
-    """Import and return the backend class registered as ``name``.
+def get_backend_class(choice: Any) -> type[RolloutBackend]:
+    """Import and return the backend class of ``choice`` (a backend contract, or its type).
 
-    Raises :class:`BackendUnavailableError` (never a bare ImportError) when the name is unknown, its module is not
-    part of this build yet, or a dependency it imports is not installed.
+    Raises :class:`BackendUnavailableError` (never a bare ImportError) when the choice is unknown, its module is
+    not part of this build, or a dependency it imports is not installed.
     """
-    entry = BACKENDS.get(name)
+    choice_type = choice if isinstance(choice, type) else type(choice)
+    entry = BACKENDS.get(choice_type)
+    name = _label(choice_type)
     if entry is None:
-        raise BackendUnavailableError(
-            f"unknown rollout backend {name!r}; known backends: {', '.join(sorted(BACKENDS))}")
+        known = ", ".join(sorted(_label(t) for t in BACKENDS))
+        raise BackendUnavailableError(f"unknown rollout backend {name!r}; known backends: {known}",
+                                      hint=_FALLBACK_HINT)
     try:
         module = importlib.import_module(entry.module)
     except ModuleNotFoundError as exc:
@@ -87,11 +90,10 @@ def get_backend_class(name: str) -> type[RolloutBackend]:
     if not (isinstance(backend_class, type) and issubclass(backend_class, RolloutBackend)):
         raise BackendUnavailableError(
             f"rollout backend {name!r}: {entry.module} defines no RolloutBackend class {entry.class_name!r}; "
-            "the installation is inconsistent (reinstall coordexp)")
+            "the installation is inconsistent", hint="reinstall coordexp")
     return backend_class
 
 
-def create_backend(name: str, rollout: "RolloutMatchingContract", *, model: Any, tokenizer: Any,
-                   **options: Any) -> RolloutBackend:
-    """Build the backend ``name`` from the resolved contract and the live policy (``options`` go to the backend)."""
-    return get_backend_class(name).from_contract(rollout, model=model, tokenizer=tokenizer, **options)
+def create_backend(run: "RunContract", model: Any, processor: Any) -> RolloutBackend:
+    """The backend of ``run.rollout_matching.backend``, built for the live policy ``model`` and its processor."""
+    return get_backend_class(run.rollout_matching.backend).from_run(run, model, processor)

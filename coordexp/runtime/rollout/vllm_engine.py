@@ -34,7 +34,7 @@ from coordexp.schema.rollout import RepeatTerminateConfig
 if TYPE_CHECKING:
     import torch
 
-    from coordexp.schema.contract import RunContract, VllmContract
+    from coordexp.schema.contract import RunContract, VllmEngineContract
     from coordexp.schema.rollout import DecodingConfig
 
 __all__ = ["VllmUnavailableError", "EngineSettings", "AdapterHandle", "VllmEngine", "import_vllm",
@@ -71,7 +71,7 @@ class EngineSettings:
         return RepeatGuard.from_config(self.repeat_terminate)
 
     @classmethod
-    def from_contract(cls, vllm: "VllmContract", *, model_path: str, dtype: str, seed: int,
+    def from_contract(cls, vllm: "VllmEngineContract", *, model_path: str, dtype: str, seed: int,
                       repeat_terminate: RepeatTerminateConfig, min_pixels: int | None = None, max_pixels: int | None = None,
                       **overrides: Any) -> "EngineSettings":
         settings = cls(
@@ -224,7 +224,7 @@ class VllmEngine:
         """Start the engine of a run (``serve-rollout --engine vllm``): its model, dtype, seed, template pixel
         budget, ``rollout_matching.vllm`` settings and repeat guard; ``overrides`` are EngineSettings fields."""
         settings = EngineSettings.from_contract(
-            run.rollout_matching.vllm, model_path=run.model.path, dtype=run.model.dtype, seed=run.seed,
+            run.rollout_matching.serving.engine, model_path=run.model.path, dtype=run.model.dtype, seed=run.seed,
             repeat_terminate=run.rollout_matching.repeat_terminate, min_pixels=run.template.min_pixels,
             max_pixels=run.template.max_pixels, **overrides)
         return cls.start(settings)

@@ -17,36 +17,39 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 from urllib.parse import urlsplit
 
+from coordexp.errors import ExternalSystemError
 from coordexp.runtime.rollout.base import RolloutBackend, RolloutOutput, RolloutRequest
 from coordexp.runtime.core.distribution import consecutive_seed_runs, per_rank_chunk, plan_rounds
 from coordexp.runtime.model.encoding import build_messages
 from coordexp.runtime.rollout.client import RolloutServerClient, ServerError
 from coordexp.runtime.rollout.protocol import ProtocolError, item_to_rollout_output, parse_infer_response
+from coordexp.runtime.rollout.weight_export import adapter_state, named_tensors, policy_version
+from coordexp.runtime.rollout.weight_sync import WeightSyncError
+from coordexp.schema.contract import VllmServerContract
 from coordexp.schema.rollout import DecodingConfig
 from coordexp.schema.template import TemplateConfig
 
 if TYPE_CHECKING:
-    from coordexp.schema.contract import RolloutMatchingContract
+    from coordexp.schema.contract import RunContract
 
-__all__ = ["VllmServerBackend", "RolloutServerError", "WeightSyncError", "learner_topology"]
+__all__ = ["VllmServerBackend", "ServerWeightChannel", "RolloutServerError", "WeightSyncError", "learner_topology"]
 
 logger = logging.getLogger("coordexp.rollout.server")
+ADAPTER_LORA_ID = 1  # the server holds one adapter; every adapter push replaces it under this id
 
 
-class RolloutServerError(RuntimeError):
+_RANK0_HINT = ("rank 0's log has the full error; fix its cause (a dead server: restart it with coordexp serve-rollout "
+               "CFG --port N) and resume from the last checkpoint")
+
+
+class RolloutServerError(ExternalSystemError, RuntimeError):
     """A rollout server call failed twice (or its reply is unusable); the message names the server and the step."""
-
-
-class WeightSyncError(RuntimeError):
-    """Pushing learner weights to a rollout server failed; under DDP every rank raises the same one."""
 
 
 def learner_topology() -> tuple[int, int]:
@@ -90,8 +93,6 @@ def infer_request_for(request: RolloutRequest, template: TemplateConfig) -> dict
 
 class VllmServerBackend(RolloutBackend):
     """Rollouts through one or more rollout servers (see the module docstring for the exact behaviour)."""
-
-    name = "vllm_server"
 
     def __init__(
         self,
@@ -138,20 +139,22 @@ class VllmServerBackend(RolloutBackend):
                     self.server_list(), self.world_sizes, rank, world, self.chunk, self.sync_mode)
 
     @classmethod
-    def from_contract(cls, rollout: "RolloutMatchingContract", *, model: Any, tokenizer: Any,
-                      template: TemplateConfig | None = None, **options: Any) -> "VllmServerBackend":
-        """Connect to ``rollout.vllm.servers`` (fails within ``timeout_s`` naming the URL); ``template`` is the
-        run's template (its prompts go into the request messages)."""
-        vllm = rollout.vllm
-        _, world = options.get("topology", learner_topology)()
+    def from_run(cls, run: "RunContract", model: Any, processor: Any) -> "VllmServerBackend":
+        """Connect to the contract's servers (fails within ``timeout_s`` naming the URL); the run's template
+        builds the request messages. The policy is not needed until :meth:`sync_weights`."""
+        rollout = run.rollout_matching
+        choice = rollout.backend
+        if not isinstance(choice, VllmServerContract):
+            raise TypeError(f"VllmServerBackend needs a vllm_server backend contract, got {choice.kind}")
+        _, world = learner_topology()
         rollout.require_full_sync_for(world)
-        clients = [RolloutServerClient(s.base_url, group_port=s.group_port, timeout_s=vllm.timeout_s,
-                                       infer_timeout_s=vllm.infer_timeout_s) for s in vllm.servers]
+        clients = [RolloutServerClient(s.base_url, group_port=s.group_port, timeout_s=choice.timeout_s,
+                                       infer_timeout_s=choice.infer_timeout_s) for s in choice.servers]
         return cls(clients, decode_batch_size=rollout.decode_batch_size, max_new_tokens=rollout.max_new_tokens,
-                   decoding=rollout.decoding, template=template, sync_mode=vllm.sync_mode,
-                   fallback_to_full=vllm.fallback_to_full, timeout_s=vllm.timeout_s, **options)
+                   decoding=rollout.decoding, template=run.template, sync_mode=choice.sync.mode,
+                   fallback_to_full=choice.sync.fallback_to_full, timeout_s=choice.timeout_s)
 
-    def set_step(self, global_step: int) -> None:
+    def begin_step(self, global_step: int) -> None:
         """The trainer's optimizer step, named in error messages so a failure points at the step to resume from
         (seeds already arrive with the requests)."""
         self.global_step = int(global_step)
@@ -172,7 +175,7 @@ class VllmServerBackend(RolloutBackend):
                 errors.append(str(exc))
         if errors:
             self._pool.shutdown(wait=False)
-            raise RolloutServerError("; ".join(errors))
+            raise RolloutServerError("; ".join(errors))  # each error names its URL and how to start the server
 
     # -- generation -------------------------------------------------------------------------------------------
     def generate(self, requests: Sequence[RolloutRequest]) -> list[RolloutOutput]:
@@ -231,11 +234,11 @@ class VllmServerBackend(RolloutBackend):
         dist.barrier()
         if outcome[0] is not None:
             raise WeightSyncError(f"weight sync on learner rank 0 failed{self._at_step()} (raised on every rank): "
-                                  f"{outcome[0]}")
+                                  f"{outcome[0]}", hint=_RANK0_HINT)
 
     def _push_if_changed(self, model: Any) -> None:
-        version = _parameter_version(model)
-        if version is not None and version == self._pushed_version:
+        version = policy_version(model)
+        if version == self._pushed_version:
             return
         for client in self.clients:
             self._push(client, model)
@@ -272,21 +275,13 @@ class VllmServerBackend(RolloutBackend):
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _parameter_version(model: Any) -> tuple | None:
-    """A cheap change detector: in-place updates (optimizer steps, loads) bump every tensor's ``_version``."""
-    try:
-        return tuple(int(p._version) for p in model.parameters())
-    except (AttributeError, TypeError):
-        return None
-
-
 class ServerWeightChannel:
     """Learner rank 0's weight-sync state: one :class:`~coordexp.runtime.rollout.weight_sync.WeightSyncSender` per server,
     opened lazily (``/init_communicator/`` then join), re-opened after a transport failure.
 
-    Called as ``channel(client, model, mode)``: ``full`` sends the merged HF-named state dict in single-dtype
-    buckets; ``adapter`` sends the PEFT adapter (raises if the model has none or the server refuses it). Both end
-    with ``/reset_prefix_cache/``.
+    Called as ``channel(client, model, mode)``: ``full`` sends :func:`~coordexp.runtime.rollout.weight_export.named_tensors`
+    (LoRA merged into new tensors; the training model is only read) in single-dtype buckets; ``adapter`` sends the
+    PEFT adapter (raises if the model has none or the server refuses it). Both end with ``/reset_prefix_cache/``.
     """
 
     def __init__(self, *, timeout_s: float = 240.0, backend: str | None = None, bucket_mb: float | None = None):
@@ -305,8 +300,8 @@ class ServerWeightChannel:
         if sender is not None:
             sender.close()
         if client.group_port is None:
-            raise WeightSyncError(f"server {client.base_url} has no group_port; set "
-                                  "rollout_matching.vllm.server.servers[].group_port")
+            raise WeightSyncError(f"server {client.base_url} has no group_port",
+                                  hint="set rollout_matching.vllm.server.servers[].group_port")
         sender = WeightSyncSender(timeout_s=self.timeout_s, backend=self.backend)
         world_size = client.world_size() + 1  # the server's receivers, then this learner as the last rank
         host = urlsplit(client.base_url).hostname or "127.0.0.1"
@@ -321,14 +316,13 @@ class ServerWeightChannel:
     def __call__(self, client: RolloutServerClient, model: Any, mode: str) -> None:
         sender = self._sender(client)
         if mode == "adapter":
-            lora_id, peft_config, tensors = adapter_state(model)
-            report = sender.send_adapter(tensors, announce=lambda m: client.update_adapter_flattened_param(
-                lora_id, peft_config, [x.model_dump(mode="json") for x in m]))
+            adapter = adapter_state(model)
+            report = sender.send_adapter(adapter.tensors, announce=lambda m: client.update_adapter_flattened_param(
+                ADAPTER_LORA_ID, adapter.config, [x.model_dump(mode="json") for x in m]))
         else:
             options = {} if self.bucket_mb is None else {"bucket_mb": self.bucket_mb}
-            with merged_state(model) as tensors:
-                report = sender.send_full(tensors, announce=lambda m: client.update_flattened_params(
-                    [x.model_dump(mode="json") for x in m]), **options)
+            report = sender.send_full(named_tensors(model), announce=lambda m: client.update_flattened_params(
+                [x.model_dump(mode="json") for x in m]), **options)
         self.reports.append(report)
         client.reset_prefix_cache()
         logger.info("weight sync (%s) to %s: %d tensor(s), %.1f MB in %.2f s (%.2f GB/s)", mode, client.base_url,
@@ -338,43 +332,3 @@ class ServerWeightChannel:
         for sender in self._senders.values():
             sender.close()
         self._senders.clear()
-
-
-@contextmanager
-def merged_state(model: Any) -> Iterator[list[tuple[str, Any]]]:
-    """The model's tensors under HF checkpoint names: a PEFT model is merged for the duration and its keys are
-    rewritten (``base_model.model.`` and ``.base_layer`` dropped, LoRA tensors skipped)."""
-    import torch
-
-    merged = callable(getattr(model, "merge_adapter", None)) and hasattr(model, "peft_config")
-    if merged:
-        model.merge_adapter()
-    try:
-        with torch.no_grad():
-            items = []
-            for name, tensor in model.state_dict().items():
-                if merged:
-                    if "lora_" in name or "original_module" in name:
-                        continue
-                    name = name.removeprefix("base_model.model.").replace(".base_layer", "")
-                    name = name.replace("modules_to_save.default.", "")
-                if isinstance(tensor, torch.Tensor) and tensor.numel():
-                    items.append((name, tensor.detach()))
-            yield items
-    finally:
-        if merged:
-            model.unmerge_adapter()
-
-
-def adapter_state(model: Any) -> tuple[int, dict, list[tuple[str, Any]]]:
-    """(lora id, PEFT config dict, adapter tensors) of a PEFT model; raises when the model has no adapter."""
-    configs = getattr(model, "peft_config", None)
-    if not configs:
-        raise WeightSyncError("adapter sync needs a PEFT (LoRA) model, but the policy has no adapter; use "
-                              "rollout_matching.vllm.sync.mode: full")
-    from peft import get_peft_model_state_dict  # noqa: PLC0415 - only adapter runs need peft
-
-    config = next(iter(configs.values()))
-    tensors = [(k, v.detach()) for k, v in get_peft_model_state_dict(model).items()]
-    plain = json.loads(json.dumps(config.to_dict(), default=lambda v: sorted(v) if isinstance(v, (set, frozenset)) else str(v)))
-    return 1, plain, tensors

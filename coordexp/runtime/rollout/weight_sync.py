@@ -31,6 +31,7 @@ from typing import Callable, Iterable, Iterator, Literal, Sequence
 import torch
 import torch.distributed as dist
 
+from coordexp.errors import ExternalSystemError
 from coordexp.runtime.rollout.protocol import FlattenedTensorMetadata
 
 __all__ = [
@@ -59,8 +60,10 @@ Announce = Callable[[list[FlattenedTensorMetadata]], None]
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::")
 
 
-class WeightSyncError(RuntimeError):
-    """The weight-sync transport failed (rendezvous, a collective, a dead peer); the group is no longer usable."""
+class WeightSyncError(ExternalSystemError, RuntimeError):
+    """Pushing learner weights to a rollout engine failed: the transport (rendezvous, a collective, a dead peer:
+    the group is no longer usable), or the push itself (no adapter to send, rank 0 failed under DDP). The ONE
+    weight-sync error: every module raises and catches this class."""
 
 
 class WeightSyncTimeout(WeightSyncError):
@@ -71,8 +74,8 @@ class RemoteApplyError(WeightSyncError):
     """The transfer arrived but a receiver could not apply it (e.g. an unknown parameter name); the group is
     still usable. ``errors`` maps receiver rank to its error text."""
 
-    def __init__(self, message: str, errors: dict[int, str]):
-        super().__init__(message)
+    def __init__(self, message: str, errors: dict[int, str], *, hint: str = ""):
+        super().__init__(message, hint=hint)
         self.errors = errors
 
 
@@ -352,10 +355,10 @@ def _transport_error(exc: BaseException, what: str, hint: str) -> WeightSyncErro
 class WeightSyncSender(_GroupMember):
     """The learner end (last rank, broadcast source). Typical use, per server::
 
-        sender = WeightSyncSender(timeout_s=contract.vllm.timeout_s)
+        sender = WeightSyncSender(timeout_s=server_contract.timeout_s)
         post("/init_communicator/", {"host": ..., "port": group_port, "world_size": 2})
         sender.init(server_host, group_port, world_size=2)
-        report = sender.send_full(model.state_dict().items(), announce=lambda m: post(
+        report = sender.send_full(weight_export.named_tensors(model), announce=lambda m: post(
             "/update_flattened_params/", {"metadatas": [x.model_dump() for x in m]}))
         post("/reset_prefix_cache/")
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from coordexp.runtime.rollout.registry import backend_name_for, create_backend
+from coordexp.runtime.rollout.registry import create_backend
 from coordexp.runtime.model.data import load_records
 from coordexp.runtime.model.policy import LaunchError, load_policy
 from coordexp.runtime.train.rollout_step import HostContext
@@ -85,17 +85,10 @@ def build_trainer(
     val = None
     if data.val_jsonl is not None:
         val = RecordDataset(load_records(data.val_jsonl, data.image_root, max_samples=data.max_val_samples))
-    rollout = run.rollout_matching
-    host = HostContext.create(processor, rollout, run.template)
+    host = HostContext.create(processor, run.rollout_matching, run.template)
     backend = None
-    if run.trainer_variant == "stage2_rollout_aligned" or val is not None:
-        name = backend_name_for(rollout)
-        options: dict[str, Any] = {}
-        if name != "hf":
-            options["template"] = run.template  # vLLM and servers encode prompts themselves: same pixel budget
-        if name == "vllm_colocate":
-            options.update(model_path=run.model.path, dtype=run.model.dtype, seed=run.seed)
-        backend = create_backend(name, rollout, model=model, tokenizer=processor.tokenizer, **options)
+    if run.trainer_variant == "stage2_rollout_aligned" or val is not None:  # stage 1 rolls out for evaluation only
+        backend = create_backend(run, model, processor)
     return CoordExpTrainer(
         model=model,
         args=training_arguments(run, **(args_overrides or {})),

@@ -116,25 +116,30 @@ class CoordExpTrainer(Trainer):
     def create_optimizer(self, model=None):
         """The HF optimizer; a backend that offloads around rollouts (vLLM colocate) also gets a handle on it."""
         optimizer = super().create_optimizer(model)
-        attach = getattr(self.backend, "attach_optimizer", None)
-        if attach is not None and self.run.rollout_matching.offload_active:
-            attach(optimizer)
+        if self.backend is not None:
+            self.backend.attach_optimizer(optimizer)
         return optimizer
 
     # -- one micro-step ---------------------------------------------------------------------------------------
-    def build_samples(self, records: Sequence["DetectionRecord"], *, tag: str = "train") -> list[SampleTarget]:
-        """Per-sample targets for ``records``: rollouts through the backend (stage 2) or the GT serialization."""
+    def build_samples(self, records: Sequence["DetectionRecord"]) -> list[SampleTarget]:
+        """This micro-step's per-sample targets: rollouts through the backend (stage 2) or the GT serialization."""
+        if self.stage2:
+            return self.rollout_samples(records, tag="train")
         prompts = [encode_prompt(self.host.processor, r, self.host.template) for r in records]
-        if not self.stage2:
-            return [build_gt_sample(r, p, self.host) for r, p in zip(records, prompts, strict=True)]
+        return [build_gt_sample(r, p, self.host) for r, p in zip(records, prompts, strict=True)]
+
+    def rollout_samples(self, records: Sequence["DetectionRecord"], *, tag: str) -> list[SampleTarget]:
+        """Roll ``records`` out through the backend (current weights) and build each one's ``Y_train`` with its
+        parse, match and counters; ``tag`` labels the rollout log (``train`` / ``eval``)."""
+        if self.backend is None:
+            raise ValueError("rollouts need a rollout backend (rollout_matching.rollout_backend)")
+        prompts = [encode_prompt(self.host.processor, r, self.host.template) for r in records]
         base = self._micro_step * max(1, len(records)) * max(1, self.args.world_size) + self.args.process_index * len(records)
         requests = [
             RolloutRequest(prompt=p, index=i, seed=request_seed(self.args.seed, self.state.global_step, base + i), record=r)
             for i, (r, p) in enumerate(zip(records, prompts, strict=True))
         ]
-        set_step = getattr(self.backend, "set_step", None)  # optional hook: the step for the backend's errors
-        if callable(set_step):
-            set_step(self.state.global_step)
+        self.backend.begin_step(self.state.global_step)
         start = time.perf_counter()
         self.backend.sync_weights(self.accelerator.unwrap_model(self.model))
         outputs = self.backend.generate(requests)
@@ -248,18 +253,20 @@ class CoordExpTrainer(Trainer):
         super().log(logs, start_time)
 
     # -- evaluation -------------------------------------------------------------------------------------------
-    def evaluate_rollouts(self, records: Sequence["DetectionRecord"]) -> RolloutCounters:
-        """Roll out ``records`` in chunks of ``decode_batch_size`` through the same parse/match; no training."""
+    def eval_samples(self, records: Sequence["DetectionRecord"]) -> list[SampleTarget]:
+        """Every record rolled out (chunks of ``decode_batch_size``) and parsed/matched like a training sample, in
+        record order: the per-sample evidence (``parse``, ``match``, ``counters``) evaluation metrics read."""
         if self.backend is None:
             raise ValueError("rollout evaluation needs a rollout backend")
-        was_stage2, self.stage2 = self.stage2, True
         chunk = self.run.rollout_matching.decode_batch_size
-        counters: list[RolloutCounters] = []
-        try:
-            for start in range(0, len(records), chunk):
-                counters += [s.counters for s in self.build_samples(records[start : start + chunk], tag="eval")]
-        finally:
-            self.stage2 = was_stage2
+        samples: list[SampleTarget] = []
+        for start in range(0, len(records), chunk):
+            samples += self.rollout_samples(records[start : start + chunk], tag="eval")
+        return samples
+
+    def evaluate_rollouts(self, records: Sequence["DetectionRecord"]) -> RolloutCounters:
+        """The rollout counters of :meth:`eval_samples`, summed; no training."""
+        counters = [s.counters for s in self.eval_samples(records) if s.counters is not None]
         return sum_counters(counters) if counters else RolloutCounters()
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
@@ -268,12 +275,16 @@ class CoordExpTrainer(Trainer):
             return {}
         records = list(getattr(dataset, "records", dataset))
         shard = records[self.args.process_index :: max(1, self.args.world_size)]
-        counters = self.evaluate_rollouts(shard)
+        from coordexp.runtime.train.evaluate import detection_metrics, score_samples
+
+        # COCO AP (objects ranked by their tokens' log-probability) next to the counters, as `coordexp eval` reports
+        scored = score_samples(self.accelerator.unwrap_model(self.model), self.host, shard, self.eval_samples(shard),
+                               step=self.state.global_step, batch_size=self.run.rollout_matching.decode_batch_size)
         if self.args.world_size > 1 and torch.distributed.is_initialized():
-            tensor = counters.to_tensor().to(self.args.device)
-            torch.distributed.all_reduce(tensor)
-            counters = RolloutCounters.from_tensor(tensor.cpu())
-        metrics = counters.to_log_dict(prefix=f"{metric_key_prefix}/")
+            gathered: list[Any] = [None] * self.args.world_size
+            torch.distributed.all_gather_object(gathered, scored)  # AP needs every rank's predictions
+            scored = [rollout for part in gathered for rollout in part]
+        metrics = detection_metrics(scored, image_root=self.run.data.image_root)[0].log_dict(metric_key_prefix)
         super().log(dict(metrics))
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics

@@ -1,0 +1,112 @@
+"""Weight export: the one place that turns the training policy into what a rollout engine loads.
+
+Used by the vLLM colocate backend (in-memory reload), the server weight channel (collective broadcast) and the
+weight-sync benchmark, so both engines receive the same names and values:
+
+- :func:`named_tensors`: HF checkpoint names; a PEFT LoRA policy is merged ON THE FLY into new tensors
+  (``W + scale * B @ A``). The training model is never merged, unmerged or written (``merge_adapter`` would add and
+  subtract the delta in place, in the training dtype, which does not round-trip bit for bit).
+- :func:`adapter_state`: the active LoRA adapter as one :class:`AdapterState` (PEFT state-dict names, a JSON-plain
+  ``adapter_config`` dict), the shape every caller uses.
+- :func:`policy_version`: a cheap fingerprint that changes exactly when a parameter is updated in place.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from coordexp.runtime.rollout.weight_sync import WeightSyncError
+
+__all__ = ["AdapterState", "unwrap_model", "is_peft", "policy_version", "named_tensors", "adapter_state"]
+
+_PEFT_PREFIX = "base_model.model."
+
+
+def unwrap_model(model: Any) -> Any:
+    """The module inside DDP / accelerate wrappers (they hold it as ``.module``)."""
+    while isinstance(getattr(model, "module", None), torch.nn.Module):
+        model = model.module
+    return model
+
+
+def is_peft(model: Any) -> bool:
+    """Whether ``model`` (unwrapped) is a PEFT model (it has adapters and a wrapped base model)."""
+    model = unwrap_model(model)
+    return bool(getattr(model, "peft_config", None)) and hasattr(model, "base_model")
+
+
+def policy_version(model: Any) -> tuple:
+    """``(id(model), (name, tensor._version) per parameter)``: every in-place update (an optimizer step, a
+    ``load_state_dict``) bumps ``_version``, so equal fingerprints mean the last push is still current."""
+    return (id(model),) + tuple((name, p._version) for name, p in unwrap_model(model).named_parameters())
+
+
+def _active_adapter(model: Any) -> str:
+    active = model.active_adapter
+    return active if isinstance(active, str) else active[0]
+
+
+def named_tensors(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """The policy's weights under HF checkpoint names (each parameter once; tied weights are one tensor).
+
+    A plain model yields its detached parameters (views, no copy). A PEFT LoRA model yields the base weights with
+    the active adapter's delta added into NEW tensors, ``base_model.model.`` / ``.base_layer`` / ``modules_to_save``
+    spellings removed and the LoRA tensors themselves skipped; the model is only read.
+    """
+    model = unwrap_model(model)
+    if not is_peft(model):
+        yield from ((name, p.detach()) for name, p in model.named_parameters())
+        return
+    from peft.tuners.lora import LoraLayer
+
+    adapter = _active_adapter(model)
+    lora_modules = {name: module for name, module in model.named_modules() if isinstance(module, LoraLayer)}
+    for name, parameter in model.named_parameters():
+        if ".lora_" in name or ".original_module." in name:
+            continue
+        hf_name = name.removeprefix(_PEFT_PREFIX).replace(f".modules_to_save.{adapter}.", ".")
+        tensor = parameter.detach()
+        if ".base_layer." in name:
+            owner = name.split(".base_layer.")[0]
+            hf_name = hf_name.replace(".base_layer.", ".")
+            module = lora_modules.get(owner)
+            if module is not None and name.endswith(".weight") and not module.merged \
+                    and adapter in getattr(module, "lora_A", {}):
+                with torch.no_grad():
+                    tensor = tensor + module.get_delta_weight(adapter).to(tensor.dtype)
+        yield hf_name, tensor
+
+
+@dataclass(frozen=True)
+class AdapterState:
+    """The active LoRA adapter: its name, its ``adapter_config`` as JSON-plain data (what PEFT's
+    ``save_pretrained`` writes) and its tensors under PEFT state-dict names (detached, not copied)."""
+
+    name: str
+    config: dict[str, Any]
+    tensors: tuple[tuple[str, torch.Tensor], ...]
+
+
+def _plain_json(value: Any) -> Any:
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    return value.value if hasattr(value, "value") else str(value)
+
+
+def adapter_state(model: Any) -> AdapterState:
+    """The active adapter of a PEFT LoRA policy; raises :class:`WeightSyncError` when the policy has none."""
+    model = unwrap_model(model)
+    if not is_peft(model):
+        raise WeightSyncError(
+            f"adapter weight sync needs a PEFT LoRA policy, but the policy is a {type(model).__name__} without an "
+            "adapter", hint="set rollout_matching.vllm.sync.mode: full (or auto) for a fully fine-tuned model")
+    from peft import get_peft_model_state_dict
+
+    adapter = _active_adapter(model)
+    tensors = get_peft_model_state_dict(model, adapter_name=adapter)
+    config = json.loads(json.dumps(model.peft_config[adapter].to_dict(), default=_plain_json))
+    return AdapterState(adapter, config, tuple((name, t.detach()) for name, t in tensors.items()))
