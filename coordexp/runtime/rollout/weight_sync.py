@@ -48,6 +48,7 @@ __all__ = [
     "unflatten_bucket",
     "bucket_layout",
     "default_backend",
+    "listening_socket",
     "WeightSyncSender",
     "WeightSyncReceiver",
 ]
@@ -205,6 +206,29 @@ def _route_address(host: str, port: int) -> str:
         return "127.0.0.1"
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP listener on exactly ``(host, port)`` for a rendezvous store (a wildcard host is an explicit choice of
+    every interface); raises :class:`WeightSyncError` naming the address when it cannot listen there."""
+    try:
+        infos = socket.getaddrinfo(host if host not in _WILDCARD_HOSTS else None, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise WeightSyncError(f"weight-sync rendezvous host {host!r} does not resolve ({exc})",
+                              hint="use an address of this machine (e.g. 127.0.0.1)") from None
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen(64)
+    except OSError as exc:
+        sock.close()
+        raise WeightSyncError(f"cannot listen for the weight-sync rendezvous on {host}:{port}: "
+                              f"{exc.strerror or exc}",
+                              hint="choose another group_port (a free one, >= 1024) for this server") from None
+    return sock
+
+
 class _GroupMember:
     """Shared state of both ends: the store, the process group, this rank, the transfer counter."""
 
@@ -236,34 +260,60 @@ class _GroupMember:
     def _timeout(self) -> timedelta:
         return timedelta(seconds=self.timeout_s)
 
-    def _connect(self, host: str, port: int, world_size: int, rank: int, *, local_address: str | None) -> None:
+    def _connect(self, host: str, port: int, world_size: int, rank: int, *, local_address: str | None,
+                 listener: socket.socket | None = None) -> None:
         if self._group is not None:
+            if listener is not None:
+                listener.close()
             raise WeightSyncError(f"the weight-sync {self.role} is already connected; close() it first")
         if world_size < 2 or not 0 <= rank < world_size:
+            if listener is not None:
+                listener.close()
             raise ValueError(f"weight-sync world_size {world_size} / rank {rank} invalid: need world_size >= 2 "
                              "(server receivers + the learner) and 0 <= rank < world_size")
         if self.backend == "nccl" and not dist.is_nccl_available():
+            if listener is not None:
+                listener.close()
             raise WeightSyncError("weight-sync backend 'nccl' is not available in this torch build; use gloo (CPU)")
         started = time.monotonic()
         is_master = rank == 0
+        # Failures are raised OUTSIDE the except blocks: an exception chained to the torch error would keep the
+        # frames, and with them the store and the transport's listener, alive after an abandoned rendezvous.
+        failure: WeightSyncError | None = None
         try:
-            store = dist.TCPStore(host if not is_master else "0.0.0.0", port, world_size, is_master,
-                                  timeout=self._timeout, wait_for_workers=False)
+            if is_master:
+                # torch's TCPStore master listens on EVERY interface whatever host it is given: hand it a socket
+                # bound to exactly one address instead (the store owns the descriptor from here on).
+                listener = listener if listener is not None else listening_socket(host, port)
+                store = dist.TCPStore(host, port, world_size, True, timeout=self._timeout,
+                                      wait_for_workers=False, master_listen_fd=listener.fileno())
+                listener.detach()
+            else:
+                store = dist.TCPStore(host, port, world_size, False, timeout=self._timeout, wait_for_workers=False)
+        except WeightSyncError:
+            raise
         except Exception as exc:  # noqa: BLE001 - torch raises several types (RuntimeError, DistStoreError, ...)
             what = f"host the rendezvous store on port {port}" if is_master else f"reach the rendezvous store at " \
                 f"{host}:{port}"
-            raise _transport_error(exc, f"weight-sync {self.role} could not {what} within {self.timeout_s:.0f} s",
-                                   "check that the port is free on the server and reachable from the learner, and "
-                                   "that the peer was asked to join (POST /init_communicator/)") from None
+            failure = _transport_error(exc, f"weight-sync {self.role} could not {what} within {self.timeout_s:.0f} s",
+                                       "check that the port is free on the server and reachable from the learner, "
+                                       "and that the peer was asked to join (POST /init_communicator/)")
+        if failure is not None:
+            if listener is not None and listener.fileno() != -1:
+                listener.close()
+            raise failure
         store = dist.PrefixStore("coordexp_weight_sync", store)
         try:
             group = self._new_group(store, rank, world_size, local_address)
         except Exception as exc:  # noqa: BLE001
             waited = time.monotonic() - started
-            raise _transport_error(exc, f"weight-sync {self.role} (rank {rank} of {world_size}) could not form the "
-                                        f"group at {host}:{port} after {waited:.1f} s",
-                                   "the peer never joined: check the other side's log / GET /coordexp/sync_status/, "
-                                   "and that world_size agrees on both sides") from None
+            failure = _transport_error(exc, f"weight-sync {self.role} (rank {rank} of {world_size}) could not form "
+                                            f"the group at {host}:{port} after {waited:.1f} s",
+                                       "the peer never joined: check the other side's log / GET "
+                                       "/coordexp/sync_status/, and that world_size agrees on both sides")
+        if failure is not None:
+            del store  # the last reference: the rendezvous listener closes now, not at some later collection
+            raise failure
         self._store, self._group = store, group
         self.rank, self.world_size, self._seq, self.broken = rank, world_size, 0, None
 
@@ -417,13 +467,19 @@ class WeightSyncReceiver(_GroupMember):
 
     role = "receiver"
 
-    def init(self, host: str, port: int, world_size: int, rank: int = 0, *, local_address: str | None = None) -> None:
-        """Form the group; ``local_address``: the address the sender reaches this server at (default: ``host``
-        unless it is a wildcard, else loopback)."""
+    def init(self, host: str, port: int, world_size: int, rank: int = 0, *, local_address: str | None = None,
+             listener: socket.socket | None = None) -> None:
+        """Form the group; blocks until the sender joins or ``timeout_s`` passes (then the listener is closed).
+        ``host``: the address the rendezvous store listens on (rank 0 binds exactly there, never every interface
+        unless ``host`` is a wildcard), or ``listener``, a socket already bound (taken over, closed on failure).
+        ``local_address``: the address the sender reaches this server at (default: ``host`` unless it is a
+        wildcard, else loopback)."""
         if rank >= world_size - 1:
+            if listener is not None:
+                listener.close()
             raise ValueError(f"receiver rank {rank} must be < world_size - 1 ({world_size - 1} is the sender's)")
         address = local_address or (host if host not in _WILDCARD_HOSTS else None)
-        self._connect(host, port, world_size, rank, local_address=address)
+        self._connect(host, port, world_size, rank, local_address=address, listener=listener)
 
     def receive(self, metadatas: Sequence[FlattenedTensorMetadata],
                 apply: Callable[[list[tuple[str, torch.Tensor]]], None]) -> str | None:
