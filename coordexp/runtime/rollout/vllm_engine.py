@@ -9,6 +9,10 @@
   processor and pixel budget); vLLM's returned prompt ids must equal :func:`~coordexp.runtime.model.encoding.encode_prompt`'s
   (the prompt-alignment sanity check), and responses are stop-trimmed by
   :func:`~coordexp.runtime.rollout.base.finish_output` like every backend's.
+- Logprobs (``serve-rollout --engine vllm``, ``/infer/`` with ``logprobs: true``) come from the same generate call
+  (``SamplingParams(logprobs=k)``), with the engine in vLLM's ``processed_logprobs`` mode: values after the
+  repetition penalty and, when sampling, temperature/top-k/top-p, as swift 3.12 reports them. coordexp's logits
+  processor runs before them too, so never-emit ids are excluded and a guard-forced EOS has logprob 0.
 - :meth:`VllmEngine.load_weights` reloads weights in memory through the worker's layerwise ``reload_weights``
   (re-running the CPU/GPU repacking; a direct ``model.load_weights`` silently does nothing or crashes there),
   then resets the prefix and encoder caches (a stale encoder-cache entry kills the engine on the next image).
@@ -24,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 from coordexp.runtime.rollout.base import RolloutOutput, RolloutRequest, finish_output
+from coordexp.runtime.rollout.logprobs import TokenLogprob, from_vllm_steps
 from coordexp.runtime.model.encoding import IMAGE_PAD_TOKEN, EncodingError, load_images
 from coordexp.runtime.core.repeat import RepeatGuard
 from coordexp.runtime.rollout.vllm_import import VllmUnavailableError, import_vllm, visible_devices
@@ -42,6 +47,7 @@ __all__ = ["VllmUnavailableError", "EngineSettings", "AdapterHandle", "VllmEngin
 
 END_OF_TURN_TOKEN = "<|im_end|>"
 CPU_KV_CACHE_BYTES = 256 << 20
+MAX_LOGPROBS = 20  # top alternatives per token a request may ask for (vLLM's default max_logprobs, swift's cap)
 # vLLM on CPU, in-process: the recipe verified against HF (see the README's test-environment section).
 CPU_ENVIRONMENT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                    "VLLM_TARGET_DEVICE": "cpu"}
@@ -65,6 +71,7 @@ class EngineSettings:
     max_images_per_prompt: int = 1
     repeat_terminate: RepeatTerminateConfig = RepeatTerminateConfig()
     kv_cache_memory_bytes: int | None = None  # CPU: the KV budget in bytes (None: CPU_KV_CACHE_BYTES)
+    logprobs_mode: str = "processed_logprobs"  # what SamplingParams(logprobs=k) reports (swift 3.12's choice)
 
     @property
     def repeat_guard(self) -> RepeatGuard:
@@ -89,6 +96,7 @@ class EngineSettings:
             max_model_len=self.max_model_len, tensor_parallel_size=self.tensor_parallel_size,
             enable_prefix_caching=self.enable_prefix_caching, enforce_eager=self.enforce_eager,
             limit_mm_per_prompt={"image": self.max_images_per_prompt, "video": 0},
+            logprobs_mode=self.logprobs_mode, max_logprobs=MAX_LOGPROBS,
         )
         if self.max_num_seqs is not None:
             kwargs["max_num_seqs"] = self.max_num_seqs
@@ -168,6 +176,8 @@ class VllmEngine:
             self.pieces = PieceTable.for_tokenizer(tokenizer).pieces
         self.start_seconds = 0.0
         self.last_push_seconds = 0.0
+        # (output, its logprobs) of the last generate() that asked for them; token_logprobs() reads them back
+        self._scored: list[tuple[RolloutOutput, list[TokenLogprob]]] = []
 
     # -- start / stop -----------------------------------------------------------------------------------------
     @classmethod
@@ -234,6 +244,11 @@ class VllmEngine:
         return self.settings.tensor_parallel_size
 
     @property
+    def max_model_len(self) -> int:
+        """Prompt plus completion tokens one request may hold (the server bounds ``max_tokens`` with it)."""
+        return self.settings.max_model_len
+
+    @property
     def supports_adapter(self) -> bool:
         return self.settings.enable_lora
 
@@ -260,8 +275,10 @@ class VllmEngine:
         return self.llm
 
     # -- generation -------------------------------------------------------------------------------------------
-    def sampling_params(self, decoding: "DecodingConfig", max_new_tokens: int, seed: int) -> Any:
-        """vLLM's SamplingParams for ``decoding`` (greedy at temperature 0; beam search is rejected at validation)."""
+    def sampling_params(self, decoding: "DecodingConfig", max_new_tokens: int, seed: int,
+                        logprobs: int | None = None) -> Any:
+        """vLLM's SamplingParams for ``decoding`` (greedy at temperature 0; beam search is rejected at validation);
+        ``logprobs``: also return the sampled token's logprob and that many top alternatives per step."""
         if decoding.num_beams > 1:
             raise ValueError(f"decoding.num_beams {decoding.num_beams}: beam search is not supported by the vLLM "
                              "backend; use rollout_backend: hf or num_beams: 1")
@@ -272,6 +289,7 @@ class VllmEngine:
             top_p=1.0 if greedy else float(decoding.top_p), top_k=0 if greedy or decoding.top_k < 1 else decoding.top_k,
             repetition_penalty=float(decoding.repetition_penalty), seed=None if greedy else int(seed),
             stop_token_ids=sorted(self.stop_ids), detokenize=False, skip_special_tokens=False,
+            logprobs=None if logprobs is None else int(logprobs), flat_logprobs=logprobs is not None,
         )
 
     def vllm_prompt(self, request: RolloutRequest) -> dict[str, Any]:
@@ -292,17 +310,22 @@ class VllmEngine:
     def generate(self, requests: Sequence[RolloutRequest], params: Any = None, *,
                  decoding: "DecodingConfig | None" = None, max_new_tokens: int | None = None) -> list[RolloutOutput]:
         """Roll out ``requests`` in one engine call (vLLM batches them), with the current adapter if any; outputs
-        in request order. ``params`` is the server's GenerationParams (or pass ``decoding`` and ``max_new_tokens``)."""
+        in request order. ``params`` is the server's GenerationParams (or pass ``decoding`` and ``max_new_tokens``);
+        ``params.logprobs`` set: the logprobs are kept for :meth:`token_logprobs`."""
+        logprobs = None
         if params is not None:
-            decoding, max_new_tokens = params.decoding, params.max_new_tokens
+            decoding, max_new_tokens, logprobs = params.decoding, params.max_new_tokens, params.logprobs
         if decoding is None or max_new_tokens is None:
             raise TypeError("VllmEngine.generate needs params=GenerationParams(...) or decoding= and max_new_tokens=")
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs {logprobs}: this engine returns 0..{MAX_LOGPROBS} alternatives per token")
+        self._scored = []
         if not requests:
             return []
         llm = self._live()
         adapter = self.adapter
         prompts = [self.vllm_prompt(r) for r in requests]
-        params = [self.sampling_params(decoding, max_new_tokens, r.seed) for r in requests]
+        params = [self.sampling_params(decoding, max_new_tokens, r.seed, logprobs) for r in requests]
         results = llm.generate(prompts, params, use_tqdm=False,
                                lora_request=adapter.request if adapter is not None else None)
         outputs = []
@@ -316,9 +339,37 @@ class VllmEngine:
                     f"position {position} (vLLM {len(got)} ids, encode_prompt {len(expected)}); the engine must use "
                     "the template's pixel budget (EngineSettings.min_pixels/max_pixels = template.min_pixels/"
                     "max_pixels) and the checkpoint's processor")
-            outputs.append(finish_output(got, result.outputs[0].token_ids, stop_ids=self.stop_ids,
-                                         decode=self._decode, guard=self.guard, pieces=self.pieces))
+            completion = result.outputs[0]
+            output = finish_output(got, completion.token_ids, stop_ids=self.stop_ids, decode=self._decode,
+                                   guard=self.guard, pieces=self.pieces)
+            outputs.append(output)
+            if logprobs is not None:
+                self._scored.append((output, self._output_logprobs(output, completion, logprobs)))
         return outputs
+
+    def _output_logprobs(self, output: RolloutOutput, completion: Any, top: int) -> list[TokenLogprob]:
+        """The logprobs of ``output``'s response ids, then of the stop token when it stopped (the HF engine's
+        shape: swift reports the unstripped ids); vLLM's ids past the stop (none in practice) are dropped."""
+        kept = len(output.response_token_ids) + (0 if output.finish_reason == "length" else 1)
+        ids = [int(i) for i in completion.token_ids[:kept]]
+        return from_vllm_steps(ids, completion.logprobs or [], top)
+
+    def token_logprobs(self, requests: Sequence[RolloutRequest], outputs: Sequence[RolloutOutput], params: Any,
+                       top: int) -> list[list[TokenLogprob]]:
+        """The logprobs vLLM computed while sampling ``outputs`` (the server's RolloutEngine hook): the last
+        :meth:`generate` must have produced them with ``params.logprobs >= top``, as ``/infer/`` does."""
+        asked = getattr(params, "logprobs", None)
+        if asked is None or top > asked:
+            raise ValueError(f"token_logprobs(top={top}) needs generate() called with GenerationParams(logprobs >= "
+                             f"{top}); vLLM computes logprobs while sampling, not afterwards")
+        result = []
+        for output in outputs:
+            scored = next((tokens for done, tokens in self._scored if done is output), None)
+            if scored is None:
+                raise ValueError("token_logprobs got an output that the last generate() did not produce with "
+                                 "logprobs; call it right after generate(requests, params) with the same params")
+            result.append([replace(t, top=t.top[:top]) for t in scored])
+        return result
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)

@@ -218,7 +218,8 @@ class RolloutService:
         except ValueError as exc:
             raise InferInputError(f"request_config: {exc}") from None
         max_new = self.defaults.max_new_tokens if config.max_tokens is None else config.max_tokens
-        return GenerationParams(max_new_tokens=int(max_new), decoding=resolved)
+        return GenerationParams(max_new_tokens=int(max_new), decoding=resolved,
+                                logprobs=(config.top_logprobs or 0) if config.logprobs else None)
 
     def seeds(self, count: int, n: int, seed: int | None) -> list[int]:
         """Request j, choice k: ``seed + j*n + k`` (MS310's per-request ``seed + j`` when n = 1), in 1..2**31-1;

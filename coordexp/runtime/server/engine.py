@@ -7,11 +7,12 @@ and a weight update queued before an ``/infer/`` is applied before it. The vLLM 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 from coordexp.errors import ExternalSystemError
 from coordexp.runtime.rollout.base import RolloutOutput, RolloutRequest
+from coordexp.runtime.rollout.logprobs import TokenLogprob
 from coordexp.schema.rollout import DecodingConfig, RepeatTerminateConfig
 
 if TYPE_CHECKING:
@@ -29,17 +30,9 @@ class GenerationParams:
 
     max_new_tokens: int
     decoding: DecodingConfig
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """One generated token's log-probability under the request's sampling transforms (repetition penalty, then
-    temperature, top-k and top-p when sampling: vLLM's ``processed_logprobs``, which swift 3.12 reports), and the
-    ``top`` most likely ``(token_id, logprob)`` at that step, best first (empty unless ``top_logprobs`` was asked)."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
+    # logprobs the reply will carry: None (none), else the number of top alternatives per token (0: the chosen
+    # token only); engines that score while sampling (vLLM) ask for them in the same generate call
+    logprobs: int | None = None
 
 
 class EngineError(ExternalSystemError, RuntimeError):
@@ -58,8 +51,9 @@ class RolloutEngine(Protocol):
       cannot activate an enabled guard must raise in its constructor, never run without it.
 
     Optional: ``token_logprobs(requests, outputs, params, top)`` -> one ``list[TokenLogprob]`` per output, covering
-    its response ids then the stop token when it stopped (swift reports the unstripped ids). An engine without it
-    answers ``logprobs: true`` with a 400 that says so.
+    its response ids then the stop token when it stopped (swift reports the unstripped ids), called after
+    ``generate`` with the same params (``params.logprobs`` set: an engine may compute them while sampling). An
+    engine without it answers ``logprobs: true`` with a 400 that says so.
     """
 
     engine_type: str
@@ -142,6 +136,7 @@ class HfEngine:
         return self._model
 
     def _backend(self, params: GenerationParams) -> Any:
+        params = replace(params, logprobs=None)  # logprobs are scored afterwards: one backend for both
         backend = self._backends.get(params)
         if backend is None:
             from coordexp.runtime.rollout.hf import HfRolloutBackend
