@@ -156,3 +156,19 @@ def test_files_load_in_the_library_and_map_back(model, host, records, tmp_path):
     assert metrics["bbox"]["AP"] == pytest.approx(report.bbox["AP"])
     logs = report.log_dict("eval")
     assert logs["eval/AP50"] == pytest.approx(1.0) and "eval/segm_AP" in logs and "eval/match_rate" in logs
+
+
+def test_trainer_evaluation_logs_the_same_ap_figures(write_config, dataset):
+    """``eval_steps`` evaluation (CoordExpTrainer.evaluate) logs COCO AP next to the counters, as ``coordexp eval``."""
+    from coordexp.runtime.train.launch import build_trainer
+
+    config = write_config({"data": {"val_jsonl": str(dataset.val_jsonl)},
+                           "rollout_matching": {"max_new_tokens": 24, "decode_batch_size": 2}})
+    trainer = build_trainer(load_contract(config))
+    try:
+        metrics = trainer.evaluate()
+    finally:
+        trainer.backend.close()
+    assert {"eval/AP", "eval/AP50", "eval/AR100", "eval/match_rate"} <= set(metrics)
+    assert 0.0 <= metrics["eval/AP50"] <= 1.0
+    assert metrics["eval/samples"] == len(load_records(dataset.val_jsonl))
