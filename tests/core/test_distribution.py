@@ -109,7 +109,8 @@ def test_seeds_are_never_zero_and_match_the_trainer(seed, step, micro, rank, per
 
 
 def test_seed_zero_maps_to_one_and_trainer_indices_are_distinct_per_step():
-    assert normalize_seed(0) == 1 and normalize_seed(2**31) == 1 and normalize_seed(5) == 5
+    assert normalize_seed(0) == 2**31 - 1 and normalize_seed(2**31) == 1 and normalize_seed(5) == 5
+    assert normalize_seed(1) != normalize_seed(0)  # regression: 0 and 1 were both seed 1
     # trainer layout: micro-step major, then rank, then position: all (micro, rank, i) give distinct indices
     indices = {global_request_index(m, r, 2, 3, i) for m in range(4) for r in range(2) for i in range(3)}
     assert indices == set(range(24))

@@ -286,7 +286,7 @@ def test_request_seed_is_deterministic_positive_and_distinct():
     seeds = {request_seed(42, step, index) for step in range(4) for index in range(64)}
     assert len(seeds) == 256 and all(1 <= s < 2 ** 31 for s in seeds)
     assert request_seed(42, 3, 5) == request_seed(42, 3, 5) == 42 + 3 * 1_000_003 + 5
-    assert request_seed(-(2 ** 31), 0, 0) == 1  # 0 is never a seed
+    assert request_seed(0, 0, 0) == 2**31 - 1 and request_seed(0, 0, 1) == 1  # 0 is never a seed, no collision
 
 
 def test_registry_builds_hf_from_the_run_contract(model, tokenizer):

@@ -24,7 +24,10 @@ __all__ = [
     "ServerSlice",
     "normalize_seed",
     "rollout_seed",
+    "eval_rollout_seed",
+    "train_request_seeds",
     "global_request_index",
+    "EVAL_STREAM_OFFSET",
     "per_rank_chunk",
     "rank_allotment",
     "split_contiguous",
@@ -33,7 +36,8 @@ __all__ = [
 ]
 
 SEED_MASK = 0x7FFFFFFF
-_STEP_STRIDE = 1_000_003  # same stride as coordexp.runtime.rollout.base.request_seed
+STEP_STRIDE = 1_000_003  # a prime, so (step, index) pairs of nearby steps do not collide
+EVAL_STREAM_OFFSET = 1 << 30  # evaluation indices start here: disjoint from any step's training indices
 
 
 class InfeasibleTopologyError(ExternalSystemError, ValueError):
@@ -53,19 +57,42 @@ class ServerSlice:
 
 
 def normalize_seed(value: int) -> int:
-    """Map any integer into ``1..2**31-1``: ms-swift treats seed 0 as "unset", so 0 is never sent."""
-    return (int(value) & SEED_MASK) or 1
+    """Map any integer into ``1..2**31-1`` (ms-swift treats seed 0 as "unset", so 0 is never sent): the identity on
+    that range, otherwise modulo ``2**31 - 1``, so any ``2**31 - 1`` consecutive integers get distinct seeds (the old
+    ``(v & mask) or 1`` gave 0 and 1 the same seed: seed 0's first two requests sampled alike)."""
+    return (int(value) - 1) % SEED_MASK + 1
 
 
 def global_request_index(micro_step: int, rank: int, world_size: int, per_rank: int, index: int) -> int:
-    """The position of a request among all requests of one optimizer step (micro-step major, then rank)."""
+    """The position of a request among all requests of one optimizer step (micro-step major, then rank).
+    ``micro_step`` counts from 0 within the optimizer step, so the position does not depend on how the run got to
+    that step (fresh or resumed)."""
     return (int(micro_step) * int(world_size) + int(rank)) * int(per_rank) + int(index)
 
 
 def rollout_seed(training_seed: int, global_step: int, request_index: int) -> int:
     """The seed of one request, a pure function of (training seed, global step, index within the step; the index
-    encodes the micro-step, see :func:`global_request_index`). Equals ``backends.base.request_seed``."""
-    return normalize_seed(int(training_seed) + int(global_step) * _STEP_STRIDE + int(request_index))
+    encodes the micro-step within the step, rank and position, see :func:`global_request_index`). The one
+    implementation: ``rollout.base.request_seed`` calls it. Consecutive indices give consecutive seeds (a server
+    call carries one base seed, request ``j`` gets ``seed + j``)."""
+    return normalize_seed(int(training_seed) + int(global_step) * STEP_STRIDE + int(request_index))
+
+
+def train_request_seeds(training_seed: int, global_step: int, micro_step: int, rank: int, world_size: int,
+                        per_rank: int, count: int) -> list[int]:
+    """The seeds of one rank's ``count`` training rollouts in micro-step ``micro_step`` (0-based within the optimizer
+    step) of ``global_step``: a pure function of (seed, step, micro-step, rank, index), identical after a resume."""
+    if count > per_rank:
+        raise ValueError(f"{count} requests exceed the per-rank stride {per_rank}; seeds would collide across ranks")
+    base = global_request_index(micro_step, rank, world_size, per_rank, 0)
+    return [rollout_seed(training_seed, global_step, base + i) for i in range(int(count))]
+
+
+def eval_rollout_seed(training_seed: int, global_step: int, record_index: int) -> int:
+    """The seed of evaluation rollout ``record_index`` (the record's position in the evaluation set) at
+    ``global_step``: its own stream, offset by :data:`EVAL_STREAM_OFFSET`, so an evaluation never reuses the seeds of
+    the training rollouts of that step, and a record's seed does not depend on how the set is sharded over ranks."""
+    return rollout_seed(training_seed, global_step, EVAL_STREAM_OFFSET + int(record_index))
 
 
 def per_rank_chunk(decode_batch_size: int, server_world_sizes: Sequence[int], learner_world_size: int) -> int:

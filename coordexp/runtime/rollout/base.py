@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
 
 from coordexp.errors import ExternalSystemError
+from coordexp.runtime.core.distribution import rollout_seed
 from coordexp.runtime.core.repeat import RepeatGuard, count_object_keys, should_terminate
 
 if TYPE_CHECKING:
@@ -32,8 +33,6 @@ __all__ = [
 ]
 
 FinishReason = Literal["stop", "length", "repeat"]
-_SEED_MASK = 0x7FFFFFFF
-_STEP_STRIDE = 1_000_003  # a prime, so (step, index) pairs of nearby steps do not collide
 
 
 @dataclass(frozen=True)
@@ -97,6 +96,11 @@ class RolloutBackend(ABC):
     def close(self) -> None:
         """Release engines, memory and connections; the backend is unusable afterwards."""
 
+    def run_metadata(self) -> dict[str, Any]:
+        """What the run's metadata log records about this backend after a rollout (JSON values only: endpoints,
+        effective sync mode, fallback events, the last calls and their seeds). Nothing by default."""
+        return {}
+
     def __enter__(self) -> "RolloutBackend":
         return self
 
@@ -134,6 +138,6 @@ def finish_output(
 
 def request_seed(training_seed: int, global_step: int, request_index: int) -> int:
     """The sampling seed of one request: a pure function of (seed, step, index), so a rerun (or a resume at the
-    same step) samples the same rollouts whatever the batching. Always in ``1..2**31-1``."""
-    value = (int(training_seed) + int(global_step) * _STEP_STRIDE + int(request_index)) & _SEED_MASK
-    return value or 1
+    same step) samples the same rollouts whatever the batching. Always in ``1..2**31-1``. The same function as
+    :func:`coordexp.runtime.core.distribution.rollout_seed` (it is the one implementation)."""
+    return rollout_seed(training_seed, global_step, request_index)

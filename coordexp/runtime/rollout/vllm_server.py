@@ -4,8 +4,10 @@
 - Start-up: every server must answer ``/health/`` within ``timeout_s``; ``/get_world_size/`` is read once per
   server and cached; the feasibility rule ``decode_batch_size * S >= W`` is checked and the per-rank chunk
   ``floor(decode_batch_size * S / W)`` fixed (:mod:`coordexp.runtime.core.distribution`).
-- ``generate``: rounds of at most one chunk, each split contiguously over the servers in proportion to their world
-  sizes, POSTed concurrently, reassembled in request order. ``N = 0`` sends nothing. A call's
+- ``generate``: rounds of at most one chunk, each split contiguously over the request slots this learner rank owns
+  on each server (:func:`~coordexp.runtime.core.distribution.rank_allotment`: the ranks' slots are disjoint, so no
+  server ever holds more than ``decode_batch_size x`` its world size at once), POSTed concurrently, reassembled in
+  request order. ``N = 0`` sends nothing. A call's
   ``request_config.seed`` is the seed of its first request (the server gives request ``j`` ``seed + j``); the
   trainer's seeds are a pure function of (training seed, global step, micro-step, request index), never 0.
   A failed call is retried once, then raises :class:`RolloutServerError` naming the server and the rollout step.
@@ -25,14 +27,15 @@ from urllib.parse import urlsplit
 
 from coordexp.errors import ExternalSystemError
 from coordexp.runtime.rollout.base import RolloutBackend, RolloutOutput, RolloutRequest
-from coordexp.runtime.core.distribution import consecutive_seed_runs, per_rank_chunk, plan_rounds
+from coordexp.runtime.core.distribution import consecutive_seed_runs, plan_rounds, rank_allotment
 from coordexp.runtime.model.encoding import build_messages
 from coordexp.runtime.rollout.client import RolloutServerClient, ServerError
 from coordexp.runtime.rollout.protocol import ProtocolError, item_to_rollout_output, parse_infer_response
+from coordexp.runtime.rollout.repeat_guard_check import check_repeat_guards
 from coordexp.runtime.rollout.weight_export import adapter_state, named_tensors, policy_version
 from coordexp.runtime.rollout.weight_sync import WeightSyncError
 from coordexp.schema.contract import VllmServerContract
-from coordexp.schema.rollout import DecodingConfig
+from coordexp.schema.rollout import DecodingConfig, RepeatTerminateConfig
 from coordexp.schema.template import TemplateConfig
 
 if TYPE_CHECKING:
@@ -107,6 +110,7 @@ class VllmServerBackend(RolloutBackend):
         timeout_s: float | None = None,
         weight_pusher: "Callable[[RolloutServerClient, Any, str], None] | None" = None,
         topology: Callable[[], tuple[int, int]] = learner_topology,
+        repeat_terminate: "RepeatTerminateConfig | None" = None,
     ):
         if not clients:
             raise ValueError("the vllm_server backend needs at least one server in rollout_matching.vllm.server.servers")
@@ -131,12 +135,17 @@ class VllmServerBackend(RolloutBackend):
         self.fallback_events: list[str] = []
         self._pushed_version: tuple | None = None
         self._closed = False
+        self.last_calls: list[dict[str, Any]] = []
         rank, world = self._topology()
         self._check_health()
         self.world_sizes = [c.world_size() for c in self.clients]
-        self.chunk = per_rank_chunk(self.decode_batch_size, self.world_sizes, world)
-        logger.info("rollout servers %s, world sizes %s, learner rank %d of %d, per-rank chunk %d, sync mode %s",
-                    self.server_list(), self.world_sizes, rank, world, self.chunk, self.sync_mode)
+        self.rank, self.learner_world_size = rank, world
+        self.allotment = rank_allotment(self.decode_batch_size, self.world_sizes, world, rank)
+        self.chunk = sum(self.allotment)  # per_rank_chunk: this rank's slots over all servers
+        self.repeat_guard = check_repeat_guards(self.clients, repeat_terminate)
+        logger.info("rollout servers %s, world sizes %s, learner rank %d of %d, per-rank chunk %d (per server %s), "
+                    "sync mode %s", self.server_list(), self.world_sizes, rank, world, self.chunk, self.allotment,
+                    self.sync_mode)
 
     @classmethod
     def from_run(cls, run: "RunContract", model: Any, processor: Any) -> "VllmServerBackend":
@@ -152,7 +161,8 @@ class VllmServerBackend(RolloutBackend):
                                        infer_timeout_s=choice.infer_timeout_s) for s in choice.servers]
         return cls(clients, decode_batch_size=rollout.decode_batch_size, max_new_tokens=rollout.max_new_tokens,
                    decoding=rollout.decoding, template=run.template, sync_mode=choice.sync.mode,
-                   fallback_to_full=choice.sync.fallback_to_full, timeout_s=choice.timeout_s)
+                   fallback_to_full=choice.sync.fallback_to_full, timeout_s=choice.timeout_s,
+                   repeat_terminate=rollout.repeat_terminate)
 
     def begin_step(self, global_step: int) -> None:
         """The trainer's optimizer step, named in error messages so a failure points at the step to resume from
@@ -188,17 +198,30 @@ class VllmServerBackend(RolloutBackend):
         bodies = [infer_request_for(r, self.template) for r in requests]
         calls: list[tuple[int, int, int]] = []  # (server, start, stop)
         outputs: list[RolloutOutput | None] = [None] * len(requests)
-        for round_slices in plan_rounds(len(requests), self.chunk, self.world_sizes):
+        for round_slices in plan_rounds(len(requests), self.chunk, self.allotment):
             calls_in_round = [(s.server, a, b) for s in round_slices for a, b in consecutive_seed_runs(seeds, s.start, s.stop)]
             futures = [self._pool.submit(self._infer_slice, server, bodies[a:b], seeds[a]) for server, a, b in calls_in_round]
             for (server, a, b), future in zip(calls_in_round, futures):
                 outputs[a:b] = future.result()
             calls += calls_in_round
+        self.last_calls = [{"server": self.clients[s].base_url, "start": a, "stop": b, "seed": seeds[a]}
+                           for s, a, b in calls]
         logger.info("rollout step %d: %d request(s) over %s; calls (server, start, stop, seed): %s; sync mode %s%s",
                     self.rollout_step, len(requests), self.server_list(),
                     [(self.clients[s].base_url, a, b, seeds[a]) for s, a, b in calls], self.sync_mode,
                     f"; fallbacks: {self.fallback_events}" if self.fallback_events else "")
         return [o for o in outputs if o is not None]
+
+    def run_metadata(self) -> dict[str, Any]:
+        """Servers (URL, group port, world size, this rank's slots), effective sync mode, fallback events, the
+        repeat-guard check and the last rollout's calls (server, request range, ``RequestConfig.seed``)."""
+        return {
+            "servers": [{"base_url": c.base_url, "group_port": c.group_port, "world_size": w, "rank_slots": a}
+                        for c, w, a in zip(self.clients, self.world_sizes, self.allotment)],
+            "learner_rank": self.rank, "learner_world_size": self.learner_world_size, "per_rank_chunk": self.chunk,
+            "sync_mode": self.sync_mode, "fallback_events": list(self.fallback_events),
+            "repeat_guard": self.repeat_guard, "rollout_step": self.rollout_step, "calls": list(self.last_calls),
+        }
 
     def _infer_slice(self, server: int, bodies: list[dict], seed: int) -> list[RolloutOutput]:
         client = self.clients[server]

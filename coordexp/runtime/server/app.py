@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse
 
 from coordexp.runtime.rollout.base import RolloutOutput, RolloutRequest
 from coordexp.runtime.rollout import protocol as p
+from coordexp.runtime.rollout.repeat_guard_check import repeat_guard_reply
 from coordexp.runtime.server.engine import EngineError, GenerationParams, RolloutEngine, TokenLogprob
 from coordexp.runtime.server.inputs import InferInputError, encode_served, request_to_prompt, scrub_paths
 from coordexp.runtime.rollout.weight_sync import DEFAULT_TIMEOUT_S, WeightSyncError, WeightSyncReceiver
@@ -334,6 +335,11 @@ def create_app(engine: RolloutEngine, processor: Any, template: TemplateConfig, 
     async def get_engine_type() -> dict:
         return p.EngineTypeResponse(engine_type=engine.engine_type, enable_lora=bool(engine.supports_adapter)
                                     ).model_dump()
+
+    @app.get("/coordexp/repeat_guard/")
+    async def repeat_guard() -> dict:
+        """Whether this server's repeat guard is on (the learner fails fast when its config needs it and it is off)."""
+        return repeat_guard_reply(engine.repeat_terminate)
 
     @app.post("/infer/")
     async def infer(body: p.InferRequestBody) -> JSONResponse:

@@ -27,7 +27,8 @@ from coordexp.runtime.core.objects import DetObject
 from coordexp.runtime.core.telemetry import RolloutCounters, sum_counters
 from coordexp.runtime.model.encoding import encode_prompt
 from coordexp.runtime.model.scoring import response_token_logprobs
-from coordexp.runtime.rollout.base import RolloutRequest, request_seed
+from coordexp.runtime.core.distribution import eval_rollout_seed
+from coordexp.runtime.rollout.base import RolloutRequest
 from coordexp.runtime.train.rollout_step import build_rollout_sample
 from coordexp.runtime.train.visualize import RolloutLogEntry, render_rollout
 
@@ -196,7 +197,7 @@ def roll_out_and_score(
         for start in range(0, len(records), chunk):
             part = list(records[start : start + chunk])
             prompts = [encode_prompt(host.processor, r, host.template) for r in part]
-            requests = [RolloutRequest(prompt=p, index=i, seed=request_seed(seed, step, start + i), record=r)
+            requests = [RolloutRequest(prompt=p, index=i, seed=eval_rollout_seed(seed, step, start + i), record=r)
                         for i, (r, p) in enumerate(zip(part, prompts, strict=True))]
             outputs = backend.generate(requests)
             samples = [build_rollout_sample(r, p, o, host) for r, p, o in zip(part, prompts, outputs, strict=True)]

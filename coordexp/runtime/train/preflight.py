@@ -2,8 +2,9 @@
 
 Checks: the config validates (every problem listed, like ``coordexp validate``); the multi-process sync mode; the
 model directory has a config and all 1000 coord tokens; the data files exist and a sample of records and their
-images load; in server mode each server answers ``/health/`` and ``/get_world_size/`` (probed in parallel) and the
-topology is feasible, ``decode_batch_size * S >= W``. With ``launch=True`` servers are not running yet: their HTTP
+images load; in server mode each server answers ``/health/`` and ``/get_world_size/`` (probed in parallel), the
+topology is feasible, ``decode_batch_size * S >= W``, and, when the config enables ``repeat_terminate``, each
+server's repeat guard is on (``GET /coordexp/repeat_guard/``; a ``swift rollout`` server cannot be checked: said so). With ``launch=True`` servers are not running yet: their HTTP
 and group ports must be free on this host instead, and each is assumed to have ``server_world_size`` replicas.
 Every check runs that can (only an invalid config stops the rest), so one run reports every problem.
 
@@ -194,6 +195,8 @@ def run_preflight(config_path: str | Path, *, learner_world_size: int = 1, healt
     if world_sizes is None:  # a server did not answer: its world size, hence the topology, is unknown
         return done(wiring)
     wiring["server_world_sizes"] = world_sizes
+    if rollout.repeat_terminate.enabled and not launch:
+        _check_repeat_guards(servers, checks, timeout, rollout.repeat_terminate)
     try:
         wiring["per_rank_chunk"] = per_rank_chunk(rollout.decode_batch_size, world_sizes, learner_world_size)
     except InfeasibleTopologyError as exc:
@@ -243,6 +246,27 @@ def _check_servers(servers: Any, checks: list[PreflightCheck], timeout_s: float)
     if any(isinstance(a, ServerError) for a in answers):
         return None
     return [int(a) for a in answers]  # type: ignore[arg-type]
+
+
+def _check_repeat_guards(servers: Any, checks: list[PreflightCheck], timeout_s: float, guard: Any) -> None:
+    """The config requires the repeat guard: each server must say it is on (``inactive`` fails, exit 3); a server
+    without coordexp's endpoint (``swift rollout``) passes with a note that its guard cannot be checked."""
+    from coordexp.runtime.rollout.client import RolloutServerClient, ServerError
+    from coordexp.runtime.rollout.repeat_guard_check import probe_repeat_guard
+
+    for server in servers:
+        name = f"repeat guard {server.base_url}"
+        try:
+            probe = probe_repeat_guard(RolloutServerClient(server.base_url, timeout_s=timeout_s), guard)
+        except ServerError as exc:
+            checks.append(_failed(name, str(exc), EXIT_EXTERNAL))
+            continue
+        if probe.state == "inactive":
+            checks.append(_failed(name, "the config requires it (rollout_matching.repeat_terminate.enabled: true) "
+                                  "but the server's guard is off; restart the server from a config with the guard "
+                                  "on (coordexp serve-rollout CFG), or disable it in this config", EXIT_EXTERNAL))
+        else:
+            checks.append(PreflightCheck(name, True, probe.detail))
 
 
 def _check_model(model_dir: Path, checks: list[PreflightCheck]) -> None:

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 from transformers import Trainer
 
-from coordexp.runtime.rollout.base import RolloutRequest, request_seed
+from coordexp.runtime.core.distribution import eval_rollout_seed, train_request_seeds
+from coordexp.runtime.rollout.base import RolloutRequest
 from coordexp.runtime.model.encoding import encode_prompt
 from coordexp.runtime.model.losses import SupervisionBatch, SupervisionSegment, compute_objective
 from coordexp.runtime.model.packed_forward import (
@@ -30,6 +31,7 @@ from coordexp.runtime.core.packing import CarryBuffer
 from coordexp.runtime.train.rollout_step import HostContext, SampleTarget, build_gt_sample, build_rollout_sample
 from coordexp.runtime.core.telemetry import RolloutCounters, sum_counters
 from coordexp.runtime.model.policy import save_processor
+from coordexp.runtime.train.run_log import RunLog, run_start_fields
 from coordexp.runtime.train.visualize import append_rollout_log
 
 if TYPE_CHECKING:
@@ -70,6 +72,7 @@ class StepStats:
         self.computed_tokens = 0
         self.counters: list[RolloutCounters] = []
         self.seconds: dict[str, float] = {}
+        self.seeds: list[int] = []  # this rank's training rollout seeds, in order
 
     def timed(self, stage: str, seconds: float) -> None:
         self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
@@ -110,8 +113,20 @@ class CoordExpTrainer(Trainer):
         self.buffer = CarryBuffer(packing.packing_length, packing.buffer) if packing.enabled else None
         self.rollout_log_every = int(rollout_log_every)
         self.stats = StepStats()
-        self._micro_step = 0
+        # (global step, training micro-steps rolled out in it): seeds depend on the micro-step WITHIN the optimizer
+        # step, so a run resumed at step k draws what the uninterrupted run drew (one tuple: callers save/restore it)
+        self._micro_step: tuple[int, int] = (-1, 0)
+        self.run_log = RunLog(self.args.output_dir, self.args.process_index)
         self._coord_ids = torch.tensor(host.vocab.ids, dtype=torch.long)
+
+    def train(self, *args: Any, **kwargs: Any):
+        """The HF loop, after a ``run_start`` line in the run's metadata log (seed, decoding, backend, resume)."""
+        resume = kwargs.get("resume_from_checkpoint", args[0] if args else None)
+        backend = self.backend
+        self.run_log.write("run_start", **run_start_fields(
+            self.run, world_size=self.args.world_size, backend_name=type(backend).__name__ if backend else None,
+            backend_metadata=backend.run_metadata() if backend else {}, resume_from=resume))
+        return super().train(*args, **kwargs)
 
     def create_optimizer(self, model=None):
         """The HF optimizer; a backend that offloads around rollouts (vLLM colocate) also gets a handle on it."""
@@ -124,21 +139,34 @@ class CoordExpTrainer(Trainer):
     def build_samples(self, records: Sequence["DetectionRecord"]) -> list[SampleTarget]:
         """This micro-step's per-sample targets: rollouts through the backend (stage 2) or the GT serialization."""
         if self.stage2:
-            return self.rollout_samples(records, tag="train")
+            micro, seeds = self.train_seeds(len(records))
+            return self.rollout_samples(records, tag="train", seeds=seeds, micro_step=micro)
         prompts = [encode_prompt(self.host.processor, r, self.host.template) for r in records]
         return [build_gt_sample(r, p, self.host) for r, p in zip(records, prompts, strict=True)]
 
-    def rollout_samples(self, records: Sequence["DetectionRecord"], *, tag: str) -> list[SampleTarget]:
-        """Roll ``records`` out through the backend (current weights) and build each one's ``Y_train`` with its
-        parse, match and counters; ``tag`` labels the rollout log (``train`` / ``eval``)."""
+    def train_seeds(self, count: int) -> tuple[int, list[int]]:
+        """The next training micro-step's index within the current optimizer step and its ``count`` seeds: a pure
+        function of (seed, global step, micro-step in the step, rank, index) (:func:`train_request_seeds`)."""
+        step = int(self.state.global_step)
+        owner, drawn = self._micro_step
+        micro = drawn if owner == step else 0
+        self._micro_step = (step, micro + 1)
+        stride = max(int(self.args.per_device_train_batch_size), count)
+        return micro, train_request_seeds(self.args.seed, step, micro, self.args.process_index,
+                                          max(1, self.args.world_size), stride, count)
+
+    def rollout_samples(self, records: Sequence["DetectionRecord"], *, tag: str, seeds: Sequence[int],
+                        micro_step: int | None = None) -> list[SampleTarget]:
+        """Roll ``records`` out through the backend (current weights) with one seed each and build each one's
+        ``Y_train`` with its parse, match and counters; ``tag`` labels the rollout and metadata logs
+        (``train`` / ``eval``)."""
         if self.backend is None:
             raise ValueError("rollouts need a rollout backend (rollout_matching.rollout_backend)")
+        if len(seeds) != len(records):
+            raise ValueError(f"{len(records)} records but {len(seeds)} seeds")
         prompts = [encode_prompt(self.host.processor, r, self.host.template) for r in records]
-        base = self._micro_step * max(1, len(records)) * max(1, self.args.world_size) + self.args.process_index * len(records)
-        requests = [
-            RolloutRequest(prompt=p, index=i, seed=request_seed(self.args.seed, self.state.global_step, base + i), record=r)
-            for i, (r, p) in enumerate(zip(records, prompts, strict=True))
-        ]
+        requests = [RolloutRequest(prompt=p, index=i, seed=int(seed), record=r)
+                    for i, (r, p, seed) in enumerate(zip(records, prompts, seeds, strict=True))]
         self.backend.begin_step(self.state.global_step)
         start = time.perf_counter()
         self.backend.sync_weights(self.accelerator.unwrap_model(self.model))
@@ -146,6 +174,13 @@ class CoordExpTrainer(Trainer):
         generated = time.perf_counter()
         samples = [build_rollout_sample(r, p, o, self.host) for r, p, o in zip(records, prompts, outputs, strict=True)]
         self.stats.timed("rollout", generated - start)
+        if tag == "train":
+            self.stats.seeds.extend(int(s) for s in seeds)
+        self.run_log.write("rollout", tag=tag, global_step=int(self.state.global_step), micro_step=micro_step,
+                           seeds=[int(s) for s in seeds], sources=[r.source for r in records],
+                           response_tokens=[len(o.response_token_ids) for o in outputs],
+                           backend=self.backend.run_metadata())
+        self.stats.timed("host", time.perf_counter() - generated)
         self.stats.timed("host", time.perf_counter() - generated)
         if self.rollout_log_every and self.is_world_process_zero() and self.state.global_step % self.rollout_log_every == 0:
             append_rollout_log(
@@ -185,7 +220,6 @@ class CoordExpTrainer(Trainer):
         supervision = supervision.to(logits.device)
         result = compute_objective(logits, supervision, self._coord_ids.to(logits.device), self.run.rollout_matching.pipeline)
         self.stats.timed("forward", time.perf_counter() - started)
-        self._micro_step += 1
         self.stats.add(
             dict(result.terms),
             trained=batch.num_real_tokens,
@@ -244,6 +278,11 @@ class CoordExpTrainer(Trainer):
                 torch.distributed.all_reduce(tensor)
                 counters = RolloutCounters.from_tensor(tensor.cpu())
             logs.update(counters.to_log_dict(prefix="rollout/"))
+            if stats.seeds:  # this rank's first and last rollout seed of the window; every one is in the run log
+                logs["rollout/seed_first"], logs["rollout/seed_last"] = float(stats.seeds[0]), float(stats.seeds[-1])
+            fallbacks = self.backend.run_metadata().get("fallback_events") if self.backend is not None else None
+            if fallbacks is not None:
+                logs["rollout/sync_fallbacks"] = float(len(fallbacks))
         return logs
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -253,15 +292,23 @@ class CoordExpTrainer(Trainer):
         super().log(logs, start_time)
 
     # -- evaluation -------------------------------------------------------------------------------------------
-    def eval_samples(self, records: Sequence["DetectionRecord"]) -> list[SampleTarget]:
+    def eval_samples(self, records: Sequence["DetectionRecord"], indices: Sequence[int] | None = None
+                     ) -> list[SampleTarget]:
         """Every record rolled out (chunks of ``decode_batch_size``) and parsed/matched like a training sample, in
-        record order: the per-sample evidence (``parse``, ``match``, ``counters``) evaluation metrics read."""
+        record order: the per-sample evidence (``parse``, ``match``, ``counters``) evaluation metrics read. Seeds
+        come from the evaluation stream (:func:`eval_rollout_seed`) at each record's position in the evaluation set
+        (``indices``; default ``0..n-1``), never from the training micro-steps."""
         if self.backend is None:
             raise ValueError("rollout evaluation needs a rollout backend")
+        positions = list(range(len(records))) if indices is None else [int(i) for i in indices]
+        if len(positions) != len(records):
+            raise ValueError(f"{len(records)} records but {len(positions)} evaluation indices")
+        seeds = [eval_rollout_seed(self.args.seed, self.state.global_step, i) for i in positions]
         chunk = self.run.rollout_matching.decode_batch_size
         samples: list[SampleTarget] = []
         for start in range(0, len(records), chunk):
-            samples += self.rollout_samples(records[start : start + chunk], tag="eval")
+            samples += self.rollout_samples(records[start : start + chunk], tag="eval",
+                                            seeds=seeds[start : start + chunk])
         return samples
 
     def evaluate_rollouts(self, records: Sequence["DetectionRecord"]) -> RolloutCounters:
@@ -274,11 +321,13 @@ class CoordExpTrainer(Trainer):
         if dataset is None:
             return {}
         records = list(getattr(dataset, "records", dataset))
-        shard = records[self.args.process_index :: max(1, self.args.world_size)]
+        world = max(1, self.args.world_size)
+        shard = records[self.args.process_index :: world]
+        positions = range(self.args.process_index, len(records), world)  # seeds follow the record, not the shard
         from coordexp.runtime.train.evaluate import detection_metrics, score_samples
 
         # COCO AP (objects ranked by their tokens' log-probability) next to the counters, as `coordexp eval` reports
-        scored = score_samples(self.accelerator.unwrap_model(self.model), self.host, shard, self.eval_samples(shard),
+        scored = score_samples(self.accelerator.unwrap_model(self.model), self.host, shard, self.eval_samples(shard, positions),
                                step=self.state.global_step, batch_size=self.run.rollout_matching.decode_batch_size)
         if self.args.world_size > 1 and torch.distributed.is_initialized():
             gathered: list[Any] = [None] * self.args.world_size
@@ -288,6 +337,15 @@ class CoordExpTrainer(Trainer):
         super().log(dict(metrics))
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        """Resume with the checkpoint's weights under the model's own names (:mod:`.checkpoint_load`: HF's loader
+        matched none of a Qwen-VL checkpoint's legacy names and resumed from the base weights); other layouts
+        (adapters, sharded FSDP) go to HF's loader."""
+        from coordexp.runtime.train.checkpoint_load import load_checkpoint_weights
+
+        if not load_checkpoint_weights(model if model is not None else self.model, resume_from_checkpoint):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """Checkpoints carry the processor too, so a checkpoint loads like any Qwen-VL checkpoint."""
