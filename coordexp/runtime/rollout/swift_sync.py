@@ -4,7 +4,7 @@ swift forms its group with vLLM's ``StatelessProcessGroup``: a plain ``TCPStore`
 and the learner joins as the LAST rank. PyNccl's rank 0 publishes the pickled NCCL unique id with the group's object
 broadcast (key ``broadcast_from/0/0``), every update is ``POST`` -> NCCL broadcast from the learner -> a store
 barrier (rank 0 publishes ``barrier_<uuid>`` as the next object broadcast, then every rank writes
-``arrival_<id>_<rank>`` and ``departure_<id>_<rank>``). docs: /work/shared/reference/swift_rollout_protocol.md §4.
+``arrival_<id>_<rank>`` and ``departure_<id>_<rank>``); see docs/design.md#ms310.
 
 Two layers, so that the handshake runs (and is tested) on CPU:
 
