@@ -726,3 +726,19 @@ def test_the_nccl_data_plane_moves_a_bucket_between_two_gpus():
     assert all(torch.equal(got[n], t) for n, t in weights)
     sender.close()
     receiver.close()
+
+
+def test_swifts_adapter_endpoint_needs_the_servers_token_like_every_weight_endpoint(tiny_processor):
+    import httpx
+
+    from coordexp.runtime.server.rendezvous import RendezvousPolicy
+
+    policy = RendezvousPolicy.resolve(http_host="127.0.0.1", token="a-shared-token-1")
+    with LiveServer(RecordingEngine("cpu"), tiny_processor, policy=policy) as server:
+        body = {"lora_int_id": 3, "peft_config": {"r": 2},
+                "lora_tensors_metadata": [{"name": "a", "shape": [2], "dtype": "torch.float32", "start_idx": 0,
+                                           "end_idx": 2, "numel": 2}]}
+        assert httpx.post(f"{server.url}/update_adapter_param/", json=body, timeout=10).status_code == 401
+        authorised = httpx.post(f"{server.url}/update_adapter_param/", json=body, timeout=10,
+                                headers={"Authorization": "Bearer a-shared-token-1"})
+        assert authorised.status_code == 409  # past the guard: no communicator yet
