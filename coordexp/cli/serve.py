@@ -29,6 +29,19 @@ def serve_rollout(
         "--image-root", help="The only directory local image paths may point into (default: the config's "
         "data.image_root). Without it, only base64 images are accepted.")] = None,
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level.")] = "info",
+    access_log: Annotated[bool, typer.Option(
+        "--access-log/--no-access-log", help="Log every request with its status (on by default).")] = True,
+    sync_host: Annotated[Optional[str], typer.Option(
+        "--sync-host", help="Address the weight-sync rendezvous listens on (default: --host).")] = None,
+    sync_token: Annotated[Optional[str], typer.Option(
+        "--sync-token", envvar="COORDEXP_SYNC_TOKEN", show_default=False,
+        help="Shared token required on every weight endpoint (Authorization: Bearer); mandatory when --host or "
+        "--sync-host is not loopback.")] = None,
+    sync_timeout_max: Annotated[Optional[float], typer.Option(
+        "--sync-timeout-max", help="Cap in seconds on the weight-sync rendezvous/collective timeout; a client's "
+        "longer timeout_s is clamped (default: the config's vllm.server.timeout_s, 240).")] = None,
+    max_body_mb: Annotated[float, typer.Option(
+        "--max-body-mb", help="Largest request body accepted (MiB); larger is 413.")] = 64.0,
 ) -> None:
     """Serve rollouts of the config's model over HTTP (ms-swift `swift rollout` compatible endpoints)."""
     if engine not in (None, "vllm", "hf"):
@@ -38,17 +51,25 @@ def serve_rollout(
     if root is not None and not root.is_dir():
         fail(f"image root {root} is not a directory", "Pass --image-root DIR (the directory holding the images)")
 
+    if not 0 < max_body_mb <= 4096:
+        fail(f"--max-body-mb {max_body_mb} is out of range", "Use a size in (0, 4096] MiB")
+
+    from coordexp.runtime.server.rendezvous import RendezvousPolicy
     from coordexp.runtime.server.serve import bind_socket, build_app, build_engine, resolve_engine_kind
     from coordexp.runtime.server.serve import serve as run_server
 
+    policy = RendezvousPolicy.resolve(  # exposed beyond loopback without a token: refused here (exit 2)
+        http_host=host, sync_host=sync_host, token=sync_token,
+        max_timeout_s=sync_timeout_max if sync_timeout_max is not None else run.rollout_matching.serving.sync_timeout_s)
     sock = bind_socket(host, port)  # ServeInputError (2) / ServeSystemError (3) before anything loads
     try:
         kind = resolve_engine_kind(engine)  # type: ignore[arg-type]
         err.print(f"loading {safe(run.model.path)} with the {kind} engine "
                   f"(repeat_terminate {'on' if run.rollout_matching.repeat_terminate.enabled else 'off'}) ...")
         server_engine = build_engine(run, kind)
-        app = build_app(run, server_engine, image_root=root, bind_host=host)
-        run_server(app, sock, log_level=log_level)
+        app = build_app(run, server_engine, image_root=root, bind_host=host, policy=policy,
+                        max_body_bytes=int(max_body_mb * 2**20))
+        run_server(app, sock, log_level=log_level, access_log=access_log)
     finally:
         sock.close()
     raise typer.Exit(EXIT_OK)

@@ -405,7 +405,8 @@ def test_cli_server_weight_push_changes_outputs_to_the_learners(server_config, t
         reply = httpx.post(f"{url}/init_communicator/", timeout=10,
                            json={"host": "127.0.0.1", "port": group_port, "world_size": 2, "backend": "gloo",
                                  "timeout_s": 30})
-        assert reply.json() == {"message": p.MESSAGE_INIT, "world_size": 2, "client_rank": 1, "backend": "gloo"}
+        assert reply.json() == {"message": p.MESSAGE_INIT, "world_size": 2, "client_rank": 1, "backend": "gloo",
+                                "timeout_s": 30}  # within the server's cap (the config's 240 s): kept
         sender = WeightSyncSender(timeout_s=30, backend="gloo")
         sender.init("127.0.0.1", group_port, 2)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import socket
 import time
 import urllib.error
@@ -82,6 +83,9 @@ class RolloutServerClient:
         url = self.url(endpoint)
         data = None if payload is None else json.dumps(payload).encode("utf-8")
         req = urllib.request.Request(url, data=data, method=method)
+        token = os.environ.get("COORDEXP_SYNC_TOKEN")  # the server's weight-sync token (README: threat model)
+        if token:
+            req.add_header("Authorization", f"Bearer {token}")
         if data is not None:
             req.add_header("Content-Type", "application/json")
         if method == "POST" and data is None:

@@ -388,12 +388,15 @@ class InitCommunicatorResponse(_Response):
     backend: Optional[str] = None
 
 
+MAX_TENSOR_DIMS = 64  # torch's own limit; also keeps the shape product cheap (a 20,000-entry shape took 10 s)
+
+
 class UpdateWeightsRequest(_Request):
     """``POST /update_named_param/``: one tensor (HF checkpoint name) follows as one broadcast from the client."""
 
     name: str
     dtype: str
-    shape: list[int]
+    shape: list[int] = Field(max_length=MAX_TENSOR_DIMS)
 
 
 _DTYPE_NAMES = frozenset({"float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8",
@@ -411,7 +414,7 @@ class FlattenedTensorMetadata(_Request):
     (MS310 semantics; v4 counts bytes). ``dtype`` like ``"torch.bfloat16"``."""
 
     name: str
-    shape: tuple[int, ...]
+    shape: tuple[int, ...] = Field(max_length=MAX_TENSOR_DIMS)
     dtype: str
     start_idx: int = Field(ge=0)
     end_idx: int = Field(ge=0)

@@ -1,4 +1,4 @@
-"""Does each rollout server run the repeat guard the learner's config requires? (spec 004: fail fast.)
+"""Does each rollout server run the repeat guard the learner's config requires? (docs/design.md, repeat guard: fail fast.)
 
 Wire: ``GET /coordexp/repeat_guard/`` is a coordexp extension of the ms-swift protocol; ``coordexp serve-rollout``
 answers :func:`repeat_guard_reply` (``{"active": bool, "repeat_terminate": {...the server's subtree...}}``). A

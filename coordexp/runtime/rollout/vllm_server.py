@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 from urllib.parse import urlsplit
@@ -299,24 +300,45 @@ class VllmServerBackend(RolloutBackend):
 
 
 class ServerWeightChannel:
-    """Learner rank 0's weight-sync state: one :class:`~coordexp.runtime.rollout.weight_sync.WeightSyncSender` per server,
-    opened lazily (``/init_communicator/`` then join), re-opened after a transport failure.
+    """Learner rank 0's weight-sync state: one sender per server, opened lazily and re-opened after a transport
+    failure. The wire is chosen per server by asking it (``GET /coordexp/sync_status/``):
+
+    - coordexp's server answers: coordexp's transport (:class:`~coordexp.runtime.rollout.weight_sync.WeightSyncSender`,
+      gloo on CPU or NCCL, a status after every bucket), negotiated with the ``backend``/``timeout_s`` fields;
+    - a server without that endpoint (a real ``swift rollout``) gets ms-swift's own wire
+      (:class:`~coordexp.runtime.rollout.swift_sync.SwiftWireSender`): ``/close_communicator/`` first as swift's
+      trainer does, then swift's ``/init_communicator/`` body, the store handshake and NCCL from this learner's GPU
+      (refused at once on a learner without CUDA). Adapters need the server's ``enable_lora``.
 
     Called as ``channel(client, model, mode)``: ``full`` sends :func:`~coordexp.runtime.rollout.weight_export.named_tensors`
     (LoRA merged into new tensors; the training model is only read) in single-dtype buckets; ``adapter`` sends the
     PEFT adapter (raises if the model has none or the server refuses it). Both end with ``/reset_prefix_cache/``.
     """
 
-    def __init__(self, *, timeout_s: float = 240.0, backend: str | None = None, bucket_mb: float | None = None):
+    def __init__(self, *, timeout_s: float = 240.0, backend: str | None = None, bucket_mb: float | None = None,
+                 swift_planes: Any = None):
         self.timeout_s = float(timeout_s)
         self.backend = backend
         self.bucket_mb = bucket_mb
+        self.swift_planes = swift_planes  # the data plane of swift's wire (None: NCCL through vLLM's PyNccl)
         self._senders: dict[str, Any] = {}
+        self._wires: dict[str, str] = {}
         self.reports: list[Any] = []
 
-    def _sender(self, client: RolloutServerClient) -> Any:
-        from coordexp.runtime.rollout.weight_sync import WeightSyncSender
+    def wire(self, client: RolloutServerClient) -> str:
+        """``"coordexp"`` when the server answers coordexp's sync-status endpoint, ``"swift"`` when it has none
+        (404: ``swift rollout``); cached per server."""
+        if client.base_url not in self._wires:
+            try:
+                client.request("GET", "coordexp/sync_status", timeout=client.timeout_s)
+                self._wires[client.base_url] = "coordexp"
+            except ServerError as exc:
+                if " answered HTTP 404" not in str(exc):
+                    raise
+                self._wires[client.base_url] = "swift"
+        return self._wires[client.base_url]
 
+    def _sender(self, client: RolloutServerClient) -> Any:
         sender = self._senders.get(client.base_url)
         if sender is not None and sender.is_open:
             return sender
@@ -325,33 +347,80 @@ class ServerWeightChannel:
         if client.group_port is None:
             raise WeightSyncError(f"server {client.base_url} has no group_port",
                                   hint="set rollout_matching.vllm.server.servers[].group_port")
-        sender = WeightSyncSender(timeout_s=self.timeout_s, backend=self.backend)
         world_size = client.world_size() + 1  # the server's receivers, then this learner as the last rank
         host = urlsplit(client.base_url).hostname or "127.0.0.1"
-        client.request("POST", "init_communicator",
-                       {"host": host, "port": int(client.group_port), "world_size": world_size,
-                        "client_device_uuid": None, "backend": sender.backend, "timeout_s": self.timeout_s},
-                       timeout=self.timeout_s)
-        sender.init(host, int(client.group_port), world_size)
+        port = int(client.group_port)
+        if self.wire(client) == "swift":
+            sender = self._swift_sender(client, world_size)
+        else:
+            from coordexp.runtime.rollout.weight_sync import WeightSyncSender
+
+            sender = WeightSyncSender(timeout_s=self.timeout_s, backend=self.backend)
+            client.request("POST", "init_communicator",
+                           {"host": host, "port": port, "world_size": world_size, "client_device_uuid": None,
+                            "backend": sender.backend, "timeout_s": self.timeout_s}, timeout=self.timeout_s)
+        sender.init(host, port, world_size)
         self._senders[client.base_url] = sender
+        return sender
+
+    def _swift_sender(self, client: RolloutServerClient, world_size: int) -> Any:
+        """swift's trainer's sequence up to the join: close any old group, then swift's own init body."""
+        from coordexp.runtime.rollout.swift_sync import SwiftWireSender
+
+        sender = SwiftWireSender(self.swift_planes, timeout_s=self.timeout_s)
+        reason = sender.unavailable_reason()
+        if reason:
+            raise WeightSyncError(f"rollout server {client.base_url} speaks ms-swift's own weight-sync wire (it has no "
+                                  f"/coordexp/sync_status/), and {reason}",
+                                  hint="run the learner on a GPU the server does not use, or serve with coordexp "
+                                       "serve-rollout (its gloo transport works on CPU)")
+        try:
+            client.close_communicator()
+        except ServerError as exc:  # swift's trainer only logs this too
+            logger.warning("close_communicator before init on %s failed: %s", client.base_url, exc)
+        host = urlsplit(client.base_url).hostname or "127.0.0.1"
+        client.request("POST", "init_communicator",
+                       {"host": "::" if ":" in host else "0.0.0.0", "port": int(client.group_port),
+                        "world_size": world_size, "client_device_uuid": _device_uuid(sender.device)},
+                       timeout=self.timeout_s)
         return sender
 
     def __call__(self, client: RolloutServerClient, model: Any, mode: str) -> None:
         sender = self._sender(client)
+        swift = getattr(sender, "wire", "coordexp") == "swift"
+        if mode == "adapter" and swift and not client.engine_type().get("enable_lora", False):
+            raise WeightSyncError(f"rollout server {client.base_url} (swift rollout) has LoRA disabled "
+                                  "(enable_lora: false); start it with --vllm_enable_lora true, or sync full weights")
         if mode == "adapter":
             adapter = adapter_state(model)
+            lora_id = _fresh_lora_id() if swift else ADAPTER_LORA_ID  # swift's vLLM keeps an id's first load
             report = sender.send_adapter(adapter.tensors, announce=lambda m: client.update_adapter_flattened_param(
-                ADAPTER_LORA_ID, adapter.config, [x.model_dump(mode="json") for x in m]))
+                lora_id, adapter.config, [x.model_dump(mode="json") for x in m]))
         else:
             options = {} if self.bucket_mb is None else {"bucket_mb": self.bucket_mb}
             report = sender.send_full(named_tensors(model), announce=lambda m: client.update_flattened_params(
                 [x.model_dump(mode="json") for x in m]), **options)
         self.reports.append(report)
         client.reset_prefix_cache()
-        logger.info("weight sync (%s) to %s: %d tensor(s), %.1f MB in %.2f s (%.2f GB/s)", mode, client.base_url,
-                    report.tensors, report.bytes / 1e6, report.seconds, report.gb_per_s)
+        logger.info("weight sync (%s, %s wire) to %s: %d tensor(s), %.1f MB in %.2f s (%.2f GB/s)", mode,
+                    "swift" if swift else "coordexp", client.base_url, report.tensors, report.bytes / 1e6,
+                    report.seconds, report.gb_per_s)
 
     def close(self) -> None:
         for sender in self._senders.values():
             sender.close()
         self._senders.clear()
+
+
+def _device_uuid(device: Any) -> str:
+    """What swift's client sends as ``client_device_uuid``: the GPU's uuid, ``"42"`` when unreadable."""
+    try:
+        import torch
+
+        return str(torch.cuda.get_device_properties(device).uuid)
+    except Exception:  # noqa: BLE001 - swift's own fallback value
+        return "42"
+
+
+def _fresh_lora_id() -> int:
+    return int(time.time_ns() % 0x7FFFFFFF) or 1

@@ -19,12 +19,14 @@ import threading
 import time
 import uuid
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from fastapi import FastAPI, HTTPException
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 from fastapi.responses import JSONResponse
 
 from coordexp.runtime.rollout.base import RolloutOutput, RolloutRequest
@@ -32,7 +34,12 @@ from coordexp.runtime.rollout import protocol as p
 from coordexp.runtime.rollout.repeat_guard_check import repeat_guard_reply
 from coordexp.runtime.server.engine import EngineError, GenerationParams, RolloutEngine, TokenLogprob
 from coordexp.runtime.server.inputs import InferInputError, encode_served, request_to_prompt, scrub_paths
+from coordexp.runtime.rollout import swift_sync
 from coordexp.runtime.rollout.weight_sync import DEFAULT_TIMEOUT_S, WeightSyncError, WeightSyncReceiver
+from coordexp.runtime.server.limits import (DEFAULT_MAX_BODY_BYTES, BodyGuard, max_token_chars, request_limits,
+                                            validation_error_detail)
+from coordexp.runtime.server.rendezvous import RendezvousBusy, RendezvousPolicy, RendezvousRunner, SyncTokenGuard
+from coordexp.runtime.server.worker import FifoWorker, WorkerStopped
 from coordexp.schema.rollout import DecodingConfig
 from coordexp.schema.template import TemplateConfig
 
@@ -44,6 +51,8 @@ _SEED_MASK = 0x7FFFFFFF
 MAX_TOP_LOGPROBS = 20  # vLLM's default max_logprobs: what a swift server answers at most
 _RECENT_OPS = 16
 RECEIVERS = 1  # this server process is the only weight-sync receiver (the engine fans weights out itself)
+DEFAULT_MAX_MODEL_LEN = 4096  # an engine that states no max_model_len (the vLLM engine's own default)
+SHUTDOWN_WAIT_S = 2.0  # how long shutdown waits for a running engine call before abandoning it
 
 
 class RolloutService:
@@ -51,15 +60,27 @@ class RolloutService:
 
     def __init__(self, engine: RolloutEngine, processor: Any, template: TemplateConfig, *,
                  image_root: str | Path | None, defaults: GenerationParams, model_name: str = "coordexp",
-                 sync_timeout_s: float = DEFAULT_TIMEOUT_S, bind_host: str | None = None):
+                 sync_timeout_s: float = DEFAULT_TIMEOUT_S, bind_host: str | None = None,
+                 policy: RendezvousPolicy | None = None, max_model_len: int | None = None,
+                 swift_planes: swift_sync.PlaneFactory | None = None):
         self.engine, self.processor, self.template = engine, processor, template
         self.image_root = Path(image_root).resolve() if image_root is not None else None
         if self.image_root is not None and not self.image_root.is_dir():
             raise ValueError(f"--image-root {image_root} is not a directory")
         self.defaults, self.model_name = defaults, model_name
-        self.sync_timeout_s, self.bind_host = float(sync_timeout_s), bind_host
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="coordexp-engine")
-        self.receiver: WeightSyncReceiver | None = None
+        self.policy = policy or RendezvousPolicy.resolve(http_host=bind_host or "127.0.0.1",
+                                                         max_timeout_s=sync_timeout_s)
+        self.sync_timeout_s = self.policy.max_timeout_s
+        # ms-swift's own wire (an /init_communicator/ without coordexp's fields): NCCL through vLLM's PyNccl
+        self.swift_planes = swift_planes or swift_sync.NcclPlaneFactory(self.sync_timeout_s)
+        self.worker = FifoWorker()
+        self.rendezvous = RendezvousRunner()  # the rendezvous waits here, never on the engine worker
+        self._rendezvous: Future | None = None
+        self.max_model_len = int(max_model_len or getattr(engine, "max_model_len", 0) or DEFAULT_MAX_MODEL_LEN)
+        self.chars_per_token = max_token_chars(processor.tokenizer)
+        self.stopping = asyncio.Event()  # set on SIGINT/SIGTERM: waiting requests are answered 503
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.receiver: WeightSyncReceiver | swift_sync.SwiftWireReceiver | None = None
         self.communicator = "closed"
         self._lock = threading.Lock()
         self._seq = 0
@@ -76,8 +97,10 @@ class RolloutService:
     def run(self, fn: Callable[[], Any]) -> "Future[Any]":
         return self.worker.submit(fn)
 
-    def queue_sync_op(self, op: str, fn: Callable[[], None]) -> None:
-        """Acknowledge-then-execute: ``fn`` runs in FIFO order; its outcome lands in the sync status."""
+    def queue_sync_op(self, op: str, fn: Callable[[], None],
+                      submit: Callable[[Callable[[], None]], Future] | None = None) -> Future:
+        """Acknowledge-then-execute: ``fn`` runs in FIFO order (or through ``submit``, e.g. the rendezvous
+        runner); its outcome lands in the sync status."""
         with self._lock:
             self.pending += 1
             seq, self._seq = self._seq, self._seq + 1
@@ -102,7 +125,12 @@ class RolloutService:
                 self.recent.append(p.SyncOpRecord(seq=seq, op=op, ok=error is None, error=error,
                                                   seconds=round(time.perf_counter() - started, 4)))
 
-        self.worker.submit(task)
+        try:
+            return (submit or self.worker.submit)(task)
+        except BaseException:
+            with self._lock:
+                self.pending -= 1
+            raise
 
     def status(self) -> p.SyncStatusResponse:
         receiver = self.receiver
@@ -122,30 +150,80 @@ class RolloutService:
             raise HTTPException(400, f"world_size {body.world_size} does not match this server's weight-sync group: "
                                      f"{RECEIVERS} receiver + the learner = {world_size} (learner rank "
                                      f"{world_size - 1}); send world_size: {world_size}")
+        self._refuse_while_waiting()  # whatever the wire: one rendezvous at a time
+        if swift_sync.wants_swift_wire(body.model_fields_set):
+            return self._init_swift(body, world_size)
         device = self.engine.device
         backend = body.backend or ("nccl" if getattr(device, "type", "cpu") == "cuda" else "gloo")
         if backend == "nccl" and getattr(device, "type", "cpu") != "cuda":
             raise HTTPException(400, "backend 'nccl' needs a CUDA engine; this engine runs on CPU: use 'gloo'")
-        receiver = WeightSyncReceiver(timeout_s=body.timeout_s or self.sync_timeout_s, backend=backend,
+        # The rendezvous policy decides where it listens (never every interface by accident) and for how long
+        # (the client's timeout clamped to the server's cap); the wait runs beside the engine worker, not on it.
+        timeout_s = self.policy.timeout_s(body.timeout_s)
+        receiver = WeightSyncReceiver(timeout_s=timeout_s, backend=backend,
                                       device=device if backend == "nccl" else "cpu")
+        local = self.policy.local_address(body.host)
+        self._open_group(receiver, body.port, timeout_s, lambda listener: receiver.init(
+            self.policy.bind_host, body.port, world_size, local_address=local, listener=listener))
+        return p.InitCommunicatorResponse(world_size=world_size, client_rank=world_size - 1, backend=backend,
+                                          timeout_s=timeout_s)
+
+    def _init_swift(self, body: p.InitCommunicatorRequest, world_size: int) -> p.InitCommunicatorResponse:
+        """ms-swift's wire (swift's ``VLLMClient``): a StatelessProcessGroup-compatible store at the requested
+        port on the policy's interface, NCCL from the learner. Refused at once where it cannot work."""
+        device = self.engine.device
+        reason = self.swift_planes.unavailable_reason(device) or swift_sync.device_clash(body.client_device_uuid,
+                                                                                          device)
+        if reason:
+            raise HTTPException(400, f"/init_communicator/ without coordexp's 'backend'/'timeout_s' fields asks for "
+                                     f"ms-swift's own weight-sync wire, which cannot work here: {reason}. Use "
+                                     "coordexp's learner (rollout_matching.vllm.mode: server negotiates gloo on CPU), "
+                                     "or serve on a GPU the learner does not use")
+        timeout_s = self.policy.timeout_s(None)
+        receiver = swift_sync.SwiftWireReceiver(self.swift_planes, device, timeout_s)
+        self._open_group(receiver, body.port, timeout_s,
+                         lambda listener: receiver.init(listener, body.port, world_size))
+        return p.InitCommunicatorResponse(world_size=world_size, client_rank=world_size - 1,
+                                          backend=receiver.backend, timeout_s=timeout_s)
+
+    def _refuse_while_waiting(self) -> None:
+        if self.rendezvous.waiting:
+            raise HTTPException(409, "/init_communicator/: a weight-sync rendezvous is already waiting for its "
+                                     "learner; join it, or retry after it ends")
+
+    def _open_group(self, receiver: Any, port: int, timeout_s: float, join: Callable[[Any], None]) -> None:
+        """Both wires: one rendezvous at a time, listening per the policy, replacing any previous group, the
+        wait (``join(listener)``) on the rendezvous runner; 409 when busy or the port cannot be had."""
+        self._refuse_while_waiting()
+        try:
+            listener = self.policy.listen(port)
+        except WeightSyncError as exc:
+            raise HTTPException(409, f"/init_communicator/: {exc}") from None
         previous, self.receiver, self.communicator = self.receiver, receiver, "initializing"
-        local = self.bind_host if self.bind_host not in (None, "", "0.0.0.0", "::") else None
+        if previous is not None:  # a reconnecting learner replaces the old group (MS310 would hang instead)
+            self.queue_sync_op("close_communicator", previous.close)
 
         def connect() -> None:
-            if previous is not None:
-                previous.close()  # a reconnecting learner replaces the old group (MS310 would hang instead)
             try:
-                receiver.init(body.host, body.port, world_size, local_address=local)
+                join(listener)
             except Exception:
-                self.communicator = "broken"
+                if self.receiver is receiver:
+                    self.communicator = "broken"
                 raise
             if self.receiver is receiver:
                 self.communicator = "ready"
+            else:  # closed or replaced while it waited
+                receiver.close()
 
-        self.queue_sync_op("init_communicator", connect)
-        return p.InitCommunicatorResponse(world_size=world_size, client_rank=world_size - 1, backend=backend)
+        try:
+            self._rendezvous = self.queue_sync_op("init_communicator", connect,
+                                                  lambda task: self.rendezvous.start(task, timeout_s))
+        except RendezvousBusy as exc:
+            listener.close()
+            self.receiver, self.communicator = previous, "closed" if previous is None else self.communicator
+            raise HTTPException(409, f"/init_communicator/: {exc}") from None
 
-    def _require_communicator(self) -> WeightSyncReceiver:
+    def _require_communicator(self) -> WeightSyncReceiver | swift_sync.SwiftWireReceiver:
         if self.receiver is None or self.communicator in ("closed", "broken"):
             state = self.communicator
             raise HTTPException(409, f"no usable weight-sync communicator (state: {state}); POST /init_communicator/ "
@@ -154,11 +232,20 @@ class RolloutService:
         return self.receiver
 
     def queue_receive(self, op: str, metadatas: Sequence[p.FlattenedTensorMetadata],
-                      apply: Callable[[list], None]) -> None:
+                      apply: Callable[[list], None], *, each: bool = False) -> None:
+        """Acknowledge one announced transfer and queue its receive (``each``: one broadcast per tensor, ms-swift's
+        ``/update_adapter_param/``, which only swift's wire has)."""
         receiver = self._require_communicator()
+        take = getattr(receiver, "receive_each", None) if each else receiver.receive
+        if take is None:
+            raise HTTPException(400, f"/{op}/ is ms-swift's per-tensor adapter push; coordexp's wire sends the "
+                                     "adapter as one bucket: POST /update_adapter_flattened_param/")
+        rendezvous = self._rendezvous
 
         def receive() -> None:
-            error = receiver.receive(metadatas, apply)
+            if rendezvous is not None:  # the learner announces right after joining: this wait is short
+                self.rendezvous.wait(rendezvous, op)
+            error = take(metadatas, apply)
             if error is not None:
                 raise EngineError(error)
             with self._lock:
@@ -216,9 +303,12 @@ class RolloutService:
         }
         try:
             resolved = DecodingConfig.model_validate(decoding)
-        except ValueError as exc:
-            raise InferInputError(f"request_config: {exc}") from None
+        except ValidationError as exc:
+            raise InferInputError(validation_error_detail(exc.errors(), prefix="request_config")) from None
         max_new = self.defaults.max_new_tokens if config.max_tokens is None else config.max_tokens
+        if not 1 <= max_new < self.max_model_len:
+            raise InferInputError(f"request_config.max_tokens: {max_new} must be in 1..{self.max_model_len - 1} "
+                                  f"(this engine's max_model_len {self.max_model_len} holds prompt and completion)")
         return GenerationParams(max_new_tokens=int(max_new), decoding=resolved,
                                 logprobs=(config.top_logprobs or 0) if config.logprobs else None)
 
@@ -244,6 +334,10 @@ class RolloutService:
             for j, item in enumerate(body.infer_requests):
                 served = request_to_prompt(item, j, self.template, self.image_root, Path(scratch))
                 prompt = encode_served(self.processor, served)
+                if prompt.prompt_len + params.max_new_tokens > self.max_model_len:
+                    raise InferInputError(f"infer_requests[{j}]: the prompt is {prompt.prompt_len} tokens; with "
+                                          f"max_tokens {params.max_new_tokens} it exceeds this engine's max_model_len "
+                                          f"{self.max_model_len}; shorten the prompt or lower max_tokens")
                 requests.extend(RolloutRequest(prompt=prompt, index=j * n + k, seed=seeds[j * n + k],
                                                record=served.record) for k in range(n))
             outputs = self.engine.generate(requests, params) if requests else []
@@ -294,34 +388,77 @@ class RolloutService:
                                                                   finish_reasons=reasons))
         return item.model_dump(mode="json", exclude_none=False)
 
+    def begin_shutdown(self) -> None:
+        """SIGINT/SIGTERM arrived (any thread): every request still waiting for the worker is answered 503."""
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.stopping.set)
+
     def shutdown(self) -> None:
-        """Stop taking work, drop queued operations, leave the group, free the engine."""
-        self.worker.shutdown(wait=True, cancel_futures=True)
-        if self.receiver is not None:
+        """Stop taking work, drop queued operations, leave the group, free the engine; never waits more than
+        :data:`SHUTDOWN_WAIT_S` for a running engine call (it is abandoned with the process)."""
+        idle = self.worker.stop(SHUTDOWN_WAIT_S)
+        if self.receiver is not None and idle:
             self.receiver.close()
-        self.engine.close()
+        if idle:
+            self.engine.close()
 
 
 def create_app(engine: RolloutEngine, processor: Any, template: TemplateConfig, *, image_root: str | Path | None,
                defaults: GenerationParams | None = None, model_name: str = "coordexp",
-               sync_timeout_s: float = DEFAULT_TIMEOUT_S, bind_host: str | None = None) -> FastAPI:
+               sync_timeout_s: float = DEFAULT_TIMEOUT_S, bind_host: str | None = None,
+               policy: RendezvousPolicy | None = None, max_model_len: int | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               swift_planes: swift_sync.PlaneFactory | None = None) -> FastAPI:
     """The app for ``engine``. ``defaults``: sampling where a request leaves it unset (the config's decoding and
     max_new_tokens; greedy, 256 tokens if None). ``image_root``: the only directory local image paths may name
-    (None: no local files, base64 only)."""
+    (None: no local files, base64 only). ``policy``: the weight-sync rendezvous rules (default: loopback, no
+    token, ``sync_timeout_s`` cap). ``max_model_len``: bounds prompt + ``max_tokens`` (default: the engine's).
+    ``swift_planes``: the data plane of ms-swift's own weight-sync wire (default: NCCL through vLLM's PyNccl)."""
     service = RolloutService(engine, processor, template, image_root=image_root,
                              defaults=defaults or GenerationParams(256, DecodingConfig()), model_name=model_name,
-                             sync_timeout_s=sync_timeout_s, bind_host=bind_host)
+                             sync_timeout_s=sync_timeout_s, bind_host=bind_host, policy=policy,
+                             max_model_len=max_model_len, swift_planes=swift_planes)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
+        service.loop = asyncio.get_running_loop()
         yield
+        service.stopping.set()
         await asyncio.get_running_loop().run_in_executor(None, service.shutdown)
 
     app = FastAPI(title="coordexp rollout server", lifespan=lifespan)
     app.state.service = service
+    app.state.begin_shutdown = service.begin_shutdown  # serve() calls it on SIGINT/SIGTERM
+
+    def refused(path: str, status: int, detail: str) -> None:
+        log.warning("refused %s with %d: %s", path, status, detail[:300])
+
+    app.add_middleware(BodyGuard, max_body_bytes=max_body_bytes, on_refusal=refused)
+    app.add_middleware(SyncTokenGuard, policy=service.policy, on_refusal=refused)  # outermost: before any read
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Any, exc: RequestValidationError) -> JSONResponse:
+        detail = validation_error_detail(exc.errors())  # names the fields, never echoes a value (NaN breaks JSON)
+        refused(request.url.path, 422, detail)
+        return JSONResponse({"detail": detail}, status_code=422)
 
     async def on_worker(fn: Callable[[], Any]) -> Any:
-        return await asyncio.wrap_future(service.run(fn))
+        """The worker's result, or 503 as soon as the server starts shutting down (the call is abandoned)."""
+        if service.stopping.is_set():
+            raise HTTPException(503, "the rollout server is shutting down; send the request to another server")
+        try:
+            work = asyncio.wrap_future(service.run(fn))
+        except WorkerStopped:
+            raise HTTPException(503, "the rollout server is shutting down; send the request to another server"
+                                ) from None
+        stop = asyncio.ensure_future(service.stopping.wait())
+        await asyncio.wait({work, stop}, return_when=asyncio.FIRST_COMPLETED)
+        if work.done():
+            stop.cancel()
+            return work.result()
+        work.cancel()
+        raise HTTPException(503, "the rollout server is shutting down; this request was not completed: send it to "
+                                 "another server")
 
     @app.get("/health/")
     async def health() -> dict:
@@ -343,8 +480,14 @@ def create_app(engine: RolloutEngine, processor: Any, template: TemplateConfig, 
 
     @app.post("/infer/")
     async def infer(body: p.InferRequestBody) -> JSONResponse:
+        limits = request_limits(body, max_model_len=service.max_model_len, chars_per_token=service.chars_per_token)
+        if limits:  # checked before queueing: an unbounded request never reaches the worker
+            refused("/infer/", 400, "; ".join(limits))
+            raise HTTPException(400, "/infer/: " + "; ".join(limits))
         try:
             return JSONResponse(await on_worker(lambda: service.infer(body)))
+        except HTTPException:
+            raise
         except (InferInputError, EngineError) as exc:
             log.info("/infer/ refused: %s", exc)
             raise HTTPException(400, f"/infer/: {scrub_paths(str(exc))}") from None
@@ -366,8 +509,8 @@ def create_app(engine: RolloutEngine, processor: Any, template: TemplateConfig, 
                 numel *= int(size)
             entry = p.FlattenedTensorMetadata(name=body.name, shape=tuple(body.shape), dtype=body.dtype,
                                               start_idx=0, end_idx=numel, numel=numel)
-        except ValueError as exc:
-            raise HTTPException(400, f"/update_named_param/: {exc}") from None
+        except ValidationError as exc:
+            raise HTTPException(400, "/update_named_param/: " + validation_error_detail(exc.errors())) from None
         service.queue_receive("update_named_param", [entry], engine.load_weights)
         return {"message": p.MESSAGE_UPDATE_NAMED}
 
@@ -384,6 +527,15 @@ def create_app(engine: RolloutEngine, processor: Any, template: TemplateConfig, 
         service.queue_receive("update_adapter_flattened_param", body.metadatas,
                               lambda named: engine.load_adapter(body.lora_int_id, body.peft_config, named))
         return {"message": p.MESSAGE_UPDATE_ADAPTER}
+
+    @app.post("/update_adapter_param/")
+    async def update_adapter_param(body: swift_sync.UpdateAdapterParamRequest) -> dict:
+        if not engine.supports_adapter:
+            raise HTTPException(400, f"this {engine.engine_type} engine has no LoRA support (enable_lora: false); "
+                                     "sync full merged weights instead (/update_flattened_params/)")
+        service.queue_receive("update_adapter_param", body.lora_tensors_metadata,
+                              lambda named: engine.load_adapter(body.lora_int_id, body.peft_config, named), each=True)
+        return {"message": swift_sync.MESSAGE_UPDATE_ADAPTER_PARAM}
 
     @app.post("/reset_prefix_cache/")
     async def reset_prefix_cache() -> dict:

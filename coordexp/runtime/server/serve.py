@@ -4,12 +4,16 @@
 - The socket is bound BEFORE the model loads: a busy port is an immediate :class:`ServeSystemError` naming the port
   (ms-swift silently moves to the next free port, and the learner then talks to nothing). ``port=0`` asks the
   OS for a free port; the ready line printed on stdout names the real one.
-- SIGINT/SIGTERM shut down gracefully: in-flight requests finish (bounded), queued work is dropped, the weight-sync
-  group is left and the engine released.
+- SIGINT/SIGTERM stop it within seconds: every request still waiting for the engine worker is answered 503 at
+  once, queued work is dropped, an engine call still running is abandoned after 2 s (the worker is a daemon
+  thread), the weight-sync group is left and the engine released when it is idle.
+- The access log is on by default (``access_log=False`` / ``--no-access-log`` turns it off): every request and
+  its status, so a client's 4xx leaves a trace; refusals also log their reason on ``coordexp.serve``.
 """
 
 from __future__ import annotations
 
+import copy
 import errno
 import importlib
 import importlib.util
@@ -108,8 +112,11 @@ def build_engine(run: "RunContract", kind: EngineKind) -> RolloutEngine:
 
 
 def build_app(run: "RunContract", engine: RolloutEngine, *, image_root: str | Path | None,
-              bind_host: str | None = None) -> "FastAPI":
-    """The app of ``run``: the config's template, decoding and max_new_tokens as request defaults."""
+              bind_host: str | None = None, policy: Any = None, max_body_bytes: int | None = None) -> "FastAPI":
+    """The app of ``run``: the config's template, decoding and max_new_tokens as request defaults; prompt plus
+    ``max_tokens`` bounded by the config's resolved ``max_model_len``; ``policy``: the weight-sync
+    :class:`~coordexp.runtime.server.rendezvous.RendezvousPolicy` (default: loopback rules for ``bind_host``)."""
+    from coordexp.runtime.server.limits import DEFAULT_MAX_BODY_BYTES
     from coordexp.runtime.model.encoding import load_processor
     from coordexp.runtime.server.app import create_app
 
@@ -117,21 +124,39 @@ def build_app(run: "RunContract", engine: RolloutEngine, *, image_root: str | Pa
     defaults = GenerationParams(max_new_tokens=rollout.max_new_tokens, decoding=rollout.decoding)
     return create_app(engine, load_processor(run.model.path), run.template, image_root=image_root,
                       defaults=defaults, model_name=Path(run.model.path).name or run.model.path,
-                      sync_timeout_s=rollout.serving.sync_timeout_s, bind_host=bind_host)
+                      sync_timeout_s=rollout.serving.sync_timeout_s, bind_host=bind_host, policy=policy,
+                      max_model_len=rollout.serving.engine.max_model_len,
+                      max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES)
 
 
-def serve(app: Any, sock: socket.socket, *, log_level: str = "info", graceful_timeout_s: float = 10.0) -> None:
-    """Serve ``app`` on the already-bound ``sock`` until SIGINT/SIGTERM; prints the ready line first."""
+def log_config(log_level: str) -> dict[str, Any]:
+    """uvicorn's logging setup plus the ``coordexp`` loggers on the same stderr handler (refusals, sync failures)."""
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["loggers"]["coordexp"] = {"handlers": ["default"], "level": log_level.upper(), "propagate": False}
+    return config
+
+
+def serve(app: Any, sock: socket.socket, *, log_level: str = "info", graceful_timeout_s: float = 5.0,
+          access_log: bool = True) -> None:
+    """Serve ``app`` on the already-bound ``sock`` until SIGINT/SIGTERM; prints the ready line first. A signal
+    answers every waiting request 503 (``app.state.begin_shutdown``); open connections get
+    ``graceful_timeout_s`` to finish sending before they are cut."""
     import uvicorn
 
     host, port = sock.getsockname()[:2]
+    begin_shutdown = getattr(getattr(app, "state", None), "begin_shutdown", None)
+
     class _Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
             super().handle_exit(sig, frame)
             self._captured_signals.clear()  # a signal means "stop cleanly": exit 0, do not re-raise it afterwards
+            if begin_shutdown is not None:
+                begin_shutdown()
 
-    config = uvicorn.Config(app, log_level=log_level, lifespan="on", access_log=False,
-                            timeout_graceful_shutdown=graceful_timeout_s)
+    config = uvicorn.Config(app, log_level=log_level, lifespan="on", access_log=access_log,
+                            timeout_graceful_shutdown=graceful_timeout_s, log_config=log_config(log_level))
     server = _Server(config)
     shown = f"[{host}]" if ":" in host else host
     print(f"{READY_PREFIX}http://{shown}:{port}", flush=True)

@@ -1,4 +1,4 @@
-"""The run's own metadata log: JSON lines in the output directory, written by the trainer (spec 004: server mode
+"""The run's own metadata log: JSON lines in the output directory, written by the trainer (docs/design.md, server mode
 MUST log the server list, sync mode with fallbacks and the per-batch rollout seeds; decoding is logged to audit it).
 
 Written to a file, not through ``logging``: nothing configures a root logger in ``coordexp train``, so records sent
