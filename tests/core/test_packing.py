@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordexp.runtime.core.packing import CarryBuffer, fifo_greedy_selection, select_segments
+from coordexp.runtime.core.packing import CarryBuffer, PackingLimitError, fifo_greedy_selection, select_segments
 
 
 def total(lengths, indices):
@@ -169,3 +169,61 @@ def test_buffer_state_is_unchanged_after_a_rejected_add(capacity, max_segments, 
             assert selection.total_length <= capacity and selection.remaining == len(buf)
             popped.extend(selection.items)
     assert len(set(popped)) == len(popped)  # never popped twice
+
+
+def test_pop_rows_trains_every_row_a_step_needs():
+    """Three rows' worth of segments in one step: three rows come out, oldest first, and nothing is carried."""
+    buffer = CarryBuffer(packing_length=10, max_segments=64)
+    buffer.add_many([(name, 5) for name in "abcdef"])
+    rows = buffer.pop_rows(keep_at_most=6)
+    assert [row.items for row in rows] == [("a", "b"), ("c", "d"), ("e", "f")]
+    assert [row.total_length for row in rows] == [10, 10, 10]
+    assert len(buffer) == 0
+
+
+def test_pop_rows_carries_less_than_a_row_and_at_most_one_steps_segments():
+    buffer = CarryBuffer(packing_length=10, max_segments=64)
+    buffer.add_many([("a", 6), ("b", 6), ("c", 3)])
+    rows = buffer.pop_rows(keep_at_most=3)
+    assert [row.items for row in rows] == [("a", "c")]  # 6 left: under a row, kept for the next step
+    assert buffer.lengths == (6,)
+    with pytest.raises(ValueError, match="keep_at_most"):
+        buffer.pop_rows(keep_at_most=-1)
+
+
+def test_overflow_case_from_the_issue_never_grows_with_pop_rows():
+    """Batch 16 of ~300-token segments into 2048-token rows (one row holds ~6): one pop per step grew the carry
+    by ~10 segments a step until ``packing_buffer=64`` overflowed; pop_rows keeps it bounded for 50 steps."""
+    one_row = CarryBuffer(packing_length=2048, max_segments=64)
+    with pytest.raises(PackingLimitError, match="carry buffer overflow"):
+        for _ in range(50):
+            one_row.add_many([(0, 300 + 7 * i) for i in range(16)])
+            one_row.pop_packed()
+    buffer = CarryBuffer(packing_length=2048, max_segments=64)
+    for step in range(50):
+        buffer.add_many([(step, 300 + 7 * i) for i in range(16)])
+        rows = buffer.pop_rows(keep_at_most=16)
+        assert len(buffer) <= 16 and buffer.total_length < 2048
+        assert all(row.total_length <= 2048 for row in rows)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    capacity=st.integers(1, 60),
+    steps=st.lists(st.lists(st.integers(1, 60), min_size=1, max_size=12), min_size=1, max_size=8),
+)
+def test_pop_rows_properties(capacity, steps):
+    """Every segment is trained exactly once or carried, rows fit, and the carry is under a row and one step."""
+    buffer = CarryBuffer(packing_length=capacity, max_segments=10_000)
+    seen, trained = [], []
+    for step, lengths in enumerate(steps):
+        entries = [((step, i), min(length, capacity)) for i, length in enumerate(lengths)]
+        seen += [item for item, _ in entries]
+        buffer.add_many(entries)
+        rows = buffer.pop_rows(keep_at_most=len(entries))
+        assert rows and all(0 < row.total_length <= capacity for row in rows)
+        trained += [item for row in rows for item in row.items]
+        assert len(buffer) <= len(entries) and buffer.total_length < capacity
+    carried = [item for item in seen if item not in set(trained)]
+    assert sorted(trained + carried) == sorted(seen) and len(set(trained)) == len(trained)
+    assert len(carried) == len(buffer)

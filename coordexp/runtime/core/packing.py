@@ -2,7 +2,8 @@
 
 A segment is atomic. The selection always includes the oldest buffered segment (no starvation), fits
 ``packing_length``, never totals less than the FIFO-greedy baseline, and is deterministic. Leftovers stay in a
-rank-local carry buffer for the next step (carry-only mode: no flush steps).
+rank-local carry buffer for the next step (carry-only mode: no flush steps); a step whose segments need several rows
+trains them all (:meth:`CarryBuffer.pop_rows`), so the carry never outgrows one step's segments.
 """
 
 from __future__ import annotations
@@ -172,3 +173,14 @@ class CarryBuffer(Generic[T]):
         self._lengths = [length for i, length in enumerate(self._lengths) if i not in chosen_set]
         total = sum(lengths)
         return PackedSelection(items, lengths, total, total / self.packing_length, len(self._items))
+
+    def pop_rows(self, keep_at_most: int) -> list[PackedSelection[T]]:
+        """The packed rows of one step: one :meth:`pop_packed` row, then more while a full row's worth of tokens or
+        more than ``keep_at_most`` segments stay buffered. With ``keep_at_most`` = the segments this step added,
+        the carry never holds more than one step produced, so it cannot grow step after step (steady state)."""
+        if isinstance(keep_at_most, bool) or not isinstance(keep_at_most, int) or keep_at_most < 0:
+            raise ValueError(f"keep_at_most must be a non-negative int (got {keep_at_most!r})")
+        rows = [self.pop_packed()]
+        while self._items and (self.total_length >= self.packing_length or len(self._items) > keep_at_most):
+            rows.append(self.pop_packed())
+        return rows

@@ -35,7 +35,7 @@ from coordexp.runtime.model.coord_losses import (
 from coordexp.runtime.core.objects import TokenSupervision
 from coordexp.schema.pipeline import BboxGeoConfig, CoordRegConfig, PipelineConfig
 
-__all__ = ["SupervisionSegment", "SupervisionBatch", "ObjectiveResult", "compute_objective"]
+__all__ = ["SupervisionSegment", "SupervisionBatch", "LossDenominators", "ObjectiveResult", "compute_objective"]
 
 _MAX_BIN = float(NUM_COORD_BINS - 1)
 
@@ -238,6 +238,41 @@ class SupervisionBatch:
 
 
 @dataclass(frozen=True)
+class LossDenominators:
+    """What each term averages over. A step trained as several packed rows passes the whole step's counts to every
+    row, so the rows' losses (and gradients) add up to the one-forward loss of all its segments (decision 8)."""
+
+    ce_weight: float  # token_ce: sum of the CE weights
+    ce: int  # text_gate: supervised text positions
+    coord: int  # coord_ce, soft_ce, w1, gate: coord slots
+    boxes: int  # smoothl1, ciou: bbox slots
+
+    @classmethod
+    def of(cls, batch: "SupervisionBatch") -> "LossDenominators":
+        return cls(
+            float(batch.ce_weights.double().sum()),
+            int(batch.ce_logit_index.numel()),
+            int(batch.coord_logit_index.numel()),
+            int(batch.bbox_slots.shape[0]),
+        )
+
+    def __add__(self, other: "LossDenominators") -> "LossDenominators":
+        return LossDenominators(
+            self.ce_weight + other.ce_weight, self.ce + other.ce, self.coord + other.coord, self.boxes + other.boxes
+        )
+
+    def scales(self, whole: "LossDenominators") -> dict[str, float]:
+        """Per-term factors turning this batch's means into its share of ``whole``'s means (1 where both are empty)."""
+
+        def share(part: float, total: float) -> float:
+            return part / total if total else 1.0
+
+        coord, box = share(self.coord, whole.coord), share(self.boxes, whole.boxes)
+        return {"token_ce": share(self.ce_weight, whole.ce_weight), "text_gate": share(self.ce, whole.ce),
+                "coord_ce": coord, "soft_ce": coord, "w1": coord, "gate": coord, "smoothl1": box, "ciou": box}
+
+
+@dataclass(frozen=True)
 class ObjectiveResult:
     """``total`` carries the graph; ``terms`` are detached module losses (unweighted) and their sub-terms."""
 
@@ -287,7 +322,7 @@ def _token_ce(rows: _FencedRows, batch: SupervisionBatch, zero: torch.Tensor) ->
 
 
 def _coord_reg(
-    rows: _FencedRows, targets: torch.Tensor, cfg: CoordRegConfig, zero: torch.Tensor
+    rows: _FencedRows, targets: torch.Tensor, cfg: CoordRegConfig, zero: torch.Tensor, scales: Mapping[str, float]
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Weighted sum of the coord_reg terms; a term with weight 0 is neither computed nor reported."""
     weights = _coord_term_weights(cfg)
@@ -313,6 +348,7 @@ def _coord_reg(
             terms["gate"] = (-log_mass[rows.num_ce - start :]).mean()
         if "text_gate" in active and rows.num_ce:
             terms["text_gate"] = text_gate_from_log_mass(log_mass[: rows.num_ce]).mean()
+    terms = {name: value * scales.get(name, 1.0) for name, value in terms.items()}
     total = zero
     for name, value in terms.items():
         total = total + weights[name] * value
@@ -320,7 +356,7 @@ def _coord_reg(
 
 
 def _bbox_geo(
-    rows: _FencedRows, batch: SupervisionBatch, cfg: BboxGeoConfig, zero: torch.Tensor
+    rows: _FencedRows, batch: SupervisionBatch, cfg: BboxGeoConfig, zero: torch.Tensor, scales: Mapping[str, float]
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """SmoothL1 and 1 - CIoU on the expected box (temperature-1 softmax over the coord bins) of each bbox slot."""
     device = rows.stats.coord.device
@@ -333,6 +369,7 @@ def _bbox_geo(
         pred = (expected_bins(log_p.exp()) / _MAX_BIN).reshape(-1, 4)
         target = (batch.coord_targets.to(device).index_select(0, flat_slots) / _MAX_BIN).reshape(-1, 4)
         smoothl1, one_minus_ciou = smoothl1_and_ciou(pred, target)
+        smoothl1, one_minus_ciou = smoothl1 * scales.get("smoothl1", 1.0), one_minus_ciou * scales.get("ciou", 1.0)
     total = cfg.smoothl1_weight * smoothl1 + cfg.ciou_weight * one_minus_ciou
     return total, {"smoothl1": smoothl1, "ciou": one_minus_ciou}
 
@@ -370,7 +407,11 @@ def _needed_temperatures(pipeline: PipelineConfig) -> list[float]:
 
 
 def compute_objective(
-    logits: torch.Tensor, batch: SupervisionBatch, coord_ids: torch.Tensor, pipeline: PipelineConfig
+    logits: torch.Tensor,
+    batch: SupervisionBatch,
+    coord_ids: torch.Tensor,
+    pipeline: PipelineConfig,
+    denominators: LossDenominators | None = None,
 ) -> ObjectiveResult:
     """Total loss ``sum(module.weight * module_loss)`` over the modules that run on the rollout channel ``B``.
 
@@ -379,6 +420,8 @@ def compute_objective(
         batch: supervision in flattened logit coordinates, built for ``seq_len == T``.
         coord_ids: ``(1000,)`` LongTensor of the coord token ids in bin order.
         pipeline: the contract's ``rollout_matching.pipeline``.
+        denominators: the counts the means divide by (default: this batch's own); one row of a multi-row step
+            passes the step's, so its ``total`` and ``terms`` are its share of the step's loss.
 
     ``token_ce`` is ``sum(w * ce) / sum(w)`` over supervised text positions (full vocab, sanitised logits);
     every other term is a plain mean over its positions or boxes. With nothing to average, a term is exactly 0
@@ -411,22 +454,23 @@ def compute_objective(
         int(batch.ce_logit_index.numel()),
     )
     targets = batch.coord_targets.to(device)
+    scales = {} if denominators is None else LossDenominators.of(batch).scales(denominators)
 
     total = zero
     terms: dict[str, torch.Tensor] = {}
     token_ce_module = pipeline.module("token_ce")
     if token_ce_module is not None:
-        terms["token_ce"] = _token_ce(rows, batch, zero)
+        terms["token_ce"] = _token_ce(rows, batch, zero) * scales.get("token_ce", 1.0)
         total = total + token_ce_module.weight * terms["token_ce"]
     coord_reg_module = pipeline.module("coord_reg")
     if coord_reg_module is not None:
-        module_loss, sub = _coord_reg(rows, targets, coord_reg_module.config, zero)
+        module_loss, sub = _coord_reg(rows, targets, coord_reg_module.config, zero, scales)
         terms["coord_reg"] = module_loss
         terms.update({f"coord_reg/{k}": v for k, v in sub.items()})
         total = total + coord_reg_module.weight * module_loss
     bbox_geo_module = pipeline.module("bbox_geo")
     if bbox_geo_module is not None:
-        module_loss, sub = _bbox_geo(rows, batch, bbox_geo_module.config, zero)
+        module_loss, sub = _bbox_geo(rows, batch, bbox_geo_module.config, zero, scales)
         terms["bbox_geo"] = module_loss
         terms.update({f"bbox_geo/{k}": v for k, v in sub.items()})
         total = total + bbox_geo_module.weight * module_loss

@@ -1,15 +1,18 @@
 """Thin ``transformers.Trainer`` subclasses: the glue between the HF loop and the pure stage-2 modules.
 
 Per micro-step (``compute_loss``): encode prompts -> rollouts (stage 2) or GT targets (stage 1) -> per-sample
-``Y_train`` (:mod:`coordexp.runtime.train.rollout_step`) -> carry buffer + selection (packing) -> ONE forward (LM head
-at the supervised positions only) -> :func:`coordexp.runtime.model.losses.compute_objective`. Rollout counters and loss
+``Y_train`` (:mod:`coordexp.runtime.train.rollout_step`) -> carry buffer + selection (packing) -> one forward per
+packed row (LM head at the supervised positions only) -> :func:`coordexp.runtime.model.losses.compute_objective` with
+the micro-step's denominators, so several rows add up to the unpacked loss and gradient. Rollout counters and loss
 terms are summed over micro-steps (and ranks) and logged once per logging step. The carry buffer is rank-local, starts empty (also on resume), and
 leftovers at the end of training are dropped (``packing_drop_last: true``, carry-only mode).
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -19,7 +22,7 @@ from transformers import Trainer
 from coordexp.runtime.core.distribution import eval_rollout_seed, train_request_seeds
 from coordexp.runtime.rollout.base import RolloutRequest
 from coordexp.runtime.model.encoding import encode_prompt
-from coordexp.runtime.model.losses import SupervisionBatch, SupervisionSegment, compute_objective
+from coordexp.runtime.model.losses import LossDenominators, SupervisionBatch, SupervisionSegment, compute_objective
 from coordexp.runtime.model.packed_forward import (
     collate_packed,
     collate_padded,
@@ -31,6 +34,7 @@ from coordexp.runtime.core.packing import CarryBuffer
 from coordexp.runtime.train.rollout_step import HostContext, SampleTarget, build_gt_sample, build_rollout_sample
 from coordexp.runtime.core.telemetry import RolloutCounters, sum_counters
 from coordexp.runtime.model.policy import save_processor
+from coordexp.runtime.train.overlap import PlannedMicroStep, RolloutPrefetcher
 from coordexp.runtime.train.run_log import RunLog, run_start_fields
 from coordexp.runtime.train.visualize import append_rollout_log
 
@@ -40,6 +44,8 @@ if TYPE_CHECKING:
     from coordexp.schema.contract import RunContract
 
 __all__ = ["CoordExpTrainer", "RecordDataset", "identity_collator", "StepStats"]
+
+logger = logging.getLogger("coordexp.train")
 
 
 class RecordDataset(torch.utils.data.Dataset):
@@ -67,18 +73,22 @@ class StepStats:
 
     def reset(self) -> None:
         self.micro_steps = 0
+        self.rows = 0  # forward rows (a packed micro-step may train several)
+        self.underfilled_rows = 0  # packed rows filled below training.packing_min_fill_ratio
         self.terms: dict[str, float] = {}
         self.trained_tokens = 0
         self.computed_tokens = 0
         self.counters: list[RolloutCounters] = []
         self.seconds: dict[str, float] = {}
         self.seeds: list[int] = []  # this rank's training rollout seeds, in order
+        self.staleness: list[int] = []  # per training sample: optimizer steps since the policy that generated it
 
     def timed(self, stage: str, seconds: float) -> None:
         self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
 
-    def add(self, terms: dict[str, float], trained: int, computed: int, counters: list) -> None:
+    def add(self, terms: dict[str, float], trained: int, computed: int, counters: list, rows: int = 1) -> None:
         self.micro_steps += 1
+        self.rows += rows
         for key, value in terms.items():
             self.terms[key] = self.terms.get(key, 0.0) + float(value)
         self.trained_tokens += trained
@@ -118,6 +128,11 @@ class CoordExpTrainer(Trainer):
         self._micro_step: tuple[int, int] = (-1, 0)
         self.run_log = RunLog(self.args.output_dir, self.args.process_index)
         self._coord_ids = torch.tensor(host.vocab.ids, dtype=torch.long)
+        overlap = run.rollout_matching.overlap
+        # actor-learner overlap (server mode): the next micro-step's rollouts generate while this one trains
+        self.prefetcher = RolloutPrefetcher(backend, overlap.staleness) if self.stage2 and overlap.enabled else None
+        self._planned: list[PlannedMicroStep] = []  # micro-steps fetched from the dataloader, not yet rolled out
+        self._lookahead: tuple[Any, Any] | None = None  # (epoch iterator, next step's first micro-batch)
 
     def train(self, *args: Any, **kwargs: Any):
         """The HF loop, after a ``run_start`` line in the run's metadata log (seed, decoding, backend, resume)."""
@@ -126,7 +141,71 @@ class CoordExpTrainer(Trainer):
         self.run_log.write("run_start", **run_start_fields(
             self.run, world_size=self.args.world_size, backend_name=type(backend).__name__ if backend else None,
             backend_metadata=backend.run_metadata() if backend else {}, resume_from=resume))
-        return super().train(*args, **kwargs)
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            if self.prefetcher is not None:
+                self.prefetcher.wait()  # the backend may be closed next: nothing may still be generating
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """The HF fetch of one optimizer step's micro-batches; with overlap it also reads the NEXT step's first
+        micro-batch (kept for the next call), so that micro-step's rollouts can be requested during this step."""
+        if self.prefetcher is None:
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+        batches = []
+        if self._lookahead is not None and self._lookahead[0] is epoch_iterator:
+            batches.append(self._lookahead[1])
+        self._lookahead = None
+        while len(batches) < num_batches:
+            try:
+                batches.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        step = int(self.state.global_step)
+        self._planned = [PlannedMicroStep((step, i), tuple(b)) for i, b in enumerate(batches)]
+        if batches:
+            try:
+                self._lookahead = (epoch_iterator, next(epoch_iterator))
+                self._planned.append(PlannedMicroStep((step + 1, 0), tuple(self._lookahead[1])))
+            except StopIteration:
+                pass
+        return batches, None
+
+    def _requests(self, records: Sequence["DetectionRecord"], seeds: Sequence[int]):
+        prompts = [encode_prompt(self.host.processor, r, self.host.template) for r in records]
+        return prompts, [RolloutRequest(prompt=p, index=i, seed=int(seed), record=r)
+                         for i, (r, p, seed) in enumerate(zip(records, prompts, seeds, strict=True))]
+
+    def _generate(self, requests, records, seeds, tag: str, micro_step: int | None):
+        """This micro-step's rollouts: pushed weights first, then generation (the on-policy default). With overlap
+        (training only): take the prefetched rollouts, push the current weights (nothing is in flight now), then
+        request the next planned micro-step's rollouts. Every output carries the policy version that made it."""
+        step = int(self.state.global_step)
+        model = self.accelerator.unwrap_model(self.model)
+        got = None
+        if self.prefetcher is not None:
+            if tag == "train":
+                got = self.prefetcher.take((step, micro_step), records, seeds)
+            else:
+                self.prefetcher.wait()  # never push weights under an in-flight request
+        self.backend.sync_weights(model)
+        if got is None:
+            outputs, version = self.backend.generate(requests), step
+        else:
+            outputs, version = got.outputs, got.policy_version
+            self.stats.timed("rollout_generate", got.seconds)  # background generation time (overlapped)
+        if self.prefetcher is not None and tag == "train":
+            following = [plan for plan in self._planned if plan.key > (step, micro_step)]
+            if following:
+                plan = following[0]
+                stride = max(int(self.args.per_device_train_batch_size), len(plan.records))
+                next_seeds = train_request_seeds(self.args.seed, plan.key[0], plan.key[1], self.args.process_index,
+                                                 max(1, self.args.world_size), stride, len(plan.records))
+                _, next_requests = self._requests(plan.records, next_seeds)
+                self.prefetcher.request(plan.key, plan.records, next_requests, policy_version=step)
+        if tag == "train":
+            self.stats.staleness.extend([step - version] * len(outputs))
+        return [replace(o, policy_version=version) for o in outputs]
 
     def create_optimizer(self, model=None):
         """The HF optimizer; a backend that offloads around rollouts (vLLM colocate) also gets a handle on it."""
@@ -164,13 +243,10 @@ class CoordExpTrainer(Trainer):
             raise ValueError("rollouts need a rollout backend (rollout_matching.rollout_backend)")
         if len(seeds) != len(records):
             raise ValueError(f"{len(records)} records but {len(seeds)} seeds")
-        prompts = [encode_prompt(self.host.processor, r, self.host.template) for r in records]
-        requests = [RolloutRequest(prompt=p, index=i, seed=int(seed), record=r)
-                    for i, (r, p, seed) in enumerate(zip(records, prompts, seeds, strict=True))]
+        prompts, requests = self._requests(records, seeds)
         self.backend.begin_step(self.state.global_step)
         start = time.perf_counter()
-        self.backend.sync_weights(self.accelerator.unwrap_model(self.model))
-        outputs = self.backend.generate(requests)
+        outputs = self._generate(requests, records, seeds, tag, micro_step)
         generated = time.perf_counter()
         samples = [build_rollout_sample(r, p, o, self.host) for r, p, o in zip(records, prompts, outputs, strict=True)]
         self.stats.timed("rollout", generated - start)
@@ -179,8 +255,8 @@ class CoordExpTrainer(Trainer):
         self.run_log.write("rollout", tag=tag, global_step=int(self.state.global_step), micro_step=micro_step,
                            seeds=[int(s) for s in seeds], sources=[r.source for r in records],
                            response_tokens=[len(o.response_token_ids) for o in outputs],
+                           policy_versions=[o.policy_version for o in outputs],
                            backend=self.backend.run_metadata())
-        self.stats.timed("host", time.perf_counter() - generated)
         self.stats.timed("host", time.perf_counter() - generated)
         if self.rollout_log_every and self.is_world_process_zero() and self.state.global_step % self.rollout_log_every == 0:
             append_rollout_log(
@@ -188,45 +264,79 @@ class CoordExpTrainer(Trainer):
             )
         return samples
 
-    def _select(self, samples: list[SampleTarget]) -> list[SampleTarget]:
-        """Unpacked: all of this micro-step's samples. Packed: add them to the carry buffer, take one selection."""
+    def _rows(self, samples: list[SampleTarget]) -> list[list[SampleTarget]]:
+        """Unpacked: one padded forward of all samples. Packed: add them to the carry buffer and take every row the
+        step needs (:meth:`CarryBuffer.pop_rows`), so the carry never holds more than this step's segments."""
         if self.buffer is None:
-            return samples
+            return [samples]
         self.buffer.add_many([(s, s.length) for s in samples])
-        return list(self.buffer.pop_packed().items)
+        rows = self.buffer.pop_rows(keep_at_most=len(samples))
+        floor = self.run.rollout_matching.packing.min_fill_ratio
+        self.stats.underfilled_rows += sum(row.fill_ratio < floor for row in rows)
+        return [list(row.items) for row in rows]
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        records = list(inputs)
-        samples = self.build_samples(records)
-        started = time.perf_counter()
-        selected = self._select(samples)
-        unwrapped = self.accelerator.unwrap_model(model)
-        rope = mrope_index_of(unwrapped)
+    def _layout(self, selected: list[SampleTarget], rope: Any) -> tuple[Any, torch.Tensor, SupervisionBatch]:
+        """One forward row-set's collated inputs, kept logit positions and supervision."""
         encoded = [s.encoded for s in selected]
-        if self.buffer is not None:
-            batch = collate_packed(encoded, rope, pad_token_id=self._pad_id())
-        else:
-            batch = collate_padded(encoded, rope, pad_token_id=self._pad_id())
+        collate = collate_packed if self.buffer is not None else collate_padded
+        batch = collate(encoded, rope, pad_token_id=self._pad_id())
         segments = [
             SupervisionSegment(s.supervision, s.target.ids, *batch.placement(i)) for i, s in enumerate(selected)
         ]
         # The losses read assistant-span logits only: the LM head runs at those positions (logits_to_keep).
         keep, supervision = SupervisionBatch.from_segments(segments, batch.seq_len).at_kept_positions()
+        return batch, keep, supervision
+
+    def _objective(self, model, unwrapped, layout, denominators: LossDenominators):
+        batch, keep, supervision = layout
         if self.buffer is not None:
             # Inputs are built from the unwrapped model (its config); the call goes through the wrapper (DDP hooks).
             logits = packed_forward(model, batch, logits_to_keep=keep, inputs_from=unwrapped)
         else:
             logits = padded_forward(model, batch, logits_to_keep=keep)
-        supervision = supervision.to(logits.device)
-        result = compute_objective(logits, supervision, self._coord_ids.to(logits.device), self.run.rollout_matching.pipeline)
-        self.stats.timed("forward", time.perf_counter() - started)
+        coord_ids = self._coord_ids.to(logits.device)
+        pipeline = self.run.rollout_matching.pipeline
+        return logits, compute_objective(logits, supervision.to(logits.device), coord_ids, pipeline, denominators)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The micro-step's loss. Every row but the last runs its own forward and backward here (gradient sync
+        off, same accumulation scaling as the HF step); the last row's loss goes back to the HF loop, which
+        backpropagates it with the sync every rank does exactly once. Each row divides by the whole micro-step's
+        denominators, so the summed gradient equals the unpacked batch's."""
+        records = list(inputs)
+        samples = self.build_samples(records)
+        started = time.perf_counter()
+        unwrapped = self.accelerator.unwrap_model(model)
+        rope = mrope_index_of(unwrapped)
+        layouts = [self._layout(row, rope) for row in self._rows(samples)]
+        denominators = sum((LossDenominators.of(layout[2]) for layout in layouts[1:]), LossDenominators.of(layouts[0][2]))
+        terms: dict[str, float] = {}
+        earlier = 0.0  # the rows already backpropagated: their loss joins the reported value, not the graph
+        row_backward = 0.0
+        for index, layout in enumerate(layouts):
+            last = index == len(layouts) - 1
+            if last:
+                logits, result = self._objective(model, unwrapped, layout, denominators)
+            else:
+                with self.accelerator.no_sync(model):
+                    logits, result = self._objective(model, unwrapped, layout, denominators)
+                    backward_start = time.perf_counter()
+                    self.accelerator.backward(result.total / self.current_gradient_accumulation_steps)
+                    row_backward += time.perf_counter() - backward_start  # training_step books it as backward
+                earlier += float(result.total.detach())
+                del logits
+            for key, value in result.terms.items():
+                terms[key] = terms.get(key, 0.0) + value
+        self.stats.timed("forward", time.perf_counter() - started - row_backward)
         self.stats.add(
-            dict(result.terms),
-            trained=batch.num_real_tokens,
-            computed=batch.num_token_slots,
+            terms,
+            trained=sum(layout[0].num_real_tokens for layout in layouts),
+            computed=sum(layout[0].num_token_slots for layout in layouts),
             counters=[s.counters for s in samples],
+            rows=len(layouts),
         )
-        return (result.total, logits) if return_outputs else result.total
+        total = result.total + earlier if earlier else result.total
+        return (total, logits) if return_outputs else total
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         """The HF step, timed: ``time/backward`` is the step minus the rollout, host and forward time inside it."""
@@ -256,7 +366,8 @@ class CoordExpTrainer(Trainer):
         # Every rank runs the same modules, so every rank has the same term keys in the same order.
         buffered = len(self.buffer) if self.buffer is not None else 0
         sums = self._reduced(
-            [stats.terms[k] for k in keys] + [stats.micro_steps, stats.trained_tokens, buffered, stats.computed_tokens]
+            [stats.terms[k] for k in keys]
+            + [stats.micro_steps, stats.trained_tokens, buffered, stats.computed_tokens, stats.rows, stats.underfilled_rows]
         )
         micro = max(sums[len(keys)], 1.0)
         logs = {f"loss/{k}": v / micro for k, v in zip(keys, sums[: len(keys)])}
@@ -268,9 +379,23 @@ class CoordExpTrainer(Trainer):
         if compute > 0:
             logs["tokens/trained_per_s"] = stats.trained_tokens / compute  # this rank, forward + backward only
         if self.buffer is not None and stats.micro_steps:
-            # trained tokens over the row capacity of every packed forward (all ranks)
-            logs["packing/fill_ratio"] = sums[len(keys) + 1] / (micro * self.run.rollout_matching.packing.packing_length)
+            packing = self.run.rollout_matching.packing
+            rows, underfilled = max(sums[len(keys) + 4], 1.0), sums[len(keys) + 5]
+            # trained tokens over the row capacity of every packed forward row (all ranks)
+            logs["packing/fill_ratio"] = sums[len(keys) + 1] / (rows * self.buffer.packing_length)
             logs["packing/buffered"] = sums[len(keys) + 2]  # carried segments, all ranks
+            logs["packing/rows"] = rows  # forward rows, all ranks (several per micro-step when a step overflows one)
+            logs["packing/underfilled_rows"] = underfilled
+            if underfilled and self.is_world_process_zero():
+                logger.warning(
+                    "%d of %d packed rows were filled below training.packing_min_fill_ratio=%.2f (mean fill %.2f): "
+                    "rows run emptier than configured; raise the per-device batch size or lower global_max_length.",
+                    underfilled, rows, packing.min_fill_ratio, logs["packing/fill_ratio"],
+                )
+        if self.prefetcher is not None and stats.staleness:
+            # optimizer steps between the generating policy and the trained one (this rank; <= overlap.staleness)
+            logs["rollout/staleness_max"] = float(max(stats.staleness))
+            logs["rollout/staleness_mean"] = sum(stats.staleness) / len(stats.staleness)
         if self.stage2:
             counters = sum_counters(stats.counters) if stats.counters else RolloutCounters()
             if self.args.world_size > 1 and torch.distributed.is_initialized():
