@@ -19,7 +19,7 @@ from coordexp.schema.loader import load_config
 from coordexp.schema.matching import MatchingConfig, OtConfig
 from coordexp.schema.model import ModelConfig
 from coordexp.schema.pipeline import PipelineConfig
-from coordexp.schema.rollout import DecodingConfig, OffloadConfig, RepeatTerminateConfig
+from coordexp.schema.rollout import DecodingConfig, OffloadConfig, OverlapConfig, RepeatTerminateConfig
 from coordexp.schema.root import CoordExpConfig
 from coordexp.schema.template import TemplateConfig
 from coordexp.schema.training import TrainingConfig
@@ -138,6 +138,7 @@ class RolloutMatchingContract:
     ot: OtConfig
     object_field_order: ObjectFieldOrder
     packing: PackingContract
+    overlap: OverlapConfig  # actor-learner overlap (server mode only; validated in the schema)
 
     @property
     def offload_active(self) -> bool:
@@ -265,6 +266,7 @@ def build_contract(cfg: CoordExpConfig) -> RunContract:
         ot=rm.ot,
         object_field_order=cfg.custom.object_field_order,
         packing=packing,
+        overlap=rm.overlap,
     )
     data = cfg.data
     if data.image_root is None:

@@ -30,6 +30,7 @@ __all__ = [
     "VllmServerConfig",
     "VllmConfig",
     "OffloadConfig",
+    "OverlapConfig",
     "RolloutMatchingConfig",
 ]
 
@@ -185,6 +186,17 @@ class OffloadConfig(StrictModel):
         return self
 
 
+class OverlapConfig(StrictModel):
+    """Actor-learner overlap (issue 14): the next micro-step's rollouts are generated while this one trains, so a
+    sample may come from a policy up to ``staleness`` optimizer steps old. Off by default (on-policy, spec 004)."""
+
+    enabled: bool = Field(False, description="Generate the next micro-step's rollouts while this one trains.")
+    staleness: int_in(1, 1) = Field(
+        1, description="Max optimizer steps between the policy that generated a sample and the one trained on it "
+        "(the pipeline runs one micro-step ahead, so 1 is the only value).",
+    )
+
+
 class RolloutMatchingConfig(StrictModel):
     """``rollout_matching``: every stage-2 rollout, matching and loss-pipeline key (docs/design.md)."""
 
@@ -195,6 +207,7 @@ class RolloutMatchingConfig(StrictModel):
     repeat_terminate: RepeatTerminateConfig = Field(default_factory=RepeatTerminateConfig)
     vllm: VllmConfig = Field(default_factory=VllmConfig)
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
+    overlap: OverlapConfig = Field(default_factory=OverlapConfig)
     pipeline: Optional[PipelineConfig] = Field(None, description="Loss modules; required (no implicit default).")
     matching: MatchingConfig = Field(default_factory=MatchingConfig)
     ot: OtConfig = Field(default_factory=OtConfig)
@@ -218,6 +231,16 @@ class RolloutMatchingConfig(StrictModel):
                     f"num_beams: {decoding.num_beams} (beam search) with temperature: {decoding.temperature} "
                     "(sampling) is not supported by rollout_backend: hf (beam search here is deterministic)",
                     "Set decoding.temperature: 0 for beam search, or decoding.num_beams: 1 to sample.",
+                )
+            )
+        if self.overlap.enabled and not (self.rollout_backend == "vllm" and self.vllm.mode == "server"):
+            where = "vllm colocate (the engine shares the learner's devices)" if self.rollout_backend == "vllm" else (
+                "hf (generate() runs the learner's own model on its device)")
+            violations.append(
+                RuleViolation(
+                    "overlap.enabled",
+                    f"overlap.enabled: true needs rollouts generated on other devices, but the backend is {where}",
+                    "Use rollout_backend: vllm with vllm.mode: server, or set overlap.enabled: false.",
                 )
             )
         max_len = self.vllm.max_model_len

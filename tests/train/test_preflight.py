@@ -7,7 +7,6 @@ import socket
 import subprocess
 import sys
 
-import pytest
 from typer.testing import CliRunner
 
 from coordexp.cli.app import app
@@ -27,7 +26,7 @@ def test_hf_config_passes_without_server_checks(write_config):
     code, out = invoke(write_config({}), "--json")
     assert code == 0, out
     report = json.loads(out)
-    assert report["ok"] and [c["name"] for c in report["checks"]] == ["config", "model", "train data", "servers"]
+    assert report["ok"] and [c["name"] for c in report["checks"]] == ["config", "overlap", "model", "train data", "servers"]
 
 
 def test_server_mode_reports_wiring(write_config):
@@ -156,3 +155,18 @@ def test_every_config_problem_is_a_check(tmp_path):
     assert {c.name for c in report.checks} == {"config"}
     details = " ".join(c.detail for c in report.problems)
     assert "global_max_length" in details and "decode_batch_size" in details and "max_stepz" in details
+
+
+def test_preflight_says_whether_overlap_is_on(write_config):
+    from coordexp.runtime.train.preflight import run_preflight
+
+    report = run_preflight(write_config({}))
+    overlap = next(c for c in report.checks if c.name == "overlap")
+    assert overlap.ok and "off" in overlap.detail
+
+
+def test_preflight_says_when_overlap_is_on(write_config):
+    rollout = server_rollout([(f"http://127.0.0.1:{free_port()}", free_port())], overlap={"enabled": True})
+    report = run_preflight(write_config({"rollout_matching": rollout}), health_timeout_s=0.5)
+    overlap = next(c for c in report.checks if c.name == "overlap")
+    assert overlap.ok and "ON" in overlap.detail and "1 optimizer step" in overlap.detail

@@ -59,6 +59,7 @@ class RolloutOutput:
     response_token_ids: tuple[int, ...]
     text: str
     finish_reason: FinishReason
+    policy_version: int | None = None  # optimizer steps of the policy that generated it (set by the trainer)
 
 
 class BackendUnavailableError(ExternalSystemError, RuntimeError):

@@ -170,6 +170,10 @@ def run_preflight(config_path: str | Path, *, learner_world_size: int = 1, healt
     rollout = run.rollout_matching
     backend = rollout.backend
     checks.append(PreflightCheck("config", True, f"{config_path}: {run.trainer_variant}, backend {backend.kind}"))
+    overlap = rollout.overlap
+    checks.append(PreflightCheck("overlap", True, (
+        f"actor-learner overlap ON: the next micro-step's rollouts generate while this one trains (samples up to "
+        f"{overlap.staleness} optimizer step(s) behind)") if overlap.enabled else "actor-learner overlap off (on-policy rollouts)"))
     try:
         rollout.require_full_sync_for(learner_world_size)
     except ConfigError as exc:
