@@ -6,13 +6,11 @@ from __future__ import annotations
 import json
 import socket
 import threading
-import time
 from contextlib import contextmanager
 from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
-from coordexp.schema.loader import deep_merge
 
 
 def free_port() -> int:

@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from coordexp.runtime.rollout.registry import BackendUnavailableError, get_backend_class
 from coordexp.runtime.core.repeat import RepeatGuard, should_terminate

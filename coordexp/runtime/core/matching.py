@@ -264,7 +264,6 @@ def _rasterize_rings(
     if selected is None:
         selected = np.arange(len(rings.counts))
     aabbs = (rings.aabbs() if aabbs is None else aabbs)[selected]
-    n = len(aabbs)
     shape_first, shape_end = _row_range(aabbs[:, 1], aabbs[:, 3], resolution)
     height = np.maximum(shape_end - shape_first, 0)
     base = np.cumsum(height) - height

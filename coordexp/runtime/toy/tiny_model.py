@@ -8,14 +8,13 @@ every image, which would make image-wiring and parity tests meaningless.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any, Sequence
 
 from coordexp.runtime.toy.tiny import QWEN_SPECIAL_TOKENS, build_tiny_tokenizer
 from coordexp.runtime.core.tokens import CoordVocab
-from coordexp.runtime.model.policy import make_processor, save_processor
+from coordexp.runtime.model.policy import save_processor
 
 __all__ = [
     "TINY_FAMILIES",
