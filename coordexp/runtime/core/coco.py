@@ -13,11 +13,12 @@ annotations are skipped and counted. Bad input (missing image size, a box outsid
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Literal, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Literal, Mapping, Sequence
 
 import numpy as np
 
@@ -153,6 +154,17 @@ class _Problems:
     def raise_if_any(self) -> None:
         if self.total:
             raise ConversionError(self.lines, self.total, hint="fix the listed records; nothing was written")
+
+
+def _json_lines(lines: Iterable[str], problems: "_Problems") -> Iterator[tuple[str, Any]]:
+    """``("line N", value)`` for each non-blank JSONL line; a line that is not JSON is recorded as a problem."""
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            yield f"line {number}", json.loads(line)
+        except ValueError as exc:
+            problems.add(f"line {number}", f"not valid JSON ({exc})")
 
 
 def _number(value: Any) -> bool:
@@ -305,20 +317,10 @@ def odvg_to_records(
 ) -> ConvertedDataset:
     """ODVG detection JSONL (xyxy pixel boxes) -> records; ``label_map`` names labels whose instance has no
     ``category``. Lines without a ``detection`` block (grounding-only) are skipped and counted."""
-    import json
-
     problems = _Problems(source)
     result = ConvertedDataset(records=[], categories=[])
     seen: dict[str, None] = {}
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        where = f"line {number}"
-        try:
-            raw = json.loads(line)
-        except ValueError as exc:
-            problems.add(where, f"not valid JSON ({exc})")
-            continue
+    for where, raw in _json_lines(lines, problems):
         if not isinstance(raw, Mapping):
             problems.add(where, "expected a JSON object")
             continue
@@ -445,8 +447,6 @@ def predictions_to_coco_results(
     """A predictions JSONL (``coordexp eval`` writes one: ``{"image", "width", "height", "objects": [{"desc",
     geometry, "score"}]}``) -> COCO results with ``coco_gt``'s image and category ids. Images are matched by
     ``file_name`` (the longest path suffix that is one), descs by category name; an unknown desc is counted."""
-    import json
-
     problems = _Problems(source)
     by_name: dict[str, int] = {}
     sizes: dict[int, tuple[int, int]] = {}
@@ -458,15 +458,7 @@ def predictions_to_coco_results(
     category_ids = {c["name"].strip(): c["id"] for c in coco_gt.get("categories", [])
                     if isinstance(c, Mapping) and isinstance(c.get("name"), str)}
     scored: list[ScoredObject] = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        where = f"line {number}"
-        try:
-            raw = json.loads(line)
-        except ValueError as exc:
-            problems.add(where, f"not valid JSON ({exc})")
-            continue
+    for where, raw in _json_lines(lines, problems):
         image = raw.get("image") if isinstance(raw, Mapping) else None
         image_id = next((by_name[s] for s in _suffixes(image) if s in by_name), None) if isinstance(image, str) else None
         if image_id is None:
