@@ -18,6 +18,7 @@ from typing import Any, Iterator
 import torch
 
 from coordexp.errors import ExternalSystemError
+from coordexp.runtime.rollout.weight_export import unwrap_model
 from coordexp.schema.rollout import OffloadConfig
 
 __all__ = ["OffloadError", "OffloadReport", "check_offloadable", "offload_context"]
@@ -41,15 +42,9 @@ class OffloadReport:
     devices: set[str] = field(default_factory=set)
 
 
-def _unwrap(model: Any) -> Any:
-    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
-        model = model.module
-    return model
-
-
 def check_offloadable(model: Any, optimizer: Any = None) -> None:
     """Raise :class:`OffloadError` when ``model`` / ``optimizer`` are sharded by DeepSpeed ZeRO or FSDP."""
-    inner = _unwrap(model)
+    inner = unwrap_model(model)
     kinds = {type(model).__name__, type(inner).__name__, type(optimizer).__name__ if optimizer is not None else ""}
     if any(name.startswith(("DeepSpeed", "FullyShardedDataParallel", "FSDP")) for name in kinds):
         raise OffloadError(f"rollout_matching.offload cannot move a sharded model/optimizer ({sorted(kinds - {''})}): "
@@ -65,7 +60,7 @@ def check_offloadable(model: Any, optimizer: Any = None) -> None:
 
 
 def _model_tensors(model: Any) -> list[torch.Tensor]:
-    inner = _unwrap(model)
+    inner = unwrap_model(model)
     seen: dict[int, torch.Tensor] = {}
     for tensor in list(inner.parameters()) + list(inner.buffers()):
         seen.setdefault(id(tensor), tensor)
