@@ -34,9 +34,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from coordexp.runtime.rollout.protocol import FlattenedTensorMetadata
-from coordexp.runtime.rollout.weight_sync import (DEFAULT_BUCKET_MB, DEFAULT_TIMEOUT_S, SyncReport, WeightSyncError,
-                                                  WeightSyncTimeout, bucket_layout, flatten_bucket, parse_dtype,
-                                                  plan_buckets, unflatten_bucket)
+from coordexp.runtime.rollout.weight_sync import (DEFAULT_TIMEOUT_S, BucketPusher, WeightSyncError,
+                                                  WeightSyncTimeout, bucket_layout, parse_dtype,
+                                                  unflatten_bucket)
 
 __all__ = [
     "COORDEXP_EXTENSION_FIELDS", "BARRIER_TIMEOUT_S", "MESSAGE_UPDATE_ADAPTER_PARAM", "UNIQUE_ID_KEY",
@@ -423,7 +423,7 @@ def _applied(apply: Callable[[list], None], named: Callable[[], list]) -> str | 
     return None
 
 
-class SwiftWireSender(_WireEnd):
+class SwiftWireSender(_WireEnd, BucketPusher):
     """The learner end against a real ``swift rollout`` server (rank ``W`` of ``W + 1``): what swift's
     ``VLLMClient`` does, with single-dtype buckets and bounded waits. The caller does the HTTP (``announce``)."""
 
@@ -445,28 +445,5 @@ class SwiftWireSender(_WireEnd):
         group, plane = self._require_open()
         self._step(lambda: (plane.broadcast(flat, src=group.rank), group.barrier()))
 
-    def send_full(self, named_params: Iterable[tuple[str, torch.Tensor]], *,
-                  announce: Callable[[list[FlattenedTensorMetadata]], None],
-                  bucket_mb: float = DEFAULT_BUCKET_MB) -> SyncReport:
-        """Every tensor in single-dtype buckets of at most ``bucket_mb`` MiB: announce, broadcast, barrier."""
-        self._require_open()
-        started, buckets, tensors, total = time.perf_counter(), 0, 0, 0
-        for members in plan_buckets(named_params, bucket_mb):
-            flat, metadatas = flatten_bucket(members, device=self.device)
-            announce(metadatas)
-            self._send(flat)
-            buckets, tensors, total = buckets + 1, tensors + len(members), total + flat.numel() * flat.element_size()
-        return SyncReport(buckets, tensors, total, time.perf_counter() - started)
-
-    def send_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
-                     announce: Callable[[list[FlattenedTensorMetadata]], None]) -> SyncReport:
-        """The adapter as ONE bucket (``/update_adapter_flattened_param/``), as swift's trainer sends it."""
-        self._require_open()
-        members = [(name, tensor) for name, tensor in named_tensors if tensor.numel()]
-        if not members:
-            raise WeightSyncError("the adapter has no tensors to send; is the model a PEFT model?")
-        started = time.perf_counter()
-        flat, metadatas = flatten_bucket(members, device=self.device)
-        announce(metadatas)
+    def _push_bucket(self, flat: torch.Tensor, metadatas: Sequence[FlattenedTensorMetadata]) -> None:
         self._send(flat)
-        return SyncReport(1, len(members), flat.numel() * flat.element_size(), time.perf_counter() - started)

@@ -26,7 +26,7 @@ import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Iterable, Iterator, Literal, Sequence
+from typing import Any, Callable, Iterable, Iterator, Literal, Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,7 @@ __all__ = [
     "WeightSyncTimeout",
     "RemoteApplyError",
     "SyncReport",
+    "BucketPusher",
     "dtype_name",
     "parse_dtype",
     "plan_buckets",
@@ -402,7 +403,45 @@ def _transport_error(exc: BaseException, what: str, hint: str) -> WeightSyncErro
 # --------------------------------------------------------------------------------------------------- ends
 
 
-class WeightSyncSender(_GroupMember):
+class BucketPusher:
+    """``send_full`` / ``send_adapter`` for any sender: plan single-dtype buckets, announce each over HTTP, then
+    push it over the sender's data plane (``_push_bucket``). Shared by coordexp's wire and swift's."""
+
+    device: torch.device
+
+    def _require_open(self) -> Any:
+        raise NotImplementedError
+
+    def _push_bucket(self, flat: torch.Tensor, metadatas: Sequence[FlattenedTensorMetadata]) -> None:
+        raise NotImplementedError
+
+    def send_full(self, named_params: NamedTensors, *, announce: Announce,
+                  bucket_mb: float = DEFAULT_BUCKET_MB) -> SyncReport:
+        """Send every tensor (HF names, LoRA merged) in single-dtype buckets of at most ``bucket_mb`` MiB."""
+        self._require_open()
+        started = time.perf_counter()
+        buckets = tensors = total = 0
+        for members in plan_buckets(named_params, bucket_mb):
+            flat, metadatas = flatten_bucket(members, device=self.device)
+            announce(metadatas)
+            self._push_bucket(flat, metadatas)
+            buckets, tensors, total = buckets + 1, tensors + len(members), total + flat.numel() * flat.element_size()
+        return SyncReport(buckets, tensors, total, time.perf_counter() - started)
+
+    def send_adapter(self, named_tensors: NamedTensors, *, announce: Announce) -> SyncReport:
+        """Send a LoRA adapter (PEFT state-dict names) as ONE bucket (the server adds it as one adapter)."""
+        self._require_open()
+        members = [(name, tensor) for name, tensor in named_tensors if tensor.numel()]
+        if not members:
+            raise WeightSyncError("the adapter has no tensors to send; is the model a PEFT model?")
+        started = time.perf_counter()
+        flat, metadatas = flatten_bucket(members, device=self.device)
+        announce(metadatas)
+        self._push_bucket(flat, metadatas)
+        return SyncReport(1, len(members), flat.numel() * flat.element_size(), time.perf_counter() - started)
+
+
+class WeightSyncSender(_GroupMember, BucketPusher):
     """The learner end (last rank, broadcast source). Typical use, per server::
 
         sender = WeightSyncSender(timeout_s=server_contract.timeout_s)
@@ -435,31 +474,7 @@ class WeightSyncSender(_GroupMember):
             raise RemoteApplyError(f"the rollout server could not apply weight bucket {self._seq - 1} ({names}): "
                                    f"{detail}", errors)
 
-    def send_full(self, named_params: NamedTensors, *, announce: Announce,
-                  bucket_mb: float = DEFAULT_BUCKET_MB) -> SyncReport:
-        """Send every tensor (HF names, LoRA merged) in single-dtype buckets of at most ``bucket_mb`` MiB."""
-        self._require_open()
-        started = time.perf_counter()
-        buckets = tensors = total = 0
-        for members in plan_buckets(named_params, bucket_mb):
-            flat, metadatas = flatten_bucket(members, device=self.device)
-            announce(metadatas)
-            self.send_bucket(flat, metadatas)
-            buckets, tensors, total = buckets + 1, tensors + len(members), total + flat.numel() * flat.element_size()
-        return SyncReport(buckets, tensors, total, time.perf_counter() - started)
-
-    def send_adapter(self, named_tensors: NamedTensors, *, announce: Announce) -> SyncReport:
-        """Send a LoRA adapter (PEFT state-dict names) as ONE bucket (the server adds it as one adapter)."""
-        self._require_open()
-        members = [(name, tensor) for name, tensor in named_tensors if tensor.numel()]
-        if not members:
-            raise WeightSyncError("the adapter has no tensors to send; is the model a PEFT model?")
-        started = time.perf_counter()
-        flat, metadatas = flatten_bucket(members, device=self.device)
-        announce(metadatas)
-        self.send_bucket(flat, metadatas)
-        return SyncReport(1, len(members), flat.numel() * flat.element_size(), time.perf_counter() - started)
-
+    _push_bucket = send_bucket
 
 class WeightSyncReceiver(_GroupMember):
     """The server end. ``init`` hosts the store (rank 0) and blocks until the sender joins (or times out);
