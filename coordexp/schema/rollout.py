@@ -188,7 +188,7 @@ class OffloadConfig(StrictModel):
 
 class OverlapConfig(StrictModel):
     """Actor-learner overlap (issue 14): the next micro-step's rollouts are generated while this one trains, so a
-    sample may come from a policy up to ``staleness`` optimizer steps old. Off by default (on-policy, spec 004)."""
+    sample may come from a policy up to ``staleness`` optimizer steps old. Off by default (on-policy, docs/design.md, seeds)."""
 
     enabled: bool = Field(False, description="Generate the next micro-step's rollouts while this one trains.")
     staleness: int_in(1, 1) = Field(
