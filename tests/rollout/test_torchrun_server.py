@@ -94,10 +94,13 @@ def start_server(tmp_path, write_config):
         server.kill()
 
 
-def learner_config(write_config, tmp_path: Path, server: ServerProcess) -> Path:
-    rollout = server_rollout([(server.base_url, free_port())], server=SERVER_LIMITS, **ROLLOUT)
-    return write_config({"training": {**TRAINING, "output_dir": str(tmp_path / "run")}, "global_max_length": 1024,
-                         "rollout_matching": rollout}, name="learner.yaml")
+def learner_config(write_config, tmp_path: Path, server: ServerProcess, *, overlap: bool = False,
+                   max_steps: int = TRAINING["max_steps"]) -> Path:
+    rollout = server_rollout([(server.base_url, free_port())], server=SERVER_LIMITS, **ROLLOUT,
+                             overlap={"enabled": overlap})
+    training = {**TRAINING, "max_steps": max_steps, "output_dir": str(tmp_path / "run")}
+    return write_config({"training": training, "global_max_length": 1024, "rollout_matching": rollout},
+                        name="learner.yaml")
 
 
 def run_torchrun(config: Path, out_dir: Path) -> tuple[int, str, float]:
@@ -132,6 +135,41 @@ def test_two_rank_learner_trains_three_steps_against_one_server(tmp_path, write_
     assert status["weights_version"] == 3
     assert [op["op"] for op in status["recent"]] == ["init_communicator"] + ["update_flattened_params"] * 3
     assert all(op["ok"] for op in status["recent"])
+
+
+def test_two_ranks_stay_in_lockstep_with_overlap_on(tmp_path, write_config, start_server, dataset):
+    """Issue 14 acceptance: overlap on under torchrun. Two steps cover one epoch of the 8-record dataset (2 ranks x
+    batch 2 x 2 steps), so step 1's rollouts are the ones prefetched while step 0 trained."""
+    from coordexp.runtime.train.run_log import read_run_log
+
+    steps = 2
+    server = start_server()
+    code, stderr, _ = run_torchrun(learner_config(write_config, tmp_path, server, overlap=True, max_steps=steps),
+                                   tmp_path)
+    assert code == 0, stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["global_step"] for r in ranks] == [steps, steps]
+    assert ranks[0]["params_sha256"] == ranks[1]["params_sha256"]
+    assert [r["staleness_max"] for r in ranks] == [[0.0, 1.0]] * 2  # step 1 trained on step 0's policy
+    rollouts = [read_run_log(tmp_path / "run", rank, event="rollout") for rank in (0, 1)]
+    assert (tmp_path / "run" / "run_metadata.rank1.jsonl").is_file()
+    for rank, events in enumerate(rollouts):
+        train = [e for e in events if e["tag"] == "train"]
+        # one rollout batch per optimizer step, in order, on each rank: the same global steps on both
+        assert [(e["global_step"], e["micro_step"]) for e in train] == [(t, 0) for t in range(steps)], rank
+        for event in train:
+            versions = event["policy_versions"]
+            assert len(versions) == TRAINING["per_device_train_batch_size"]
+            assert all(0 <= event["global_step"] - v <= 1 for v in versions), (rank, event)  # staleness <= 1
+        assert train[1]["policy_versions"] == [0, 0]  # really prefetched with the older policy
+    # the two ranks rolled out different records with different seeds for the same steps
+    assert rollouts[0][0]["seeds"] != rollouts[1][0]["seeds"]
+    status = server.sync_status()
+    # one push per optimizer step, all from rank 0: initial weights, then after step 0 (before step 1's rollouts
+    # were trained on) and after step 1 -- never one per rank, never two per step
+    assert status["communicator"] == "ready" and status["failed"] == 0 and status["last_error"] is None
+    assert [op["op"] for op in status["recent"]] == ["init_communicator"] + ["update_flattened_params"] * steps
+    assert status["weights_version"] == steps
 
 
 def test_rank0_push_failure_ends_both_ranks_with_the_same_error(tmp_path, write_config, start_server):

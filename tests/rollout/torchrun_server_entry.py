@@ -43,6 +43,7 @@ def main(config_path: str, out_dir: str) -> int:
         "distributed": torch.distributed.is_initialized(),
         "global_step": trainer.state.global_step,
         "rollout_samples": [h.get("rollout/samples") for h in trainer.state.log_history if "loss" in h],
+        "staleness_max": [h.get("rollout/staleness_max") for h in trainer.state.log_history if "loss" in h],
         "params_sha256": digest.hexdigest(),
     }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w", encoding="utf-8") as handle:
