@@ -19,7 +19,8 @@ from coordexp.schema.loader import load_config
 from coordexp.schema.matching import MatchingConfig, OtConfig
 from coordexp.schema.model import ModelConfig
 from coordexp.schema.pipeline import PipelineConfig
-from coordexp.schema.rollout import DecodingConfig, OffloadConfig, OverlapConfig, RepeatTerminateConfig
+from coordexp.schema.rollout import (DecodingConfig, HfGenerateConfig, OffloadConfig, OverlapConfig,
+                                      RepeatTerminateConfig)
 from coordexp.schema.root import CoordExpConfig
 from coordexp.schema.template import TemplateConfig
 from coordexp.schema.training import TrainingConfig
@@ -139,6 +140,7 @@ class RolloutMatchingContract:
     object_field_order: ObjectFieldOrder
     packing: PackingContract
     overlap: OverlapConfig  # actor-learner overlap (server mode only; validated in the schema)
+    hf_generate: HfGenerateConfig = field(default_factory=HfGenerateConfig)  # static KV cache / compiled decode
 
     @property
     def offload_active(self) -> bool:
@@ -267,6 +269,7 @@ def build_contract(cfg: CoordExpConfig) -> RunContract:
         object_field_order=cfg.custom.object_field_order,
         packing=packing,
         overlap=rm.overlap,
+        hf_generate=rm.hf_generate,
     )
     data = cfg.data
     if data.image_root is None:

@@ -31,6 +31,7 @@ __all__ = [
     "VllmConfig",
     "OffloadConfig",
     "OverlapConfig",
+    "HfGenerateConfig",
     "RolloutMatchingConfig",
 ]
 
@@ -197,6 +198,27 @@ class OverlapConfig(StrictModel):
     )
 
 
+class HfGenerateConfig(StrictModel):
+    """How HF ``generate`` runs (the hf backend and ``serve-rollout --engine hf``); outputs are token-for-token the
+    same either way. Off by default: on CPU neither pays off at our sizes (benchmarks/bench_rollout_overlap.py)."""
+
+    static_cache: bool = Field(False, description="Preallocated KV cache (cache_implementation: static).")
+    compile: bool = Field(
+        False, description="torch.compile the decode step (needs static_cache; the first call per shape compiles)."
+    )
+
+    @model_validator(mode="after")
+    def _compile_needs_static_cache(self) -> "HfGenerateConfig":
+        if self.compile and not self.static_cache:
+            raise_violations([RuleViolation(
+                "compile",
+                "hf_generate.compile: true needs hf_generate.static_cache: true (transformers compiles the decode "
+                "step only over a static KV cache; with the dynamic cache it would silently not compile)",
+                "Set rollout_matching.hf_generate.static_cache: true, or compile: false.",
+            )])
+        return self
+
+
 class RolloutMatchingConfig(StrictModel):
     """``rollout_matching``: every stage-2 rollout, matching and loss-pipeline key (docs/design.md)."""
 
@@ -208,6 +230,7 @@ class RolloutMatchingConfig(StrictModel):
     vllm: VllmConfig = Field(default_factory=VllmConfig)
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
     overlap: OverlapConfig = Field(default_factory=OverlapConfig)
+    hf_generate: HfGenerateConfig = Field(default_factory=HfGenerateConfig)
     pipeline: Optional[PipelineConfig] = Field(None, description="Loss modules; required (no implicit default).")
     matching: MatchingConfig = Field(default_factory=MatchingConfig)
     ot: OtConfig = Field(default_factory=OtConfig)

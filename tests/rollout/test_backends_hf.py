@@ -27,7 +27,7 @@ from coordexp.runtime.model.data import load_records
 from coordexp.runtime.model.encoding import encode_prompt
 from coordexp.runtime.core.repeat import RepeatGuard
 from coordexp.schema.contract import HfBackendContract, VllmColocateContract, VllmServerContract, load_contract
-from coordexp.schema.rollout import DecodingConfig, RepeatTerminateConfig
+from coordexp.schema.rollout import DecodingConfig, HfGenerateConfig, RepeatTerminateConfig
 from coordexp.schema.template import TemplateConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -65,9 +65,9 @@ def requests_(tiny_processor, synthetic_dataset):
     return [RolloutRequest(prompt=p, index=k, seed=100 + k) for k, p in enumerate(prompts)]
 
 
-def backend(model, tokenizer, *, batch=4, decoding=None, guard=GUARD_OFF, max_new=MAX_NEW):
+def backend(model, tokenizer, *, batch=4, decoding=None, guard=GUARD_OFF, max_new=MAX_NEW, hf_generate=None):
     return HfRolloutBackend(model, tokenizer, decode_batch_size=batch, max_new_tokens=max_new,
-                            decoding=decoding or DecodingConfig(), repeat_terminate=guard)
+                            decoding=decoding or DecodingConfig(), repeat_terminate=guard, hf_generate=hf_generate)
 
 
 class Bias(torch.nn.Module):
@@ -373,3 +373,90 @@ def test_registry_import_is_light():
     code = ("import sys, coordexp.runtime.rollout.registry as b; b.get_backend_class; "
             "assert not {'torch', 'transformers'} & set(sys.modules), sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+# -- rollout_matching.hf_generate (issue 14 item 3): static KV cache and compiled decode step ----------------------
+STATIC = HfGenerateConfig(static_cache=True)
+LONG_NEW = 24  # enough decode steps past the first row's stop for the padding and cache positions to matter
+
+
+class CacheKinds:
+    """Forward pre-hook recording the class of the KV cache every forward call receives."""
+
+    def __init__(self, model):
+        self.kinds: list[str] = []
+        self.handle = model.register_forward_pre_hook(self, with_kwargs=True)
+
+    def __call__(self, module, args, kwargs):
+        cache = kwargs.get("past_key_values")
+        self.kinds.append(type(cache).__name__ if cache is not None else "none")
+
+    def close(self):
+        self.handle.remove()
+
+
+@pytest.mark.parametrize("decoding", [DecodingConfig(), DecodingConfig(num_beams=3),
+                                      DecodingConfig(temperature=1.2, top_k=300, repetition_penalty=1.3)],
+                         ids=["greedy", "beam", "seeded-sampling"])
+def test_static_cache_outputs_equal_the_dynamic_cache_token_for_token(model, tokenizer, requests_, decoding):
+    batch = 2 if decoding.num_beams > 1 else 5  # a ragged, left-padded batch of mixed image sizes
+    kinds = CacheKinds(model)
+    try:
+        dynamic = backend(model, tokenizer, batch=batch, decoding=decoding, max_new=LONG_NEW).generate(requests_)
+        dynamic_kinds, kinds.kinds = kinds.kinds, []
+        static = backend(model, tokenizer, batch=batch, decoding=decoding, max_new=LONG_NEW,
+                         hf_generate=STATIC).generate(requests_)
+    finally:
+        kinds.close()
+    assert "StaticCache" not in dynamic_kinds and "StaticCache" in kinds.kinds  # the switch really changed the cache
+    assert [o.response_token_ids for o in static] == [o.response_token_ids for o in dynamic]
+    assert [o.finish_reason for o in static] == [o.finish_reason for o in dynamic]
+    if decoding.temperature == 0 and decoding.num_beams == 1:
+        assert len({len(o.response_token_ids) for o in dynamic}) > 1 or dynamic[0].finish_reason == "length"
+
+
+@pytest.mark.slow
+def test_compiled_decode_step_outputs_equal_the_eager_dynamic_cache(model, tokenizer, requests_):
+    """torch.compile on CPU (inductor): the first call compiles (tens of seconds), later calls reuse the graph."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    eager = backend(model, tokenizer, batch=5, max_new=LONG_NEW).generate(requests_)
+    compiled_backend = backend(model, tokenizer, batch=5, max_new=LONG_NEW,
+                               hf_generate=HfGenerateConfig(static_cache=True, compile=True))
+    try:
+        assert not hasattr(model, "_compiled_call")
+        first = compiled_backend.generate(requests_)
+        assert hasattr(model, "_compiled_call")  # transformers compiled the decode-step forward
+        again = compiled_backend.generate(requests_[1:4])  # another batch width reuses (or re-traces) it
+    finally:
+        for name in ("_compiled_call", "_last_compile_config"):
+            model.__dict__.pop(name, None)
+        torch._dynamo.reset()
+    assert [o.response_token_ids for o in first] == [o.response_token_ids for o in eager]
+    assert [o.response_token_ids for o in again] == [o.response_token_ids for o in eager[1:4]]
+
+
+def test_hf_generate_compile_without_static_cache_is_refused_naming_the_fix(tmp_path):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="hf_generate.compile: true needs hf_generate.static_cache: true"):
+        HfGenerateConfig(compile=True)
+    with pytest.raises(ValidationError):
+        HfGenerateConfig(static_cache=True, cuda_graphs=True)  # strict: unknown keys are refused
+    assert HfGenerateConfig() == HfGenerateConfig(static_cache=False, compile=False)  # off unless asked
+
+
+def test_hf_generate_reaches_the_backend_from_the_config(model, tokenizer, tmp_path):
+    import yaml
+
+    from coordexp.runtime.rollout.registry import create_backend
+
+    config = {"extends": str(REPO / "examples" / "stage2_cpu_hf.yaml"),
+              "rollout_matching": {"hf_generate": {"static_cache": True}}}
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(config), encoding="utf-8")
+    run = load_contract(path)
+    assert run.rollout_matching.hf_generate == STATIC
+    built = create_backend(run, model, SimpleNamespace(tokenizer=tokenizer))
+    assert isinstance(built, HfRolloutBackend) and built.hf_generate == STATIC

@@ -13,6 +13,10 @@
   logit but EOS set to -inf; the other rows continue.
 - Ids the policy must never emit are suppressed: padded embedding rows (``>= len(tokenizer)``) and the
   image/video placeholders (they would misalign the vision features in the teacher-forced forward).
+- ``rollout_matching.hf_generate`` (issue 14): ``static_cache`` preallocates the KV cache
+  (``cache_implementation="static"``, sized prompt width + ``max_new_tokens`` per chunk); ``compile`` lets
+  transformers ``torch.compile`` the decode-step forward over it (its ``CompileConfig``, forced on for CPU too since
+  the user asked). Greedy outputs are token-for-token those of the dynamic cache (tests/rollout/test_backends_hf.py).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from coordexp.runtime.rollout.weight_export import unwrap_model
 from coordexp.runtime.core.pieces import PieceTable
 from coordexp.runtime.core.repeat import RepeatGuard, RepeatTracker, count_object_keys, should_terminate
 from coordexp.schema.contract import RunContract
-from coordexp.schema.rollout import DecodingConfig, RepeatTerminateConfig
+from coordexp.schema.rollout import DecodingConfig, HfGenerateConfig, RepeatTerminateConfig
 
 __all__ = ["HfRolloutBackend", "RepeatGuardProcessor", "SeededSampler", "PaddingAwareRepetitionPenalty"]
 
@@ -132,7 +136,8 @@ class HfRolloutBackend(RolloutBackend):
     """Rollouts with the live training model (``sync_weights`` only rebinds: it already has the new weights)."""
 
     def __init__(self, model: Any, tokenizer: Any, *, decode_batch_size: int, max_new_tokens: int,
-                 decoding: DecodingConfig, repeat_terminate: RepeatTerminateConfig | RepeatGuard):
+                 decoding: DecodingConfig, repeat_terminate: RepeatTerminateConfig | RepeatGuard,
+                 hf_generate: HfGenerateConfig | None = None):
         if decode_batch_size < 1 or max_new_tokens < 1:
             raise ValueError(f"decode_batch_size ({decode_batch_size}) and max_new_tokens ({max_new_tokens}) must "
                              "be >= 1; set rollout_matching.decode_batch_size / max_new_tokens")
@@ -146,6 +151,7 @@ class HfRolloutBackend(RolloutBackend):
         self.decode_batch_size = int(decode_batch_size)
         self.max_new_tokens = int(max_new_tokens)
         self.decoding = decoding
+        self.hf_generate = hf_generate or HfGenerateConfig()
         self.guard = repeat_terminate if isinstance(repeat_terminate, RepeatGuard) else RepeatGuard.from_config(
             repeat_terminate)
         self._pieces = PieceTable.for_tokenizer(tokenizer).pieces if self.guard.active else None
@@ -161,7 +167,7 @@ class HfRolloutBackend(RolloutBackend):
         rollout = run.rollout_matching
         return cls(model, processor.tokenizer, decode_batch_size=rollout.decode_batch_size,
                    max_new_tokens=rollout.max_new_tokens, decoding=rollout.decoding,
-                   repeat_terminate=rollout.repeat_terminate)
+                   repeat_terminate=rollout.repeat_terminate, hf_generate=rollout.hf_generate)
 
     def sync_weights(self, model: Any) -> None:
         self._model = model
@@ -254,7 +260,22 @@ class HfRolloutBackend(RolloutBackend):
             eos_token_id=eos_ids, pad_token_id=self._pad_id(policy), suppress_tokens=sorted(never),
             use_cache=True, return_dict_in_generate=True, output_scores=False,
         )
+        config.update(**self._cache_settings(policy))
         return config, frozenset(eos_ids)
+
+    def _cache_settings(self, policy: Any) -> dict[str, Any]:
+        """``hf_generate`` as generation-config fields; the dynamic cache and no compilation when it is off."""
+        if not self.hf_generate.static_cache:
+            return {"cache_implementation": None, "compile_config": None, "disable_compile": True}
+        if not self.hf_generate.compile:
+            return {"cache_implementation": "static", "compile_config": None, "disable_compile": True}
+        from transformers import CompileConfig
+
+        on_cuda = next(policy.parameters()).device.type == "cuda"
+        # CUDA graphs ("reduce-overhead") are the point on a GPU; elsewhere inductor's default mode
+        compile_config = CompileConfig(fullgraph=False, mode="reduce-overhead" if on_cuda else "default")
+        compile_config._compile_all_devices = True  # transformers otherwise compiles only on accelerators
+        return {"cache_implementation": "static", "compile_config": compile_config, "disable_compile": False}
 
     def _processors(self, chunk: list[RolloutRequest], pad_lengths: torch.Tensor,
                     width: int) -> list[LogitsProcessor]:
