@@ -51,3 +51,23 @@ def test_train_step_benchmark_counts_padding_only_in_the_padded_run():
         assert set(run["split_s"]) == {"rollout", "host", "forward", "backward", "other"}
         assert sum(run["split_s"].values()) <= run["wall_s"] * 1.01 + 1e-6
     assert 0 < packed["fill_ratio"] <= 1 and padded["fill_ratio"] is None
+
+
+def test_rollout_overlap_benchmark_reports_consistent_step_splits_and_hf_modes():
+    summary = _run_benchmark("bench_rollout_overlap.py", "--steps", "1", "--batch", "2", "--new-tokens", "8",
+                             "--hidden", "64", "--layers", "1", "--repeats", "1", "--hf-modes", "off,static")
+    overlap = summary["overlap"]
+    off, on = overlap["off"], overlap["on"]
+    for run in (off, on):
+        assert run["steps"] == 1 and run["step_s"] > 0 and run["rollout_wait_s"] >= 0
+        assert run["train_s"] == pytest.approx(run["step_s"] - run["rollout_wait_s"])
+    assert overlap["sum_s"] == pytest.approx(off["rollout_wait_s"] + off["train_s"]) == pytest.approx(off["step_s"])
+    assert overlap["max_s"] == pytest.approx(max(off["rollout_wait_s"], off["train_s"]))
+    assert overlap["max_s"] <= overlap["sum_s"]
+    assert overlap["speedup"] == pytest.approx(off["step_s"] / on["step_s"])
+    assert off["staleness_max"] == 0 and on["staleness_max"] == 1  # the timed step trained on prefetched rollouts
+    modes = summary["hf_generate"]
+    assert list(modes) == ["off", "static"]
+    for figures in modes.values():
+        assert figures["tokens"] > 0 and figures["equal_to_off"] is True
+        assert figures["tokens_per_s"] == pytest.approx(figures["tokens"] / figures["seconds"])
