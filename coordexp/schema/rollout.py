@@ -200,7 +200,8 @@ class OverlapConfig(StrictModel):
 
 class HfGenerateConfig(StrictModel):
     """How HF ``generate`` runs (the hf backend and ``serve-rollout --engine hf``); outputs are token-for-token the
-    same either way. Off by default: on CPU neither pays off at our sizes (benchmarks/bench_rollout_overlap.py)."""
+    same either way. Off by default, by measurement (benchmarks/bench_rollout_overlap.py, CPU, 1 thread): mixed,
+    static 0.95-1.22x and static+compile 0.88-1.5x tokens/s after a 25-30 s compile; not yet measured on a GPU."""
 
     static_cache: bool = Field(False, description="Preallocated KV cache (cache_implementation: static).")
     compile: bool = Field(

@@ -460,3 +460,14 @@ def test_hf_generate_reaches_the_backend_from_the_config(model, tokenizer, tmp_p
     assert run.rollout_matching.hf_generate == STATIC
     built = create_backend(run, model, SimpleNamespace(tokenizer=tokenizer))
     assert isinstance(built, HfRolloutBackend) and built.hf_generate == STATIC
+    # `serve-rollout --engine hf` generates through the same backend with the same setting
+    from coordexp.runtime.server.engine import GenerationParams, HfEngine
+
+    was_training = model.training
+    try:
+        engine = HfEngine.from_contract(run, model=model, processor=SimpleNamespace(tokenizer=tokenizer))
+        served = engine._backend(GenerationParams(max_new_tokens=4, decoding=DecodingConfig()))
+    finally:
+        model.train(was_training)
+        model.requires_grad_(True)
+    assert served.hf_generate == STATIC

@@ -98,13 +98,14 @@ class HfEngine:
     supports_adapter = False
 
     def __init__(self, model: Any, tokenizer: Any, *, decode_batch_size: int,
-                 repeat_terminate: RepeatTerminateConfig):
+                 repeat_terminate: RepeatTerminateConfig, hf_generate: Any = None):
         from coordexp.runtime.core.repeat import RepeatGuard
 
         self._model = model
         self._tokenizer = tokenizer
         self.decode_batch_size = int(decode_batch_size)
         self.repeat_terminate = repeat_terminate
+        self.hf_generate = hf_generate  # rollout_matching.hf_generate (None: the HF backend's default, off)
         self._guard = RepeatGuard.from_config(repeat_terminate)  # raises on an unusable subtree: start-up fails
         self._backends: dict[GenerationParams, Any] = {}
         self.weights_loaded = 0  # tensors copied in by load_weights (tests and logs read it)
@@ -120,7 +121,7 @@ class HfEngine:
         model.requires_grad_(False)
         rollout = run.rollout_matching
         return cls(model, processor.tokenizer, decode_batch_size=rollout.decode_batch_size,
-                   repeat_terminate=rollout.repeat_terminate)
+                   repeat_terminate=rollout.repeat_terminate, hf_generate=rollout.hf_generate)
 
     @property
     def device(self) -> "torch.device":
@@ -144,7 +145,7 @@ class HfEngine:
             backend = HfRolloutBackend(self._require_model(), self._tokenizer,
                                        decode_batch_size=self.decode_batch_size,
                                        max_new_tokens=params.max_new_tokens, decoding=params.decoding,
-                                       repeat_terminate=self._guard)
+                                       repeat_terminate=self._guard, hf_generate=self.hf_generate)
             self._backends[params] = backend
         return backend
 
