@@ -352,11 +352,14 @@ class CoordExpTrainer(Trainer):
         return int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.host.eos_id)
 
     # -- logging ----------------------------------------------------------------------------------------------
-    def _reduced(self, values: list[float]) -> list[float]:
+    def _reduced(self, values: list[float], op: str = "sum") -> list[float]:
+        """``values`` reduced over ranks (``sum``, ``min`` or ``max``); every rank must call it (a collective)."""
         if self.args.world_size <= 1 or not torch.distributed.is_initialized():
             return values
         tensor = torch.tensor(values, dtype=torch.float64, device=self.args.device)
-        torch.distributed.all_reduce(tensor)
+        reduce_op = {"sum": torch.distributed.ReduceOp.SUM, "min": torch.distributed.ReduceOp.MIN,
+                     "max": torch.distributed.ReduceOp.MAX}[op]
+        torch.distributed.all_reduce(tensor, op=reduce_op)
         return tensor.tolist()
 
     def step_log_values(self) -> dict[str, float]:
@@ -392,10 +395,12 @@ class CoordExpTrainer(Trainer):
                     "rows run emptier than configured; raise the per-device batch size or lower global_max_length.",
                     underfilled, rows, packing.min_fill_ratio, logs["packing/fill_ratio"],
                 )
-        if self.prefetcher is not None and stats.staleness:
-            # optimizer steps between the generating policy and the trained one (this rank; <= overlap.staleness)
-            logs["rollout/staleness_max"] = float(max(stats.staleness))
-            logs["rollout/staleness_mean"] = sum(stats.staleness) / len(stats.staleness)
+        if self.prefetcher is not None:
+            # optimizer steps between the generating policy and the trained one (all ranks; <= overlap.staleness)
+            (worst,) = self._reduced([float(max(stats.staleness, default=0))], "max")
+            total, count = self._reduced([float(sum(stats.staleness)), float(len(stats.staleness))])
+            if count:
+                logs["rollout/staleness_max"], logs["rollout/staleness_mean"] = worst, total / count
         if self.stage2:
             counters = sum_counters(stats.counters) if stats.counters else RolloutCounters()
             if self.args.world_size > 1 and torch.distributed.is_initialized():
@@ -403,8 +408,11 @@ class CoordExpTrainer(Trainer):
                 torch.distributed.all_reduce(tensor)
                 counters = RolloutCounters.from_tensor(tensor.cpu())
             logs.update(counters.to_log_dict(prefix="rollout/"))
-            if stats.seeds:  # this rank's first and last rollout seed of the window; every one is in the run log
-                logs["rollout/seed_first"], logs["rollout/seed_last"] = float(stats.seeds[0]), float(stats.seeds[-1])
+            # the lowest and highest rollout seed of the window over all ranks (every seed is in the run log)
+            (first,) = self._reduced([float(min(stats.seeds, default=float("inf")))], "min")
+            (last,) = self._reduced([float(max(stats.seeds, default=float("-inf")))], "max")
+            if first != float("inf"):
+                logs["rollout/seed_first"], logs["rollout/seed_last"] = first, last
             fallbacks = self.backend.run_metadata().get("fallback_events") if self.backend is not None else None
             if fallbacks is not None:
                 logs["rollout/sync_fallbacks"] = float(len(fallbacks))
