@@ -117,3 +117,27 @@ def server_rollout(servers: list[tuple[str, int]], **extra) -> dict:
 
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+# ms-swift rebinds transformers.trainer's callback globals when imported (swift/trainers/callback.py sets
+# PrinterCallback, DEFAULT_CALLBACKS and DEFAULT_PROGRESS_CALLBACK to its own classes, which read swift-only
+# TrainingArguments fields): every later coordexp training run in the same pytest process would then crash.
+_MODULES_SWIFT_PATCHES = ("transformers.trainer", "transformers.trainer_callback", "transformers.modeling_utils")
+
+
+def import_swift(*names: str) -> list:
+    """Import ms-swift modules for the interop tests and undo what their import rebinds in transformers, so the
+    rest of the session trains with transformers' own classes. Raises ImportError like a plain import."""
+    import importlib
+
+    modules = [importlib.import_module(name) for name in _MODULES_SWIFT_PATCHES]
+    saved = [dict(vars(module)) for module in modules]
+    try:
+        return [importlib.import_module(name) for name in names]
+    finally:
+        for module, before in zip(modules, saved):
+            for key in [k for k in vars(module) if k not in before]:
+                delattr(module, key)
+            for key, value in before.items():
+                if vars(module).get(key, value) is not value:
+                    setattr(module, key, value)

@@ -27,6 +27,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordexp.runtime.rollout import swift_sync as ss
+from testkit import import_swift
 from coordexp.runtime.rollout.protocol import FlattenedTensorMetadata
 from coordexp.runtime.rollout.weight_sync import (WeightSyncError, WeightSyncTimeout, flatten_bucket,
                                                   listening_socket)
@@ -271,7 +272,7 @@ def swift_client_module():
     if os.environ.get("COORDEXP_TEST_SWIFT", "1") == "0":
         pytest.skip("COORDEXP_TEST_SWIFT=0: the ms-swift interop tests are switched off")
     try:
-        from swift.trainers.rlhf_trainer import vllm_client
+        (vllm_client,) = import_swift("swift.trainers.rlhf_trainer.vllm_client")
     except ImportError as exc:
         pytest.skip(f"ms-swift's client is not importable ({exc}); run bash scripts/install_swift_client.sh")
     return vllm_client

@@ -18,13 +18,15 @@ import time
 import pytest
 
 from coordexp.runtime.server.serve import READY_PREFIX
+from testkit import import_swift
 
 if os.environ.get("COORDEXP_TEST_SWIFT", "1") == "0":
     pytest.skip("COORDEXP_TEST_SWIFT=0: the ms-swift interop tests are switched off", allow_module_level=True)
 try:
-    from swift.llm import RolloutInferRequest
-    from swift.llm.infer.protocol import RequestConfig, RolloutOutput
-    from swift.trainers.rlhf_trainer.vllm_client import VLLMClient
+    _llm, _protocol, _client = import_swift("swift.llm", "swift.llm.infer.protocol",
+                                            "swift.trainers.rlhf_trainer.vllm_client")
+    RolloutInferRequest, VLLMClient = _llm.RolloutInferRequest, _client.VLLMClient
+    RequestConfig, RolloutOutput = _protocol.RequestConfig, _protocol.RolloutOutput
 except ImportError as exc:  # pragma: no cover - depends on the environment
     pytest.skip(f"ms-swift's client is not importable ({exc}); run bash scripts/install_swift_client.sh",
                 allow_module_level=True)
@@ -166,3 +168,13 @@ def test_a_field_the_server_cannot_honour_is_a_400_naming_it(client, records, ru
 def test_reset_prefix_cache_and_close_communicator(client):
     client.reset_prefix_cache()
     client.close_communicator()  # swift's trainer closes before every init; with no group this is a no-op
+
+
+def test_importing_swift_leaves_transformers_training_classes_alone():
+    """Regression: ms-swift's import rebinds transformers.trainer's callbacks to its own (which read swift-only
+    TrainingArguments fields), and every later coordexp training run in the session crashed on ``max_epochs``."""
+    import transformers.trainer as hf_trainer
+
+    import_swift("swift.trainers.callback", "swift.trainers.rlhf_trainer.vllm_client")
+    callbacks = [hf_trainer.PrinterCallback, hf_trainer.DEFAULT_PROGRESS_CALLBACK, *hf_trainer.DEFAULT_CALLBACKS]
+    assert all(c.__module__ == "transformers.trainer_callback" for c in callbacks), callbacks
