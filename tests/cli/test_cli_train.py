@@ -98,7 +98,7 @@ def test_show_rollouts_renders_the_logged_rollouts(stage2_run, tmp_path):
     for path in paths:
         assert path.parent == tmp_path / "png"
         with Image.open(path) as image:
-            assert image.size == (112 * 4, 112 * 4)
+            assert image.size == (672, 672)  # 112 px upscaled to the legible minimum canvas side
 
 
 def test_show_rollouts_without_a_log_exits_2(tmp_path):
