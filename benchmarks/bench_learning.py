@@ -109,24 +109,15 @@ def _progress(every: int = 50) -> Any:
 
 
 def _train(config: Path) -> dict[str, Any]:
-    from transformers.trainer_callback import PrinterCallback
-
-    from coordexp.runtime.train.launch import build_trainer
+    from coordexp.runtime.train.launch import run_training
     from coordexp.schema.contract import load_contract
 
     run = load_contract(config)
     shutil.rmtree(run.training.output_dir, ignore_errors=True)
     started = time.perf_counter()
-    trainer = build_trainer(run, callbacks=[_progress()])
-    trainer.remove_callback(PrinterCallback)
-    try:
-        trainer.train()
-        trainer.save_model()
-    finally:
-        if trainer.backend is not None:
-            trainer.backend.close()
-    history = trainer.state.log_history
-    return {"steps": trainer.state.global_step, "wall_s": time.perf_counter() - started,
+    outcome = run_training(run, callbacks=[_progress()], print_logs=False)
+    history = outcome.log_history
+    return {"steps": outcome.global_step, "wall_s": time.perf_counter() - started,
             "trained_tokens": int(sum(h.get("tokens/trained", 0) for h in history)),
             "final_loss": next((h["loss"] for h in reversed(history) if "loss" in h), None)}
 

@@ -141,3 +141,44 @@ def import_swift(*names: str) -> list:
             for key, value in before.items():
                 if vars(module).get(key, value) is not value:
                     setattr(module, key, value)
+
+
+class ServeRolloutProcess:
+    """``python -m coordexp serve-rollout CFG --engine hf`` on a free loopback port, in its own process group,
+    its output in ``log`` (shown when it does not come up)."""
+
+    def __init__(self, config: Path, log: Path, env: dict[str, str] | None = None):
+        import os
+        import subprocess
+        import sys
+
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        with open(log, "wb") as sink:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "coordexp", "serve-rollout", str(config), "--engine", "hf", "--port",
+                 str(self.port), "--log-level", "warning"],
+                stdout=sink, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})})
+
+    def wait_healthy(self, timeout: float = 120.0) -> None:
+        from coordexp.runtime.rollout.client import RolloutServerClient, ServerUnreachableError
+
+        try:
+            RolloutServerClient(self.base_url, timeout_s=timeout).wait_until_healthy()
+        except ServerUnreachableError:
+            raise AssertionError(f"server did not start:\n{self.log.read_text(errors='replace')[-3000:]}") from None
+
+    def sync_status(self) -> dict:
+        import urllib.request
+
+        with urllib.request.urlopen(f"{self.base_url}/coordexp/sync_status/", timeout=10) as reply:
+            return json.loads(reply.read())
+
+    def kill(self) -> None:
+        import os
+        import signal
+
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)

@@ -7,12 +7,7 @@ process waits with timeouts); servers are terminated at teardown.
 from __future__ import annotations
 
 import logging
-import os
-import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -23,48 +18,25 @@ from coordexp.runtime.rollout.hf import HfRolloutBackend  # noqa: E402
 from coordexp.runtime.rollout.vllm_server import RolloutServerError, VllmServerBackend  # noqa: E402
 from coordexp.runtime.model.data import load_records  # noqa: E402
 from coordexp.runtime.model.encoding import encode_prompt, load_processor  # noqa: E402
-from coordexp.runtime.rollout.client import RolloutServerClient, ServerUnreachableError  # noqa: E402
 from coordexp.schema.contract import load_contract  # noqa: E402
 
-from testkit import free_port, server_rollout  # noqa: E402
+from testkit import ServeRolloutProcess, free_port, server_rollout  # noqa: E402
 
 pytestmark = pytest.mark.slow
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "num_beams": 1, "repetition_penalty": 1.0}
 
 
-class ServerProcess:
-    def __init__(self, config: Path, log: Path):
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "coordexp", "serve-rollout", str(config), "--engine", "hf", "--port",
-             str(self.port), "--log-level", "warning"],
-            stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
-
-    def wait(self, timeout: float = 90.0) -> None:
-        try:
-            RolloutServerClient(self.base_url, timeout_s=timeout).wait_until_healthy()
-        except ServerUnreachableError:
-            raise AssertionError(f"server did not start:\n{self.log.read_text(errors='replace')[-3000:]}") from None
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
-
-
 @pytest.fixture()
 def servers(tmp_path, write_config):
     """Start k servers (each on its own port) from one base config; all killed at teardown."""
-    started: list[ServerProcess] = []
+    started: list[ServeRolloutProcess] = []
 
-    def start(k: int) -> list[ServerProcess]:
+    def start(k: int) -> list[ServeRolloutProcess]:
         cfg = write_config({"rollout_matching": {"decoding": SAMPLING, "max_new_tokens": 12}}, name="server.yaml")
-        procs = [ServerProcess(cfg, tmp_path / f"server{i}.log") for i in range(k)]
+        procs = [ServeRolloutProcess(cfg, tmp_path / f"server{i}.log") for i in range(k)]
         started.extend(procs)
         for p in procs:
-            p.wait()
+            p.wait_healthy(timeout=90.0)
         return procs
 
     yield start

@@ -4,10 +4,6 @@ off; stubs for a server without the endpoint (``swift rollout``) and for malform
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordexp.errors import EXIT_EXTERNAL, exit_code_for
-from coordexp.runtime.rollout.client import RolloutServerClient, ServerUnreachableError
+from coordexp.runtime.rollout.client import RolloutServerClient
 from coordexp.runtime.rollout.repeat_guard_check import (
     RepeatGuardInactiveError,
     check_repeat_guards,
@@ -26,7 +22,7 @@ from coordexp.runtime.train.preflight import run_preflight
 from coordexp.schema.contract import load_contract
 from coordexp.schema.rollout import RepeatTerminateConfig
 
-from testkit import free_port, server_rollout, stub_server
+from testkit import ServeRolloutProcess, free_port, server_rollout, stub_server
 
 GUARD = {"enabled": True, "min_new_tokens": 8, "max_consecutive_token_repeats": 16, "ngram_size": 8,
          "ngram_repeats": 3, "max_object_keys": 20}
@@ -121,36 +117,15 @@ def test_any_answer_is_classified_never_a_crash(body):
 
 
 # -- real coordexp serve-rollout processes ----------------------------------------------------------------------
-class ServeRollout:
-    def __init__(self, config: Path, log: Path):
-        self.base_url = f"http://127.0.0.1:{free_port()}"
-        self.log = log
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "coordexp", "serve-rollout", str(config), "--engine", "hf", "--port",
-             self.base_url.rsplit(":", 1)[1], "--log-level", "warning"],
-            stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
-
-    def wait(self) -> None:
-        try:
-            RolloutServerClient(self.base_url, timeout_s=120).wait_until_healthy()
-        except ServerUnreachableError:
-            raise AssertionError(f"server did not start:\n{self.log.read_text(errors='replace')[-3000:]}") from None
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
-
-
 @pytest.fixture()
 def guarded_and_unguarded(tmp_path, write_config):
     """Two real servers from the same config but for repeat_terminate.enabled: (on, off)."""
-    servers = [ServeRollout(write_config({"rollout_matching": {"repeat_terminate": {**GUARD, "enabled": on}}},
+    servers = [ServeRolloutProcess(write_config({"rollout_matching": {"repeat_terminate": {**GUARD, "enabled": on}}},
                                          name=f"server_{on}.yaml"), tmp_path / f"server_{on}.log")
                for on in (True, False)]
     try:
         for server in servers:
-            server.wait()
+            server.wait_healthy()
         yield servers
     finally:
         for server in servers:

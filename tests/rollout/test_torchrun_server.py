@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -22,9 +21,8 @@ import yaml
 
 pytest.importorskip("coordexp.runtime.server.app", reason="coordexp serve-rollout is not part of this build yet")
 
-from coordexp.runtime.rollout.client import RolloutServerClient, ServerUnreachableError  # noqa: E402
 
-from testkit import REPO, free_port, server_rollout  # noqa: E402
+from testkit import REPO, ServeRolloutProcess, free_port, server_rollout  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -45,46 +43,19 @@ ROLLOUT = {"decode_batch_size": 2, "max_new_tokens": 16}
 SERVER_LIMITS = {"timeout_s": 60.0, "infer_timeout_s": 120.0}
 
 
-class ServerProcess:
-    """``python -m coordexp serve-rollout CFG --engine hf`` on a free loopback port, in its own process group."""
-
-    def __init__(self, config: Path, log: Path):
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        with open(log, "wb") as sink:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "coordexp", "serve-rollout", str(config), "--engine", "hf", "--port",
-                 str(self.port), "--log-level", "warning"],
-                stdout=sink, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **SINGLE_THREAD})
-
-    def wait_healthy(self, timeout: float = 120.0) -> None:
-        try:
-            RolloutServerClient(self.base_url, timeout_s=timeout).wait_until_healthy()
-        except ServerUnreachableError:
-            raise AssertionError(f"server did not start:\n{self.log.read_text(errors='replace')[-3000:]}") from None
-
-    def sync_status(self) -> dict:
-        with urllib.request.urlopen(f"{self.base_url}/coordexp/sync_status/", timeout=10) as reply:
-            return json.loads(reply.read())
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
 
 
 @pytest.fixture()
 def start_server(tmp_path, write_config):
     """Start one server for ``model_dir`` (default: the learner's tiny model); killed at teardown."""
-    started: list[ServerProcess] = []
+    started: list[ServeRolloutProcess] = []
 
-    def start(model_dir: Path | None = None) -> ServerProcess:
+    def start(model_dir: Path | None = None) -> ServeRolloutProcess:
         overrides: dict = {"rollout_matching": {**ROLLOUT}}
         if model_dir is not None:
             overrides["model"] = {"path": str(model_dir), "dtype": "float32", "attn_implementation": "sdpa"}
-        server = ServerProcess(write_config(overrides, name=f"server{len(started)}.yaml"),
-                               tmp_path / f"server{len(started)}.log")
+        server = ServeRolloutProcess(write_config(overrides, name=f"server{len(started)}.yaml"),
+                                     tmp_path / f"server{len(started)}.log", env=SINGLE_THREAD)
         started.append(server)
         server.wait_healthy()
         return server
@@ -94,7 +65,7 @@ def start_server(tmp_path, write_config):
         server.kill()
 
 
-def learner_config(write_config, tmp_path: Path, server: ServerProcess, *, overlap: bool = False,
+def learner_config(write_config, tmp_path: Path, server: ServeRolloutProcess, *, overlap: bool = False,
                    max_steps: int = TRAINING["max_steps"]) -> Path:
     rollout = server_rollout([(server.base_url, free_port())], server=SERVER_LIMITS, **ROLLOUT,
                              overlap={"enabled": overlap})
