@@ -73,9 +73,11 @@ def _escape_char(match: re.Match[str]) -> str:
 
 def plain(value: object, *, multiline: bool = False) -> str:
     """``str(value)`` with control characters shown as escapes (``\\x1b``), so printing it cannot drive the
-    terminal; ``multiline`` keeps newlines and tabs (messages that list problems line by line)."""
+    terminal; ``multiline`` keeps newlines and tabs (messages that list problems line by line). A trailing
+    backslash is shown as ``\\x5c`` too: Rich prints it once or twice depending on what follows it."""
     pattern = _UNSAFE_MULTILINE if multiline else _UNSAFE_INLINE
-    return pattern.sub(_escape_char, str(value))
+    shown = pattern.sub(_escape_char, str(value))
+    return shown[:-1] + "\\x5c" if shown.endswith("\\") else shown
 
 
 def safe(value: object, *, multiline: bool = False) -> str:

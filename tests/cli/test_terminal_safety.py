@@ -8,7 +8,7 @@ import json
 import unicodedata
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from rich.console import Console
 from typer.testing import CliRunner
@@ -61,7 +61,7 @@ def test_hostile_file_names_and_values_are_escaped(stage2_config, write_yaml, tm
 def test_plain_leaves_no_control_character_and_keeps_printable_text(text):
     shown = plain(text)
     assert _raw_controls(shown, allow="") == []
-    if not _raw_controls(text, allow=""):
+    if not _raw_controls(text, allow="") and not text.endswith("\\"):
         assert shown == text  # nothing to escape: unchanged
     multiline = plain(text, multiline=True)
     assert _raw_controls(multiline, allow="\n\t") == []
@@ -69,6 +69,8 @@ def test_plain_leaves_no_control_character_and_keeps_printable_text(text):
 
 
 @given(st.text(alphabet=st.characters(codec="utf-8"), max_size=40))
+@example("\\")  # Rich's escape doubled a trailing backslash, which then printed twice
+@example("C:\\temp\\\\")
 def test_safe_prints_exactly_the_escaped_text_through_rich(text):
     """Rich never interprets a user string as markup (``[red]``, ``[/]``, ``[link=...]``) once it went through safe."""
     buffer = io.StringIO()
