@@ -7,6 +7,8 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from coordexp.runtime.model.data import load_records
 from coordexp.runtime.core.matching import rasterize
@@ -150,3 +152,54 @@ def test_count_weights_skew_the_object_counts(tmp_path):
 def test_rejects_bad_layouts(tmp_path, kwargs, message):
     with pytest.raises(ValueError, match=message):
         write_synthetic_dataset(tmp_path, n_train=1, n_val=0, seed=0, **kwargs)
+
+
+def _checker_response(pixels, channel, row, col, patch=14):
+    """What a 14 x 14 +-1 checkerboard filter of the (linear) patch embedding reads from one patch and channel."""
+    block = pixels[row * patch:(row + 1) * patch, col * patch:(col + 1) * patch, channel].astype(np.float64)
+    checker = np.where((np.arange(patch)[:, None] + np.arange(patch)[None, :]) % 2 == 0, 1.0, -1.0)
+    return float((block * checker).sum()) / patch**2
+
+
+@settings(max_examples=40, deadline=None)
+@given(colour=st.tuples(*[st.integers(55, 200)] * 3), row=st.integers(0, 7), col=st.integers(0, 7),
+       amplitude=st.floats(5.0, 50.0))
+def test_position_code_is_read_exactly_by_a_checkerboard_filter(colour, row, col, amplitude):
+    """Red's checkerboard response is the patch centre's x and blue's its y, linearly and whatever the flat colour
+    under it: the property that lets a patch embedding learn where it is (docs/design.md)."""
+    from PIL import Image
+
+    from coordexp.runtime.toy.synthetic import add_position_code
+
+    size, patch = 112, 14
+    coded = np.asarray(add_position_code(Image.new("RGB", (size, size), colour), amplitude))
+    # the ramp runs from -amplitude to +amplitude across the image; a patch reads it at its centre (within rounding)
+    centre_x = 2.0 * (col + 0.5) * patch / size - 1.0
+    centre_y = 2.0 * (row + 0.5) * patch / size - 1.0
+    assert _checker_response(coded, 0, row, col) == pytest.approx(amplitude * centre_x, abs=0.5)
+    assert _checker_response(coded, 2, row, col) == pytest.approx(amplitude * centre_y, abs=0.5)
+    assert abs(_checker_response(coded, 1, row, col)) < 1e-9  # green carries nothing
+    assert np.abs(coded.astype(int) - np.array(colour)).max() <= amplitude + 0.5  # a faint texture, not a repaint
+
+
+def test_position_code_keeps_labels_and_layout(tmp_path):
+    """The coded dataset has the same records as the plain one (the code changes pixels, never labels), different
+    image bytes, and every pixel within the amplitude of the plain image's."""
+    from PIL import Image
+
+    plain = write_synthetic_dataset(tmp_path / "plain", n_train=6, n_val=2, seed=3, min_objects=1, max_objects=4)
+    coded = write_synthetic_dataset(tmp_path / "coded", n_train=6, n_val=2, seed=3, min_objects=1, max_objects=4,
+                                    position_code=40)
+    assert plain.train_jsonl.read_text() == coded.train_jsonl.read_text()
+    assert plain.val_jsonl.read_text() == coded.val_jsonl.read_text()
+    for name in ("train_00000.png", "val_00001.png"):
+        a = np.asarray(Image.open(plain.image_dir / name)).astype(int)
+        b = np.asarray(Image.open(coded.image_dir / name)).astype(int)
+        assert not np.array_equal(a, b) and np.abs(a - b).max() <= 40
+        assert np.array_equal(a[..., 1], b[..., 1])
+
+
+@pytest.mark.parametrize("amplitude", [-1.0, 256.0, float("nan")])
+def test_rejects_bad_position_codes(tmp_path, amplitude):
+    with pytest.raises(ValueError, match="position_code must be an amplitude"):
+        write_synthetic_dataset(tmp_path, n_train=1, n_val=0, seed=0, position_code=amplitude)

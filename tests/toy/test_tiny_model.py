@@ -251,3 +251,26 @@ def test_demo_style_build_has_small_init_and_smooth_coord_rows(tmp_path):
         far = cosine(rows[300:301], rows[800:801]).item()
         assert near > 0.95 and near > far
         assert cosine(rows[0:1], rows[999:1000]).item() > 0.2  # the shared direction: all coords alike in part
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_tower_size_and_rotary_base_reach_the_built_model(tmp_path, family, two_images):
+    """The recipe-search knobs (docs/design.md, decision 10) land in the saved checkpoint, which still loads, sees
+    its image and generates; impossible shapes are refused before anything is built."""
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    from coordexp.runtime.model.encoding import load_processor
+    from coordexp.runtime.toy.tiny_model import tiny_model_config
+
+    path = build_tiny_model(tmp_path / family, family=family, vision_width=96, vision_depth=3, rope_theta=100.0)
+    model = AutoModelForImageTextToText.from_pretrained(str(path)).eval()
+    vision = model.config.vision_config
+    assert (getattr(vision, "embed_dim", None) or vision.hidden_size) == 96
+    assert vision.depth == 3 and vision.num_heads == 3 and len(model.model.visual.blocks) == 3
+    assert model.config.text_config.rope_parameters["rope_theta"] == 100.0
+    prompt = encode_prompt(load_processor(path), two_images[0], TEMPLATE)
+    assert len(_generate(model, prompt, n=3)) == 3
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    for bad in ({"vision_width": 48}, {"vision_depth": 0}, {"rope_theta": float("nan")}, {"rope_theta": 1.0}):
+        with pytest.raises(ValueError, match="vision_width|rope_theta"):
+            tiny_model_config(tokenizer, family, **bad)

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["COLOURS", "SHAPES", "SyntheticDataset", "write_synthetic_dataset", "synthetic_record"]
+__all__ = ["COLOURS", "SHAPES", "SyntheticDataset", "add_position_code", "write_synthetic_dataset",
+           "synthetic_record"]
 
 COLOURS: dict[str, tuple[int, int, int]] = {
     "red": (220, 40, 40),
@@ -109,8 +110,11 @@ def _draw(image: Any, kind: str, coords: list[int], colour: tuple[int, int, int]
 
 
 def _check_layout(
-    min_objects: int, max_objects: int, shapes: tuple[str, ...], count_weights: tuple[float, ...] | None = None
+    min_objects: int, max_objects: int, shapes: tuple[str, ...], count_weights: tuple[float, ...] | None = None,
+    position_code: float = 0.0,
 ) -> None:
+    if not 0.0 <= position_code <= 255.0:  # also refuses NaN
+        raise ValueError(f"position_code must be an amplitude in [0, 255] 8-bit levels (0 = none), got {position_code}")
     if not 0 <= min_objects <= max_objects <= _MAX_OBJECTS:
         raise ValueError(
             f"need 0 <= min_objects <= max_objects <= {_MAX_OBJECTS} (one shape per cell of a {_GRID}x{_GRID} grid), "
@@ -136,15 +140,17 @@ def synthetic_record(
     max_objects: int = _MAX_OBJECTS,
     shapes: tuple[str, ...] = SHAPES,
     count_weights: tuple[float, ...] | None = None,
+    position_code: float = 0.0,
 ) -> tuple[Any, list[dict[str, Any]]]:
     """One image and its objects (norm1000 ints), sorted top-to-bottom then left-to-right.
 
     The object count is uniform in ``[min_objects, max_objects]`` (or drawn with ``count_weights``, one weight per
-    count, e.g. a long tail like real detection sets) and each kind uniform over ``shapes``.
+    count, e.g. a long tail like real detection sets) and each kind uniform over ``shapes``. ``position_code`` > 0
+    adds :func:`add_position_code` with that amplitude (8-bit levels).
     """
     from PIL import Image
 
-    _check_layout(min_objects, max_objects, tuple(shapes), count_weights)
+    _check_layout(min_objects, max_objects, tuple(shapes), count_weights, position_code)
     width, height = image_size
     grey = rng.randint(20, 70)
     image = Image.new("RGB", (width, height), (grey, grey, grey))
@@ -165,7 +171,31 @@ def synthetic_record(
         _draw(image, kind, coords, COLOURS[colour_name])
         objects.append(entry)
     objects.sort(key=lambda o: (min((o.get("bbox_2d") or o["poly"])[1::2]), min((o.get("bbox_2d") or o["poly"])[::2])))
+    if position_code:
+        image = add_position_code(image, position_code)
     return image, objects
+
+
+def add_position_code(image: Any, amplitude: float) -> Any:
+    """``image`` with a pixel-level position code: red carries x and blue carries y as a +-1 checkerboard whose
+    amplitude grows linearly across the image (from ``-amplitude`` to ``+amplitude`` levels), added to every pixel.
+
+    Why: Qwen2-VL has no absolute position embedding (rotary only), so a model trained from scratch has no cheap way
+    to say *where* a patch is; a pre-trained checkpoint learned that from web-scale data. A 14 x 14 checkerboard
+    filter of the (linear) patch embedding reads this code exactly and ignores flat colours, so a tiny model on CPU
+    can learn localisation in minutes (docs/design.md, decision 10).
+    """
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.asarray(image, dtype=np.float32).copy()
+    height, width = pixels.shape[:2]
+    checker = np.where((np.arange(height)[:, None] + np.arange(width)[None, :]) % 2 == 0, 1.0, -1.0)
+    ramp_x = (2.0 * (np.arange(width) + 0.5) / width - 1.0)[None, :]
+    ramp_y = (2.0 * (np.arange(height) + 0.5) / height - 1.0)[:, None]
+    pixels[..., 0] += amplitude * ramp_x * checker
+    pixels[..., 2] += amplitude * ramp_y * checker
+    return Image.fromarray(np.clip(np.rint(pixels), 0, 255).astype(np.uint8), mode="RGB")
 
 
 def write_synthetic_dataset(
@@ -179,6 +209,7 @@ def write_synthetic_dataset(
     max_objects: int = _MAX_OBJECTS,
     shapes: tuple[str, ...] = SHAPES,
     count_weights: tuple[float, ...] | None = None,
+    position_code: float = 0.0,
 ) -> SyntheticDataset:
     """Write ``train.jsonl``, ``val.jsonl`` and ``images/*.png`` under ``directory``; same arguments -> same bytes.
 
@@ -191,7 +222,7 @@ def write_synthetic_dataset(
         raise ValueError(f"need n_train >= 1 and n_val >= 0, got n_train={n_train}, n_val={n_val}")
     shapes = tuple(shapes)
     count_weights = None if count_weights is None else tuple(float(w) for w in count_weights)
-    _check_layout(min_objects, max_objects, shapes, count_weights)
+    _check_layout(min_objects, max_objects, shapes, count_weights, position_code)
     width, height = image_size
     if width < 28 or height < 28:
         raise ValueError(f"image_size {image_size} is too small; use at least 28 x 28 pixels")
@@ -205,7 +236,7 @@ def write_synthetic_dataset(
             rng = random.Random(f"coordexp-synthetic:{seed}:{split}:{index}")
             image, objects = synthetic_record(
                 rng, (width, height), min_objects=min_objects, max_objects=max_objects, shapes=shapes,
-                count_weights=count_weights,
+                count_weights=count_weights, position_code=position_code,
             )
             name = f"{split}_{index:05d}.png"
             image.save(image_dir / name, format="PNG", optimize=False)

@@ -57,11 +57,16 @@ def tiny_model_config(
     num_layers: int = 2,
     init_std: float = TINY_INIT_STD,
     vision_init_std: float | None = None,
+    rope_theta: float = 10000.0,
+    vision_depth: int | None = None,
+    vision_width: int = 64,
 ):
     """The config of the tiny model for ``tokenizer``: hidden 128, 2 layers, 2 heads, 1 KV head, vision depth 1-2.
 
     ``hidden_size`` (a multiple of 64: heads of 64 dims) and ``num_layers`` scale the language model up, e.g. for
-    benchmarks where compute, not Python overhead, should dominate. ``init_std`` is the weight init std of both
+    benchmarks where compute, not Python overhead, should dominate; ``vision_width`` (a multiple of 32) and
+    ``vision_depth`` the vision tower, ``rope_theta`` the language model's rotary base (recipe searches,
+    docs/design.md, decision 10). ``init_std`` is the weight init std of both
     towers (``vision_init_std``, when given, overrides it for the vision tower): 0.2 keeps random outputs
     image-dependent (tests); the standard 0.02 trains the language model much better (the demo).
     """
@@ -69,6 +74,11 @@ def tiny_model_config(
         raise ValueError(f"unknown tiny model family {family!r}; choose one of {list(TINY_FAMILIES)}")
     if hidden_size % 64 or hidden_size < 64 or num_layers < 1:
         raise ValueError(f"hidden_size must be a positive multiple of 64 and num_layers >= 1 (got {hidden_size}, {num_layers})")
+    if vision_width % 32 or vision_width < 32 or (vision_depth is not None and vision_depth < 1):
+        raise ValueError(f"vision_width must be a positive multiple of 32 (heads of 32 dims) and vision_depth >= 1 "
+                         f"(got {vision_width}, {vision_depth})")
+    if not (math.isfinite(rope_theta) and rope_theta > 1.0):
+        raise ValueError(f"rope_theta must be a finite number > 1 (got {rope_theta}); Qwen2-VL's language model uses 1e6")
     vision_std = init_std if vision_init_std is None else vision_init_std
     if not (init_std > 0 and vision_std > 0):
         raise ValueError(f"init stds must be > 0 (got init_std={init_std}, vision_init_std={vision_init_std}); "
@@ -83,7 +93,7 @@ def tiny_model_config(
         num_key_value_heads=1,
         max_position_embeddings=4096,
         initializer_range=init_std,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12]},
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta, "mrope_section": [8, 12, 12]},
         bos_token_id=ids["<|endoftext|>"],
         eos_token_id=ids["<|im_end|>"],
         pad_token_id=ids["<|endoftext|>"],
@@ -98,12 +108,12 @@ def tiny_model_config(
     if family == "qwen2_vl":
         from transformers import Qwen2VLConfig
 
-        vision = dict(depth=1, embed_dim=64, hidden_size=hidden_size, num_heads=2, mlp_ratio=2, patch_size=14,
+        vision = dict(depth=vision_depth or 1, embed_dim=vision_width, hidden_size=hidden_size, num_heads=vision_width // 32, mlp_ratio=2, patch_size=14,
                       spatial_merge_size=2, temporal_patch_size=2, initializer_range=vision_std)
         return Qwen2VLConfig(text_config=text, vision_config=vision, **shared)
     from transformers import Qwen2_5_VLConfig
 
-    vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2,
+    vision = dict(depth=vision_depth or 2, hidden_size=vision_width, intermediate_size=2 * vision_width, num_heads=vision_width // 32,
                   patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
                   fullatt_block_indexes=[1], initializer_range=vision_std)
     vision["out_hidden_size"] = hidden_size
@@ -146,6 +156,9 @@ def build_tiny_model(
     init_std: float = TINY_INIT_STD,
     vision_init_std: float | None = None,
     smooth_coord_embeddings: bool = False,
+    rope_theta: float = 10000.0,
+    vision_depth: int | None = None,
+    vision_width: int = 64,
 ) -> Path:
     """Build and save (``save_pretrained``) the tiny tokenizer, processor and randomly initialised model into ``path``.
 
@@ -162,7 +175,8 @@ def build_tiny_model(
     build_tiny_tokenizer(out)
     tokenizer = AutoTokenizer.from_pretrained(str(out))
     config = tiny_model_config(tokenizer, family, hidden_size=hidden_size, num_layers=num_layers, init_std=init_std,
-                               vision_init_std=vision_init_std)
+                               vision_init_std=vision_init_std, rope_theta=rope_theta, vision_depth=vision_depth,
+                               vision_width=vision_width)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = _model_class(family)(config).to(torch.float32)
