@@ -99,7 +99,7 @@ def _print_summary(result: Any, total: float) -> None:
                   f"{a.counters.truncated_rollouts}/{a.counters.samples}")
     out.print(table)
     reached = "reached" if result.stage1_reached_target else "did not reach"
-    out.print(f"stage 1: {result.stage1_steps} steps ({reached} the parse target) -> {safe(result.stage1_dir)}")
+    out.print(f"stage 1: {result.stage1_steps} steps ({reached} the parse and match targets) -> {safe(result.stage1_dir)}")
     out.print(f"stage 2: {result.stage2_steps} steps -> {safe(result.stage2_dir)}")
     times = ", ".join(f"{name} {seconds:.0f}s" for name, seconds in result.seconds.items())
     out.print(f"time: {total:.0f}s ({times})")

@@ -33,7 +33,7 @@ __all__ = [
     "RolloutEval",
     "DemoResult",
     "ensure_assets",
-    "ParseRateStop",
+    "Stage1TargetStop",
     "evaluate",
     "run_demo",
 ]
@@ -45,19 +45,22 @@ RUN_MARKER = ".coordexp-demo-run"  # marks an output_dir the demo created and ma
 class DemoPlan:
     """What the demo runs; the ``*_max_steps`` overrides cap the configs' ``training.max_steps`` (tests, --quick).
 
-    The model and data fields are the measured recipe that lets a 2-layer model learn the output format on 2 CPU
-    cores in a few minutes: standard init (0.02) for the language model, a livelier vision tower (0.2) so images
-    differ at the start, smooth coord-token rows, and 1-4 rectangles/triangles per image (fixed arities 4 and 6).
+    The model and data fields are the measured recipe that lets a 2-layer model learn the output format, and start
+    to learn where the shapes are, on 2 CPU cores in a few minutes: standard init (0.02) for the language model, a
+    livelier vision tower (0.2) so images differ at the start, smooth coord-token rows, and 1-2
+    rectangles/triangles per image (fixed arities 4 and 6) on images that carry a pixel position code, without
+    which a random Qwen2-VL cannot learn where shapes are (docs/design.md, decision 10).
     """
 
     stage1_config: Path
     stage2_config: Path
-    n_train: int = 512
+    n_train: int = 1024
     n_val: int = 16
     data_seed: int = 0
     min_objects: int = 1
-    max_objects: int = 4
+    max_objects: int = 2
     shapes: tuple[str, ...] = ("rectangle", "triangle")
+    position_code: float = 100.0
     model_seed: int = 0
     init_std: float = 0.02
     vision_init_std: float = 0.2
@@ -66,6 +69,7 @@ class DemoPlan:
     stage2_max_steps: Optional[int] = None
     stage1_eval_every: int = 100
     stage1_target_parse_rate: float = 0.8
+    stage1_target_match_rate: float = 0.5
     eval_records: int = 16
     png_count: int = 4
 
@@ -77,7 +81,7 @@ class DemoPlan:
     def data_build(self) -> dict[str, Any]:
         """The arguments of ``write_synthetic_dataset`` (also the data manifest: a change rewrites the data)."""
         return {"n_train": self.n_train, "n_val": self.n_val, "seed": self.data_seed, "min_objects": self.min_objects,
-                "max_objects": self.max_objects, "shapes": list(self.shapes)}
+                "max_objects": self.max_objects, "shapes": list(self.shapes), "position_code": self.position_code}
 
 
 @dataclass(frozen=True)
@@ -235,15 +239,17 @@ def evaluate(trainer: "CoordExpTrainer", records: Sequence["DetectionRecord"], *
     return RolloutEval(counters, loss, ap=detection.bbox["AP"], ap50=detection.bbox["AP50"])
 
 
-class ParseRateStop(TrainerCallback):
-    """Every ``every`` steps roll out ``records``; stop training once the parse valid rate reaches ``target``."""
+class Stage1TargetStop(TrainerCallback):
+    """Every ``every`` steps roll out ``records``; stop training once the parse valid rate reaches ``parse_target``
+    and the match rate ``match_target`` (the format alone is learned long before where the shapes are)."""
 
-    def __init__(self, trainer: "CoordExpTrainer", records: Sequence["DetectionRecord"], *, every: int, target: float,
-                 log: Callable[[str], None] = print) -> None:
+    def __init__(self, trainer: "CoordExpTrainer", records: Sequence["DetectionRecord"], *, every: int,
+                 parse_target: float, match_target: float, log: Callable[[str], None] = print) -> None:
         self.trainer = trainer
         self.records = list(records)
         self.every = max(1, every)
-        self.target = target
+        self.parse_target = parse_target
+        self.match_target = match_target
         self.log = log
         self.history: list[tuple[int, RolloutCounters]] = []
         self.reached = False
@@ -254,7 +260,8 @@ class ParseRateStop(TrainerCallback):
         self.history.append((step, counters))
         ratios = counters.ratios()
         rate, match = ratios["parse_valid_rate"], ratios["match_rate"]
-        self.reached = counters.pred_parsed > 0 and rate is not None and rate >= self.target
+        self.reached = (counters.pred_parsed > 0 and rate is not None and rate >= self.parse_target
+                        and match is not None and match >= self.match_target)
         self.log(
             f"stage 1 check at step {step}: parse valid {_pct(rate)} of {counters.pred_parsed} parsed objects, "
             f"match {_pct(match)}, box AP50 {_pct(result.ap50)}, truncated {counters.truncated_rollouts}/{counters.samples}"
@@ -289,7 +296,7 @@ def run_demo(
     callbacks_for: Callable[[str], Sequence[Any]] = lambda stage: (),
     log: Callable[[str], None] = print,
 ) -> DemoResult:
-    """Assets -> stage 1 (stops early at the parse target) -> evaluate -> stage 2 -> evaluate -> PNGs."""
+    """Assets -> stage 1 (stops early at the parse and match targets) -> evaluate -> stage 2 -> evaluate -> PNGs."""
     from coordexp.schema.contract import load_contract
 
     seconds: dict[str, float] = {}
@@ -309,9 +316,9 @@ def run_demo(
     clock = time.monotonic()
     _claim_output_dir(run1.training.output_dir)
     trainer1 = build_trainer(run1, callbacks=callbacks_for("stage 1"))
-    stopper = ParseRateStop(
+    stopper = Stage1TargetStop(
         trainer1, _val_records(trainer1, plan.eval_records), every=plan.stage1_eval_every,
-        target=plan.stage1_target_parse_rate, log=log,
+        parse_target=plan.stage1_target_parse_rate, match_target=plan.stage1_target_match_rate, log=log,
     )
     trainer1.add_callback(stopper)
     trainer1.remove_callback(PrinterCallback)  # the progress callbacks print; HF's raw log dicts would duplicate
