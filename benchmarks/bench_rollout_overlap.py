@@ -100,7 +100,7 @@ def _learner_config(base: dict, server_url: str, *, overlap: bool, steps: int, b
 def run_overlap(tmp: Path, base: dict, *, overlap: bool, steps: int, batch: int, new_tokens: int,
                 pinned: bool) -> dict:
     """One stage-2 run against a fresh server: median step / rollout-wait / generation seconds after step 0."""
-    from transformers import TrainerCallback
+    from _step_clock import StepClock
 
     from coordexp.runtime.train.launch import build_trainer
     from coordexp.schema.contract import load_contract
@@ -110,21 +110,13 @@ def run_overlap(tmp: Path, base: dict, *, overlap: bool, steps: int, batch: int,
     server_cfg.write_text(yaml.safe_dump({**base, "rollout_matching": {
         "decode_batch_size": batch, "max_new_tokens": new_tokens}}), encoding="utf-8")
     server = RolloutServer(server_cfg, tmp / f"server_{name}.log", pinned=pinned)
-    walls: list[float] = []
-
-    class StepClock(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.started = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            walls.append(time.perf_counter() - self.started)
-
+    clock = StepClock()
     try:
         config = _learner_config({**base, "training": {"output_dir": str(tmp / f"run_{name}")}}, server.base_url,
                                  overlap=overlap, steps=steps, batch=batch, new_tokens=new_tokens)
         path = tmp / f"learner_{name}.yaml"
         path.write_text(yaml.safe_dump(config), encoding="utf-8")
-        trainer = build_trainer(load_contract(path), callbacks=[StepClock()])
+        trainer = build_trainer(load_contract(path), callbacks=[clock])
         try:
             with contextlib.redirect_stdout(sys.stderr):  # the trainer's per-step log dicts; stdout keeps the figures
                 trainer.train()
@@ -133,7 +125,7 @@ def run_overlap(tmp: Path, base: dict, *, overlap: bool, steps: int, batch: int,
     finally:
         server.close()
     logs = [h for h in trainer.state.log_history if "loss" in h][1:]
-    timed = walls[1:]
+    timed = clock.walls[1:]
     rollout = [h.get("time/rollout_s", 0.0) for h in logs]  # main-thread wait: /infer/ (+ the weight push)
     generate = [h.get("time/rollout_generate_s", 0.0) for h in logs]  # background generation (overlap on)
     step_s = statistics.median(timed)

@@ -68,21 +68,14 @@ def run_one(config: Path) -> dict:
     from coordexp.runtime.train.launch import build_trainer
     from coordexp.schema.contract import load_contract
 
+    from _step_clock import StepClock
+
     trainer = build_trainer(load_contract(config))
     started = time.perf_counter()
-    step_walls: list[float] = []
-
-    from transformers import TrainerCallback
-
-    class StepClock(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            step_walls.append(time.perf_counter() - self.t0)
-
-    trainer.add_callback(StepClock())
+    clock = StepClock()
+    trainer.add_callback(clock)
     trainer.train()
+    step_walls = clock.walls
     logs = [h for h in trainer.state.log_history if "time/forward_s" in h][1:]  # drop the warm-up step
     total = sum(step_walls[1:])
     split = {k: sum(h.get(f"time/{k}_s", 0.0) for h in logs) for k in ("rollout", "host", "forward", "backward")}

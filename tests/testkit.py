@@ -19,6 +19,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def send_json(handler: BaseHTTPRequestHandler, status: int, payload: object) -> None:
+    """Answer an ``http.server`` request with ``payload`` (JSON-encoded unless already bytes) and its length."""
+    data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+
+
 class StubServer:
     """``behaviour[path]`` maps a request (method, path, JSON body) to (status, body bytes) or a callable action.
     Every received call is recorded in ``calls`` as (method, path, body)."""
@@ -43,13 +53,7 @@ class StubServer:
                 result = action(self, body)
                 if result is None:
                     return
-                status, payload = result
-                data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                send_json(self, *result)
 
             def do_GET(self):
                 self._handle("GET")

@@ -27,7 +27,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordexp.runtime.rollout import swift_sync as ss
-from testkit import import_swift
+from testkit import import_swift, send_json
 from coordexp.runtime.rollout.protocol import FlattenedTensorMetadata
 from coordexp.runtime.rollout.weight_sync import (WeightSyncError, WeightSyncTimeout, flatten_bucket,
                                                   listening_socket)
@@ -500,28 +500,20 @@ class StandInSwiftServer:
             def log_message(self, *args):
                 pass
 
-            def _answer(self, status, payload):
-                data = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
             def do_GET(self):
                 stand_in.calls.append(("GET", self.path, None))
                 if self.path == "/health/":
-                    return self._answer(200, {"status": "ok"})
+                    return send_json(self, 200, {"status": "ok"})
                 if self.path == "/get_world_size/":
-                    return self._answer(200, {"world_size": 1})
-                return self._answer(404, {"detail": "Not Found"})
+                    return send_json(self, 200, {"world_size": 1})
+                return send_json(self, 404, {"detail": "Not Found"})
 
             def do_POST(self):
                 length = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(length) or b"null")
                 stand_in.calls.append(("POST", self.path, body))
                 status, payload = stand_in.post(self.path, body)
-                self._answer(status, payload)
+                send_json(self, status, payload)
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"

@@ -519,20 +519,21 @@ def create_app(engine: RolloutEngine, processor: Any, template: TemplateConfig, 
         service.queue_receive("update_flattened_params", body.metadatas, engine.load_weights)
         return {"message": p.MESSAGE_UPDATE_FLATTENED}
 
-    @app.post("/update_adapter_flattened_param/")
-    async def update_adapter(body: p.UpdateFlattenedAdapterRequest) -> dict:
+    def require_adapter_support() -> None:
         if not engine.supports_adapter:
             raise HTTPException(400, f"this {engine.engine_type} engine has no LoRA support (enable_lora: false); "
                                      "sync full merged weights instead (/update_flattened_params/)")
+
+    @app.post("/update_adapter_flattened_param/")
+    async def update_adapter(body: p.UpdateFlattenedAdapterRequest) -> dict:
+        require_adapter_support()
         service.queue_receive("update_adapter_flattened_param", body.metadatas,
                               lambda named: engine.load_adapter(body.lora_int_id, body.peft_config, named))
         return {"message": p.MESSAGE_UPDATE_ADAPTER}
 
     @app.post("/update_adapter_param/")
     async def update_adapter_param(body: swift_sync.UpdateAdapterParamRequest) -> dict:
-        if not engine.supports_adapter:
-            raise HTTPException(400, f"this {engine.engine_type} engine has no LoRA support (enable_lora: false); "
-                                     "sync full merged weights instead (/update_flattened_params/)")
+        require_adapter_support()
         service.queue_receive("update_adapter_param", body.lora_tensors_metadata,
                               lambda named: engine.load_adapter(body.lora_int_id, body.peft_config, named), each=True)
         return {"message": swift_sync.MESSAGE_UPDATE_ADAPTER_PARAM}
