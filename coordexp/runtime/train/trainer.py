@@ -198,9 +198,7 @@ class CoordExpTrainer(Trainer):
             following = [plan for plan in self._planned if plan.key > (step, micro_step)]
             if following:
                 plan = following[0]
-                stride = max(int(self.args.per_device_train_batch_size), len(plan.records))
-                next_seeds = train_request_seeds(self.args.seed, plan.key[0], plan.key[1], self.args.process_index,
-                                                 max(1, self.args.world_size), stride, len(plan.records))
+                next_seeds = self._request_seeds(*plan.key, len(plan.records))
                 _, next_requests = self._requests(plan.records, next_seeds)
                 self.prefetcher.request(plan.key, plan.records, next_requests, policy_version=step)
         if tag == "train":
@@ -230,9 +228,14 @@ class CoordExpTrainer(Trainer):
         owner, drawn = self._micro_step
         micro = drawn if owner == step else 0
         self._micro_step = (step, micro + 1)
+        return micro, self._request_seeds(step, micro, count)
+
+    def _request_seeds(self, step: int, micro: int, count: int) -> list[int]:
+        """This rank's ``count`` seeds for micro-step ``micro`` of optimizer step ``step``
+        (:func:`train_request_seeds`), whether drawn now or for a prefetch."""
         stride = max(int(self.args.per_device_train_batch_size), count)
-        return micro, train_request_seeds(self.args.seed, step, micro, self.args.process_index,
-                                          max(1, self.args.world_size), stride, count)
+        return train_request_seeds(self.args.seed, step, micro, self.args.process_index,
+                                   max(1, self.args.world_size), stride, count)
 
     def rollout_samples(self, records: Sequence["DetectionRecord"], *, tag: str, seeds: Sequence[int],
                         micro_step: int | None = None) -> list[SampleTarget]:
