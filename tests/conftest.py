@@ -94,6 +94,14 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def qwen3_model_dir(tmp_path_factory):
+    """The tiny Qwen3-VL checkpoint (patch 16, DeepStack, interleaved M-RoPE), built once per session."""
+    from coordexp.runtime.toy.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_vl"), family="qwen3_vl", seed=0)
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory):
     """A folder holding the saved tiny tokenizer (``AutoTokenizer.from_pretrained`` loads it)."""
     path = tmp_path_factory.mktemp("tiny_tokenizer")

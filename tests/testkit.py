@@ -148,10 +148,10 @@ def import_swift(*names: str) -> list:
 
 
 class ServeRolloutProcess:
-    """``python -m coordexp serve-rollout CFG --engine hf`` on a free loopback port, in its own process group,
-    its output in ``log`` (shown when it does not come up)."""
+    """``python -m coordexp serve-rollout CFG --engine ENGINE`` (hf unless told) on a free loopback port, in its own
+    process group, its output in ``log`` (shown when it does not come up)."""
 
-    def __init__(self, config: Path, log: Path, env: dict[str, str] | None = None):
+    def __init__(self, config: Path, log: Path, env: dict[str, str] | None = None, engine: str = "hf"):
         import os
         import subprocess
         import sys
@@ -161,7 +161,7 @@ class ServeRolloutProcess:
         self.log = log
         with open(log, "wb") as sink:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "coordexp", "serve-rollout", str(config), "--engine", "hf", "--port",
+                [sys.executable, "-m", "coordexp", "serve-rollout", str(config), "--engine", engine, "--port",
                  str(self.port), "--log-level", "warning"],
                 stdout=sink, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})})
 

@@ -23,7 +23,7 @@ def _require_empty_target(path: Path) -> None:
 def make_tiny_model(
     directory: Annotated[Path, typer.Argument(help="Output directory (created; must be new or empty).",
                                               show_default=False)],
-    family: Annotated[str, typer.Option("--family", help="Architecture: qwen2_vl or qwen2_5_vl.")] = "qwen2_vl",
+    family: Annotated[str, typer.Option("--family", help="Architecture: qwen2_vl, qwen2_5_vl or qwen3_vl.")] = "qwen2_vl",
     seed: Annotated[int, typer.Option("--seed", help="Weight-initialisation seed.")] = 0,
 ) -> None:
     """Build a tiny random Qwen-VL checkpoint (tokenizer with coord tokens, processor, model) offline."""

@@ -10,9 +10,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordexp.runtime.model.data import load_records
-from coordexp.runtime.model.encoding import encode_teacher_forced
-from coordexp.runtime.model.losses import SupervisionBatch, SupervisionSegment, compute_objective
 from coordexp.runtime.model.packed_forward import (
     PackingError,
     block_causal_mask,
@@ -23,40 +20,17 @@ from coordexp.runtime.model.packed_forward import (
     packed_model_inputs,
     padded_forward,
 )
-from coordexp.runtime.core.parsing import parse_rollout
-from coordexp.runtime.core.serialize import serialize_objects
-from coordexp.runtime.core.targets import build_train_target
-from coordexp.schema.pipeline import PipelineConfig, TokenCeConfig
-from coordexp.schema.template import TemplateConfig
+from coordexp.runtime.model.losses import SupervisionBatch, SupervisionSegment, compute_objective
+from packing_kit import (
+    assert_logits_match as _assert_logits_match,
+    build_workload,
+    load_eval_model as _load_model,
+    loss_and_grads as _loss_and_grads,
+    objective_pipeline as _pipeline,
+    packing_template,
+)
 
-TEMPLATE = TemplateConfig(system_prompt="Find shapes.", user_prompt="List them.", min_pixels=28 * 28 * 4,
-                          max_pixels=28 * 28 * 16)
-TOKEN_CE = TokenCeConfig(rollout_fn_desc_weight=0.5, rollout_matched_prefix_struct_weight=0.5)
-# (record index, number of GT objects the "rollout" already predicted): 2, 0, 5 and 3 GT objects, so the
-# samples have different lengths (a matched prefix + FN tail, an empty answer, an all-FN tail, polygons).
-LAYOUT = ((4, 1), (0, 0), (3, 2), (6, 3))
-
-
-def _pipeline() -> PipelineConfig:
-    base = {"enabled": True, "weight": 1.0, "channels": ["B"]}
-    coord_reg = {"coord_ce_weight": 1.0, "soft_ce_weight": 1.0, "w1_weight": 1.0, "coord_gate_weight": 1.0,
-                 "text_gate_weight": 0.5, "temperature": 1.0, "target_sigma": 2.0, "target_truncate": None}
-    return PipelineConfig.model_validate({
-        "objective": [
-            {**base, "name": "token_ce", "config": TOKEN_CE.model_dump()},
-            {**base, "name": "coord_reg", "config": coord_reg},
-            {**base, "name": "bbox_geo", "config": {"smoothl1_weight": 1.0, "ciou_weight": 1.0}},
-        ],
-        "diagnostics": [],
-    })
-
-
-def _load_model(path, attn_implementation="sdpa", dtype=torch.float32):
-    from transformers import AutoModelForImageTextToText
-
-    model = AutoModelForImageTextToText.from_pretrained(str(path), attn_implementation=attn_implementation,
-                                                        dtype=dtype)
-    return model.eval()
+TEMPLATE = packing_template(14)
 
 
 @pytest.fixture(scope="module")
@@ -66,45 +40,11 @@ def model(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def workload(tiny_processor, synthetic_dataset, coord_vocab):
-    """Four teacher-forced samples of different lengths and their Y_train supervision (build_train_target on a
-    rollout that predicted the first k GT objects exactly)."""
-    tokenizer = tiny_processor.tokenizer
-    records = load_records(synthetic_dataset.train_jsonl)
-    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    samples, targets = [], []
-    for index, k in LAYOUT:
-        gt = list(records[index].objects)
-        parse = parse_rollout(tokenizer.encode(serialize_objects(gt[:k]), add_special_tokens=False), tokenizer,
-                              coord_vocab)
-        target = build_train_target(parse, gt, [(j, j) for j in range(k)], [gt[j].coords for j in range(k)],
-                                    tokenizer, coord_vocab, field_order="desc_first", token_ce=TOKEN_CE, eos_id=eos)
-        targets.append(target)
-        samples.append(encode_teacher_forced(tiny_processor, records[index], TEMPLATE, target.ids))
-    assert len({s.total_len for s in samples}) == len(samples)
-    return SimpleNamespace(samples=samples, targets=targets, coord_ids=torch.tensor(coord_vocab.ids))
-
-
-def _loss_and_grads(model, batch, forward, workload):
-    model.zero_grad(set_to_none=True)
-    logits = forward(model, batch)
-    segments = [SupervisionSegment(t.supervision, t.ids, *batch.placement(i)) for i, t in enumerate(workload.targets)]
-    supervision = SupervisionBatch.from_segments(segments, batch.seq_len)
-    result = compute_objective(logits, supervision, workload.coord_ids, _pipeline())
-    result.total.backward()
-    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
-    return result, grads
+    return build_workload(tiny_processor, synthetic_dataset.train_jsonl, coord_vocab, TEMPLATE)
 
 
 def packed_len(workload) -> list[int]:
     return [s.total_len for s in workload.samples]
-
-
-def _assert_logits_match(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    """Within 1e-5 of the logit scale (max |logit| ~ 12 here): float32 kernels block by sequence length, so
-    equal maths differs by ~1e-6 relative; a leak across segments would differ by O(1)."""
-    scale = max(1.0, float(expected.abs().max()))
-    diff = float((actual - expected).abs().max())
-    assert diff <= 1e-5 * scale, f"max |logit diff| {diff:.3g} exceeds 1e-5 x logit scale {scale:.3g}"
 
 
 # --- positions -------------------------------------------------------------------------------------------------

@@ -141,16 +141,34 @@ def test_save_load_round_trip_gives_identical_logits(tmp_path, model, tiny_proce
         assert torch.equal(model(**inputs).logits, reloaded(**inputs).logits)
 
 
-def test_qwen2_5_vl_family_builds_and_runs(tmp_path, two_images):
+@pytest.mark.parametrize("family, model_class, processor_class, patch", [
+    ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLProcessor", 14),
+    ("qwen3_vl", "Qwen3VLForConditionalGeneration", "Qwen3VLProcessor", 16),
+])
+def test_other_families_build_and_run(tmp_path, two_images, family, model_class, processor_class, patch):
     from transformers import AutoModelForImageTextToText
 
     from coordexp.runtime.model.encoding import load_processor
 
-    path = build_tiny_model(tmp_path / "q25", family="qwen2_5_vl")
+    path = build_tiny_model(tmp_path / family, family=family)
     model = AutoModelForImageTextToText.from_pretrained(str(path)).eval()
-    assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
-    prompt = encode_prompt(load_processor(path), two_images[0], TEMPLATE)
+    assert type(model).__name__ == model_class
+    processor = load_processor(path)
+    assert type(processor).__name__ == processor_class
+    assert processor.image_processor.patch_size == model.config.vision_config.patch_size == patch
+    prompt = encode_prompt(processor, two_images[0], TEMPLATE)
     assert len(_generate(model, prompt, n=4)) == 4
+
+
+def test_qwen3_vl_chat_template_has_no_default_system_message(tmp_path):
+    """Qwen3-VL's template (unlike Qwen2-VL's) adds no "You are a helpful assistant." when none is given."""
+    from coordexp.runtime.model.encoding import load_processor
+
+    processor = load_processor(build_tiny_model(tmp_path / "q3", family="qwen3_vl"))
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Detect."}]}]
+    text = processor.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Detect.<|im_end|>\n"
+                    "<|im_start|>assistant\n")
 
 
 def _tokenizer_without_coord_tokens(src, dst):
@@ -253,7 +271,7 @@ def test_demo_style_build_has_small_init_and_smooth_coord_rows(tmp_path):
         assert cosine(rows[0:1], rows[999:1000]).item() > 0.2  # the shared direction: all coords alike in part
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_tower_size_and_rotary_base_reach_the_built_model(tmp_path, family, two_images):
     """The recipe-search knobs (docs/design.md, decision 10) land in the saved checkpoint, which still loads, sees
     its image and generates; impossible shapes are refused before anything is built."""

@@ -18,7 +18,7 @@ __all__ = ["MROPE_MODEL_TYPES", "MropeIndex", "PackingError", "model_type_of", "
 
 # Families whose language model takes (4, B, T) position ids: text positions first (they drive the packed
 # sequence mask and the flash-attention varlen split), then the three M-RoPE rows (transformers >= 5).
-MROPE_MODEL_TYPES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl")
+MROPE_MODEL_TYPES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 # (input_ids (L,), mm_token_type_ids (L,), image_grid_thw (n_images, 3) or None) -> positions (3, L) int64
 MropeIndex = Callable[["torch.Tensor", "torch.Tensor", "torch.Tensor | None"], "torch.Tensor"]

@@ -17,7 +17,10 @@ if TYPE_CHECKING:
 __all__ = ["LaunchError", "PROCESSOR_CLASS_NAMES", "load_policy", "make_processor", "save_processor",
            "expand_checkpoint_vocab"]
 
-PROCESSOR_CLASS_NAMES = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}
+PROCESSOR_CLASS_NAMES = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor",
+                         "qwen3_vl": "Qwen3VLProcessor"}
+_VIDEO_PROCESSOR_CLASS_NAMES = {"qwen2_vl": "Qwen2VLVideoProcessor", "qwen2_5_vl": "Qwen2VLVideoProcessor",
+                                "qwen3_vl": "Qwen3VLVideoProcessor"}
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
@@ -62,19 +65,17 @@ def load_policy(run: "RunContract") -> tuple[Any, Any]:
 
 def make_processor(family: str, tokenizer: Any, image_processor: Any):
     """The family's processor class around ``tokenizer`` and ``image_processor`` (chat template from the tokenizer)."""
-    if family == "qwen2_vl":
-        from transformers import Qwen2VLProcessor as processor_class
-    elif family == "qwen2_5_vl":
-        from transformers import Qwen2_5_VLProcessor as processor_class
-    else:
+    import transformers
+
+    if family not in PROCESSOR_CLASS_NAMES:
         raise ValueError(f"unknown Qwen-VL family {family!r}; choose one of {sorted(PROCESSOR_CLASS_NAMES)}")
+    processor_class = getattr(transformers, PROCESSOR_CLASS_NAMES[family])
     extra = {}
     from transformers.utils import is_torchvision_available
 
     if is_torchvision_available():  # transformers 5 then requires the video processor too
-        from transformers import Qwen2VLVideoProcessor
-
-        extra["video_processor"] = Qwen2VLVideoProcessor(
+        video_processor_class = getattr(transformers, _VIDEO_PROCESSOR_CLASS_NAMES[family])
+        extra["video_processor"] = video_processor_class(
             size=dict(image_processor.size), patch_size=image_processor.patch_size,
             temporal_patch_size=image_processor.temporal_patch_size, merge_size=image_processor.merge_size)
     return processor_class(image_processor=image_processor, tokenizer=tokenizer,

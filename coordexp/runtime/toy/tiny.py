@@ -46,6 +46,23 @@ QWEN2_VL_CHAT_TEMPLATE = (
     "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+# The Qwen3-VL-Instruct chat template's output for system/user/assistant turns without tools: no default system
+# message (Qwen2-VL inserts "You are a helpful assistant."), images as <|vision_start|><|image_pad|><|vision_end|>,
+# text parts verbatim, and the same "<|im_start|>assistant\n" generation prompt.
+QWEN3_VL_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
 _DESCS = (
     "cat dog person car bus truck bicycle motorcycle airplane train boat bird horse sheep cow elephant bear zebra "
     "giraffe backpack umbrella handbag tie suitcase frisbee skis snowboard kite bottle cup fork knife spoon bowl "
@@ -118,11 +135,12 @@ def tiny_training_corpus(n_documents: int = 3000) -> Iterator[str]:
         yield " ".join(_pseudo_word(rng) for _ in range(8)).capitalize() + rng.choice(".,;!?")
 
 
-def build_tiny_tokenizer(path: str | Path):
+def build_tiny_tokenizer(path: str | Path, *, chat_template: str = QWEN2_VL_CHAT_TEMPLATE):
     """Train, save (``save_pretrained``) and return the tiny tokenizer; ``AutoTokenizer.from_pretrained(path)`` loads it.
 
     Layout: BPE ids first (at most 2048), then the 8 Qwen specials, then ``<|coord_0|>`` .. ``<|coord_999|>``.
     eos is ``<|im_end|>``, pad is ``<|endoftext|>``. Same output on every call (fixed corpus, deterministic trainer).
+    ``chat_template``: the family's (Qwen2-VL's by default, :data:`QWEN3_VL_CHAT_TEMPLATE` for Qwen3-VL).
     """
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -156,7 +174,7 @@ def build_tiny_tokenizer(path: str | Path):
         bos_token=None,
         clean_up_tokenization_spaces=False,
         model_max_length=32768,
-        chat_template=QWEN2_VL_CHAT_TEMPLATE,
+        chat_template=chat_template,
         additional_special_tokens=list(QWEN_SPECIAL_TOKENS[1:]),
     )
     out = Path(path)

@@ -12,7 +12,8 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
-from coordexp.runtime.toy.tiny import QWEN_SPECIAL_TOKENS, build_tiny_tokenizer
+from coordexp.runtime.toy.tiny import (QWEN2_VL_CHAT_TEMPLATE, QWEN3_VL_CHAT_TEMPLATE, QWEN_SPECIAL_TOKENS,
+                                       build_tiny_tokenizer)
 from coordexp.runtime.core.tokens import CoordVocab
 from coordexp.runtime.model.policy import save_processor
 
@@ -28,10 +29,12 @@ __all__ = [
     "tiny_image_processor",
 ]
 
-TINY_FAMILIES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl")
-# At most 16 merged image tokens per image: 28x28 pixels make one merged token (patch 14, merge 2).
+TINY_FAMILIES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+# At most 16 merged image tokens per image: 28x28 pixels make one merged token (patch 14, merge 2); Qwen3-VL's
+# patch 16 makes it 32x32.
 TINY_MIN_PIXELS = 28 * 28 * 4
 TINY_MAX_PIXELS = 28 * 28 * 16
+_PATCH_SIZE = {"qwen2_vl": 14, "qwen2_5_vl": 14, "qwen3_vl": 16}
 TINY_INIT_STD = 0.2
 _HIDDEN = 128
 _VOCAB_MULTIPLE = 64
@@ -111,39 +114,63 @@ def tiny_model_config(
         vision = dict(depth=vision_depth or 1, embed_dim=vision_width, hidden_size=hidden_size, num_heads=vision_width // 32, mlp_ratio=2, patch_size=14,
                       spatial_merge_size=2, temporal_patch_size=2, initializer_range=vision_std)
         return Qwen2VLConfig(text_config=text, vision_config=vision, **shared)
-    from transformers import Qwen2_5_VLConfig
+    if family == "qwen2_5_vl":
+        from transformers import Qwen2_5_VLConfig
 
-    vision = dict(depth=vision_depth or 2, hidden_size=vision_width, intermediate_size=2 * vision_width, num_heads=vision_width // 32,
-                  patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
-                  fullatt_block_indexes=[1], initializer_range=vision_std)
-    vision["out_hidden_size"] = hidden_size
-    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **shared)
+        vision = dict(depth=vision_depth or 2, hidden_size=vision_width, intermediate_size=2 * vision_width,
+                      num_heads=vision_width // 32, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+                      window_size=112, fullatt_block_indexes=[1], initializer_range=vision_std,
+                      out_hidden_size=hidden_size)
+        return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **shared)
+    return _qwen3_vl_config(text, shared, hidden_size=hidden_size, num_layers=num_layers, vision_std=vision_std,
+                            vision_depth=vision_depth or 2, vision_width=vision_width)
 
 
-def tiny_image_processor(*, min_pixels: int = TINY_MIN_PIXELS, max_pixels: int = TINY_MAX_PIXELS):
-    """A Qwen2-VL image processor with a small pixel budget (the PIL backend when torchvision is absent)."""
+def _qwen3_vl_config(text: dict, shared: dict, *, hidden_size: int, num_layers: int, vision_std: float,
+                     vision_depth: int, vision_width: int):
+    """Qwen3-VL at toy size: head dim 64 with the interleaved M-RoPE sections scaled from the real 128-dim
+    [24, 20, 20], Qwen3's q/k norms, a patch-16 vision tower with a learned 16x16 absolute position table
+    (interpolated to each image's grid) and DeepStack mergers feeding the first LLM layers (never the last one,
+    whose output at image positions no supervised token reads)."""
+    from transformers import Qwen3VLConfig
+
+    text = dict(text, head_dim=64, rope_parameters=dict(
+        text["rope_parameters"], mrope_section=[12, 10, 10], mrope_interleaved=True))
+    deepstack = list(range(max(1, min(2, vision_depth, num_layers - 1))))
+    vision = dict(depth=vision_depth, hidden_size=vision_width, intermediate_size=2 * vision_width,
+                  num_heads=vision_width // 32, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                  out_hidden_size=hidden_size, num_position_embeddings=256, deepstack_visual_indexes=deepstack,
+                  initializer_range=vision_std)
+    return Qwen3VLConfig(text_config=text, vision_config=vision, **shared)
+
+
+def tiny_image_processor(*, min_pixels: int | None = None, max_pixels: int | None = None, family: str = "qwen2_vl"):
+    """The family's image processor (Qwen2-VL's class; Qwen3-VL's settings: patch 16, mean/std 0.5) with a small
+    pixel budget of 4..16 merged tokens per image by default (the PIL backend when torchvision is absent)."""
     from transformers.utils import is_torchvision_available
 
     if is_torchvision_available():
         from transformers import Qwen2VLImageProcessor as image_processor_class
     else:
         from transformers import Qwen2VLImageProcessorPil as image_processor_class
+    patch = _PATCH_SIZE[family]
+    merged = (2 * patch) ** 2
+    extra = dict(image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]) if family == "qwen3_vl" else {}
     return image_processor_class(
-        size={"shortest_edge": min_pixels, "longest_edge": max_pixels},
-        patch_size=14,
+        size={"shortest_edge": min_pixels or 4 * merged, "longest_edge": max_pixels or 16 * merged},
+        patch_size=patch,
         temporal_patch_size=2,
         merge_size=2,
+        **extra,
     )
 
 
 def _model_class(family: str):
-    if family == "qwen2_vl":
-        from transformers import Qwen2VLForConditionalGeneration
+    import transformers
 
-        return Qwen2VLForConditionalGeneration
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
-    return Qwen2_5_VLForConditionalGeneration
+    return getattr(transformers, {"qwen2_vl": "Qwen2VLForConditionalGeneration",
+                                  "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+                                  "qwen3_vl": "Qwen3VLForConditionalGeneration"}[family])
 
 
 def build_tiny_model(
@@ -172,7 +199,7 @@ def build_tiny_model(
         raise ValueError(f"unknown tiny model family {family!r}; choose one of {list(TINY_FAMILIES)}")
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    build_tiny_tokenizer(out)
+    build_tiny_tokenizer(out, chat_template=QWEN3_VL_CHAT_TEMPLATE if family == "qwen3_vl" else QWEN2_VL_CHAT_TEMPLATE)
     tokenizer = AutoTokenizer.from_pretrained(str(out))
     config = tiny_model_config(tokenizer, family, hidden_size=hidden_size, num_layers=num_layers, init_std=init_std,
                                vision_init_std=vision_init_std, rope_theta=rope_theta, vision_depth=vision_depth,
@@ -188,7 +215,7 @@ def build_tiny_model(
     # padded embedding rows have no token; never let the random model emit them
     model.generation_config.suppress_tokens = list(range(len(tokenizer), config.text_config.vocab_size))
     model.save_pretrained(str(out))
-    save_processor(out, family, tokenizer, tiny_image_processor())
+    save_processor(out, family, tokenizer, tiny_image_processor(family=family))
     return out
 
 
