@@ -40,6 +40,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--shapes", default="rectangle,triangle")
     p.add_argument("--position-code", type=float, default=100.0,
                    help="amplitude (8-bit levels) of the synthetic images' pixel position code; 0 = none")
+    p.add_argument("--family", default="qwen2_vl", choices=("qwen2_vl", "qwen2_5_vl", "qwen3_vl"),
+                   help="tiny model family (ignored with --model)")
     p.add_argument("--hidden", type=int, default=128, help="language model width (multiple of 64)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--rope-theta", type=float, default=10000.0)
@@ -71,7 +73,7 @@ def _assets(args: argparse.Namespace) -> tuple[Path, Path, Path]:
     if model is None:
         model = work / "model"
         if not (model / "config.json").is_file():
-            build_tiny_model(model, seed=args.seed, hidden_size=args.hidden, num_layers=args.layers, init_std=0.02,
+            build_tiny_model(model, family=args.family, seed=args.seed, hidden_size=args.hidden, num_layers=args.layers, init_std=0.02,
                              vision_init_std=args.vision_init_std, smooth_coord_embeddings=True,
                              rope_theta=args.rope_theta, vision_depth=args.vision_depth,
                              vision_width=args.vision_width)
@@ -90,7 +92,9 @@ def _assets(args: argparse.Namespace) -> tuple[Path, Path, Path]:
 
 def _config(args: argparse.Namespace, name: str, base: str, model: Path, train: Path, val: Path,
             training: dict[str, Any]) -> Path:
-    pixels = args.image_size * args.image_size
+    # the whole image at the family's resolution: its side rounded up to whole merged tokens (28 px, Qwen3-VL 32 px)
+    merged = 32 if args.family == "qwen3_vl" else 28
+    pixels = (-(-args.image_size // merged) * merged) ** 2
     config = {
         "extends": str(EXAMPLES / base),
         "model": {"path": str(model)},

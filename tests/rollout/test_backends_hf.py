@@ -39,29 +39,45 @@ TEMPLATES = (
                    max_pixels=28 * 28 * 16),
     TemplateConfig(system_prompt="Find shapes.", user_prompt="List every shape in the picture, in JSON.",
                    min_pixels=28 * 28, max_pixels=28 * 28 * 4),
-    TemplateConfig(system_prompt="You detect objects.", user_prompt="Go.", min_pixels=28 * 28,
+    TemplateConfig(system_prompt="You detect objects.", user_prompt="Go now, please.", min_pixels=28 * 28,
                    max_pixels=28 * 28 * 4),
 )
 
 
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen3_vl"])
+def model_dir(request, tiny_model_dir, qwen3_model_dir):
+    """Every generation test runs on Qwen2-VL and on Qwen3-VL (DeepStack and interleaved M-RoPE in generate)."""
+    return tiny_model_dir if request.param == "qwen2_vl" else qwen3_model_dir
+
+
 @pytest.fixture(scope="module")
-def model(tiny_model_dir):
+def model(model_dir):
     from transformers import AutoModelForImageTextToText
 
-    return AutoModelForImageTextToText.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    return AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tiny_processor):
-    return tiny_processor.tokenizer
+def processor(model_dir):
+    from coordexp.runtime.model.encoding import load_processor
+
+    return load_processor(model_dir)
 
 
 @pytest.fixture(scope="module")
-def requests_(tiny_processor, synthetic_dataset):
+def tokenizer(processor):
+    return processor.tokenizer
+
+
+@pytest.fixture(scope="module")
+def requests_(processor, synthetic_dataset):
     records = load_records(synthetic_dataset.train_jsonl)
-    prompts = [encode_prompt(tiny_processor, record, TEMPLATES[k % len(TEMPLATES)])
+    scale = (processor.image_processor.patch_size / 14) ** 2  # the same token counts at Qwen3-VL's patch 16
+    templates = [t.model_copy(update={"min_pixels": int(t.min_pixels * scale), "max_pixels": int(t.max_pixels * scale)})
+                 for t in TEMPLATES]
+    prompts = [encode_prompt(processor, record, templates[k % len(templates)])
                for k, record in enumerate(records[:5])]
-    assert len({p.prompt_len for p in prompts}) == 3  # the batch really is ragged
+    assert len({p.prompt_len for p in prompts}) > 1  # the batch really is ragged
     return [RolloutRequest(prompt=p, index=k, seed=100 + k) for k, p in enumerate(prompts)]
 
 

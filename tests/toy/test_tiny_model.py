@@ -182,25 +182,27 @@ def _tokenizer_without_coord_tokens(src, dst):
             (dst / name).write_bytes((src / name).read_bytes())
 
 
-def test_expand_vocab_adds_coord_tokens_and_grows_embeddings(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
+def test_expand_vocab_adds_coord_tokens_and_grows_embeddings(tmp_path, tiny_model_dir, qwen3_model_dir, family):
     from transformers import AutoModelForImageTextToText, AutoTokenizer
 
+    from coordexp.runtime.model.encoding import load_processor
     from coordexp.runtime.model.policy import save_processor
     from coordexp.runtime.toy.tiny_model import tiny_image_processor, tiny_model_config
 
     plain = tmp_path / "plain"
-    _tokenizer_without_coord_tokens(tiny_model_dir, plain)
+    _tokenizer_without_coord_tokens(tiny_model_dir if family == "qwen2_vl" else qwen3_model_dir, plain)
     tokenizer = AutoTokenizer.from_pretrained(str(plain))
     assert "<|coord_0|>" not in tokenizer.get_vocab()
     with pytest.raises(ValueError, match="lacks 1000 of the 1000 coord tokens"):
         CoordVocab.from_tokenizer(tokenizer)
-    config = tiny_model_config(tokenizer)
+    config = tiny_model_config(tokenizer, family)
     torch.manual_seed(0)
     model = AutoModelForImageTextToText.from_config(config)
     old_rows = model.get_input_embeddings().weight.shape[0]
     assert old_rows < len(tokenizer) + NUM_COORD_BINS
     model.save_pretrained(str(plain))
-    save_processor(plain, "qwen2_vl", tokenizer, tiny_image_processor())
+    save_processor(plain, family, tokenizer, tiny_image_processor(family=family))
 
     added = expand_checkpoint_vocab(plain, tmp_path / "expanded")
     assert added == NUM_COORD_BINS
@@ -216,6 +218,25 @@ def test_expand_vocab_adds_coord_tokens_and_grows_embeddings(tmp_path, tiny_mode
     assert torch.equal(new[: len(tokenizer)], old[: len(tokenizer)])  # existing rows untouched
     assert torch.allclose(new[vocab.id_of(500)], old[: len(tokenizer)].mean(dim=0), atol=1e-6)
     assert expand_checkpoint_vocab(tmp_path / "expanded", tmp_path / "again") == 0  # idempotent
+    assert type(expanded).__name__ == type(model).__name__
+    processor = load_processor(tmp_path / "expanded")
+    assert processor.image_processor.patch_size == (16 if family == "qwen3_vl" else 14)
+    assert processor.tokenizer.chat_template == AutoTokenizer.from_pretrained(str(plain)).chat_template
+
+
+def test_an_unsupported_family_is_refused_naming_the_supported_ones(tmp_path, tiny_model_dir):
+    from coordexp.runtime.model.policy import LaunchError, checkpoint_family
+
+    assert checkpoint_family(tiny_model_dir) == "qwen2_vl"
+    other = tmp_path / "llava"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "llava"}), encoding="utf-8")
+    with pytest.raises(LaunchError, match="'llava' is not a supported Qwen-VL family; coordexp trains qwen2_vl, "
+                                          "qwen2_5_vl, qwen3_vl"):
+        checkpoint_family(other)
+    with pytest.raises(LaunchError, match="not a supported"):
+        expand_checkpoint_vocab(other, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_init_std_parameters_set_both_towers(tiny_model_dir):

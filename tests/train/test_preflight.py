@@ -88,6 +88,20 @@ def test_model_without_coord_tokens_exits_2(write_config, tmp_path, tiny_model_d
     assert report.exit_code == 2 and problem.name == "model" and "999 of 1000 coord tokens missing" in problem.detail
 
 
+def test_model_check_names_the_family_and_refuses_others(write_config, tmp_path, tiny_model_dir, qwen3_model_dir):
+    report = run_preflight(write_config({"model": {"path": str(qwen3_model_dir)}}))
+    model_check = next(c for c in report.checks if c.name == "model")
+    assert model_check.ok and "qwen3_vl, all 1000 coord tokens" in model_check.detail
+    other = tmp_path / "other_family"
+    other.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (other / name).write_bytes((tiny_model_dir / name).read_bytes())
+    (other / "config.json").write_text(json.dumps({"model_type": "idefics3"}), encoding="utf-8")
+    report = run_preflight(write_config({"model": {"path": str(other)}}))
+    (problem,) = report.problems
+    assert report.exit_code == 2 and "'idefics3' is not a supported Qwen-VL family" in problem.detail
+
+
 def test_unreadable_image_exits_2(write_config, tmp_path, dataset):
     lines = dataset.train_jsonl.read_text(encoding="utf-8").splitlines()
     record = json.loads(lines[0])

@@ -14,13 +14,14 @@ from coordexp.runtime.model.encoding import ImageTextProcessor, load_processor
 if TYPE_CHECKING:
     from coordexp.schema.contract import RunContract
 
-__all__ = ["LaunchError", "PROCESSOR_CLASS_NAMES", "load_policy", "make_processor", "save_processor",
-           "expand_checkpoint_vocab"]
+__all__ = ["LaunchError", "PROCESSOR_CLASS_NAMES", "SUPPORTED_FAMILIES", "checkpoint_family", "load_policy",
+           "make_processor", "save_processor", "expand_checkpoint_vocab"]
 
 PROCESSOR_CLASS_NAMES = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor",
                          "qwen3_vl": "Qwen3VLProcessor"}
 _VIDEO_PROCESSOR_CLASS_NAMES = {"qwen2_vl": "Qwen2VLVideoProcessor", "qwen2_5_vl": "Qwen2VLVideoProcessor",
                                 "qwen3_vl": "Qwen3VLVideoProcessor"}
+SUPPORTED_FAMILIES: tuple[str, ...] = tuple(PROCESSOR_CLASS_NAMES)
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
@@ -31,6 +32,21 @@ class LaunchError(UserInputError, RuntimeError):
 def _vision_modules(model: Any) -> list[Any]:
     inner = getattr(model, "model", model)
     return [m for m in (getattr(inner, "visual", None), getattr(model, "visual", None)) if m is not None]
+
+
+def checkpoint_family(model_dir: str | Path) -> str:
+    """The ``model_type`` in ``model_dir/config.json`` after checking coordexp supports it (a :class:`LaunchError`
+    naming the supported families otherwise): read before any weight is loaded."""
+    config_file = Path(model_dir) / "config.json"
+    try:
+        family = json.loads(config_file.read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise LaunchError(f"{config_file}: cannot read the model config ({exc}); point model.path at a checkpoint "
+                          "saved with save_pretrained") from None
+    if family not in SUPPORTED_FAMILIES:
+        raise LaunchError(f"{model_dir}: model_type {family!r} is not a supported Qwen-VL family; coordexp trains "
+                          f"{', '.join(SUPPORTED_FAMILIES)} (Qwen2-VL, Qwen2.5-VL, Qwen3-VL checkpoints)")
+    return family
 
 
 def load_policy(run: "RunContract") -> tuple[Any, Any]:
@@ -45,6 +61,8 @@ def load_policy(run: "RunContract") -> tuple[Any, Any]:
             f"model.path {cfg.path} does not exist; build the tiny model with `coordexp make-tiny-model {cfg.path}` "
             "or point model.path at a local checkpoint"
         )
+    if path.is_dir():
+        checkpoint_family(path)
     processor = load_processor(cfg.path)
     try:
         CoordVocab.from_tokenizer(processor.tokenizer)
@@ -109,9 +127,10 @@ def expand_checkpoint_vocab(source: str | Path, destination: str | Path) -> int:
 
     Returns the number of tokens added (0 when the checkpoint already had them all: it is then saved unchanged).
     """
-    from transformers import AutoConfig, AutoModelForImageTextToText
+    from transformers import AutoModelForImageTextToText
 
     source, destination = Path(source), Path(destination)
+    family = checkpoint_family(source)
     processor = load_processor(source)
     model = AutoModelForImageTextToText.from_pretrained(str(source), dtype="auto")
     tokenizer = processor.tokenizer
@@ -119,10 +138,6 @@ def expand_checkpoint_vocab(source: str | Path, destination: str | Path) -> int:
     destination.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(destination))
     if isinstance(processor, ImageTextProcessor):
-        family = AutoConfig.from_pretrained(str(source)).model_type
-        if family not in PROCESSOR_CLASS_NAMES:
-            raise ValueError(f"{source}: model_type {family!r} is not a supported Qwen-VL family "
-                             f"({sorted(PROCESSOR_CLASS_NAMES)})")
         save_processor(destination, family, tokenizer, processor.image_processor)
     else:
         processor.save_pretrained(str(destination))

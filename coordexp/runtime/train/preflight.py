@@ -289,7 +289,14 @@ def _check_model(model_dir: Path, checks: list[PreflightCheck]) -> None:
                               f"{missing[:3]}); add them to the tokenizer (coordexp expand-vocab SRC DST, or "
                               "coordexp.runtime.core.tokens.add_coord_tokens) and resize the embeddings", EXIT_INVALID))
         return
-    checks.append(PreflightCheck("model", True, f"{model_dir}: config.json and all 1000 coord tokens"))
+    from coordexp.runtime.model.policy import LaunchError, checkpoint_family
+
+    try:
+        family = checkpoint_family(model_dir)
+    except LaunchError as exc:
+        checks.append(_failed("model", str(exc), EXIT_INVALID))
+        return
+    checks.append(PreflightCheck("model", True, f"{model_dir}: {family}, all 1000 coord tokens"))
 
 
 def _check_data(run: Any, checks: list[PreflightCheck], sample: int) -> None:
