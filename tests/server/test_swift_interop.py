@@ -35,10 +35,32 @@ pytestmark = pytest.mark.slow
 MAX_TOKENS = 8
 
 
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen3_vl"])
+def family_config(request, server_config, qwen3_model_dir):
+    """The server config on the tiny Qwen2-VL, and the same config on the tiny Qwen3-VL: every interop test runs
+    against both families."""
+    import yaml
+
+    if request.param == "qwen2_vl":
+        return server_config
+    config = yaml.safe_load(server_config.read_text(encoding="utf-8"))
+    config["model"]["path"] = str(qwen3_model_dir)
+    path = server_config.parent / "qwen3_vl.yaml"
+    path.write_text(yaml.safe_dump(config), encoding="utf-8")
+    return path
+
+
 @pytest.fixture(scope="module")
-def server(server_config, dataset):
+def run_contract(family_config):
+    from coordexp.schema.contract import load_contract
+
+    return load_contract(family_config)
+
+
+@pytest.fixture(scope="module")
+def server(family_config, dataset):
     """``coordexp serve-rollout --engine hf`` on a free loopback port; yields its base URL."""
-    args = [sys.executable, "-m", "coordexp.cli.app", "serve-rollout", str(server_config), "--port", "0",
+    args = [sys.executable, "-m", "coordexp.cli.app", "serve-rollout", str(family_config), "--port", "0",
             "--engine", "hf", "--image-root", str(dataset.root), "--log-level", "warning"]
     process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
