@@ -24,6 +24,7 @@ from coordexp.schema.rollout import (DecodingConfig, HfGenerateConfig, OffloadCo
 from coordexp.schema.root import CoordExpConfig
 from coordexp.schema.template import TemplateConfig
 from coordexp.schema.training import TrainingConfig
+from coordexp.schema.tuner import TunerConfig
 
 __all__ = [
     "ServerEndpoint",
@@ -187,6 +188,7 @@ class RunContract:
     data: DataConfig  # image_root resolved (defaults to the directory of train_jsonl)
     training: TrainingConfig
     rollout_matching: RolloutMatchingContract
+    tuner: TunerConfig = field(default_factory=TunerConfig)
 
     def to_dict(self) -> dict:
         """Plain JSON-ready data (for ``coordexp validate --print-contract`` and run metadata)."""
@@ -283,6 +285,7 @@ def build_contract(cfg: CoordExpConfig) -> RunContract:
         data=data,
         training=t,
         rollout_matching=rollout,
+        tuner=cfg.tuner,
     )
 
 

@@ -176,6 +176,12 @@ LEGACY_KEYS: tuple[LegacyKey, ...] = (
         value="rollout_matching_sft",
     ),
     LegacyKey(
+        "model.freeze_vision_tower",
+        "tuner.freeze_vit",
+        "The freeze switches live under tuner.*: tuner.freeze_vit (vision tower) and tuner.freeze_aligner (merger "
+        "and DeepStack mergers; model.freeze_vision_tower froze both).",
+    ),
+    LegacyKey(
         "training.packing_length",
         "global_max_length",
         "packing_length is derived from global_max_length (or template.max_length); remove training.packing_length "

@@ -346,6 +346,9 @@ def _aliases(rw: _Rewriter) -> None:
 
 
 def _training(rw: _Rewriter) -> None:
+    frozen = _get(rw.data, "model.freeze_vision_tower")
+    if frozen is not _ABSENT and rw.put("model.freeze_vision_tower", "tuner.freeze_aligner", frozen):
+        rw.move("model.freeze_vision_tower", "tuner.freeze_vit")  # it froze the merger too
     length = _get(rw.data, "training.packing_length")
     if length is not _ABSENT:
         current = rw.view("global_max_length")

@@ -26,4 +26,3 @@ class ModelConfig(StrictModel):
         "sdpa", description="Attention kernel passed to from_pretrained."
     )
     gradient_checkpointing: bool = Field(False, description="Trade compute for activation memory.")
-    freeze_vision_tower: bool = Field(True, description="Keep the vision encoder frozen (only the LLM trains).")

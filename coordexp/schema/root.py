@@ -12,6 +12,7 @@ from coordexp.schema.model import ModelConfig
 from coordexp.schema.rollout import RolloutMatchingConfig
 from coordexp.schema.template import TemplateConfig
 from coordexp.schema.training import TrainingConfig
+from coordexp.schema.tuner import TunerConfig
 
 __all__ = ["CoordExpConfig", "config_warnings"]
 
@@ -26,6 +27,7 @@ class CoordExpConfig(StrictModel):
     template: TemplateConfig = Field(default_factory=TemplateConfig)
     data: DataConfig
     training: TrainingConfig
+    tuner: TunerConfig = Field(default_factory=TunerConfig)
     custom: CustomConfig
     rollout_matching: RolloutMatchingConfig = Field(default_factory=RolloutMatchingConfig)
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from coordexp.errors import UserInputError
 from coordexp.runtime.core.tokens import CoordVocab, add_coord_tokens
 from coordexp.runtime.model.encoding import ImageTextProcessor, load_processor
+from coordexp.runtime.model.parts import model_part
 
 if TYPE_CHECKING:
     from coordexp.schema.contract import RunContract
@@ -27,11 +28,6 @@ _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 class LaunchError(UserInputError, RuntimeError):
     """The run cannot start (missing model or data, a checkpoint without coord tokens, ...); the text says why."""
-
-
-def _vision_modules(model: Any) -> list[Any]:
-    inner = getattr(model, "model", model)
-    return [m for m in (getattr(inner, "visual", None), getattr(model, "visual", None)) if m is not None]
 
 
 def checkpoint_family(model_dir: str | Path) -> str:
@@ -73,9 +69,11 @@ def load_policy(run: "RunContract") -> tuple[Any, Any]:
     model = AutoModelForImageTextToText.from_pretrained(
         cfg.path, dtype=getattr(torch, _DTYPES[cfg.dtype]), attn_implementation=cfg.attn_implementation
     )
-    if cfg.freeze_vision_tower:
-        for module in _vision_modules(model):
-            module.requires_grad_(False)
+    frozen = {part for part, off in (("llm", run.tuner.freeze_llm), ("vision", run.tuner.freeze_vit),
+                                     ("aligner", run.tuner.freeze_aligner)) if off}
+    for name, parameter in model.named_parameters():
+        if model_part(name) in frozen:
+            parameter.requires_grad_(False)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     return model, processor

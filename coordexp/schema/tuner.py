@@ -1,0 +1,75 @@
+"""``tuner.*``: what trains. Full fine-tuning (the default) or a LoRA/DoRA adapter through PEFT, and which parts
+of the model (language model, vision tower, aligner) are frozen. Names follow ms-swift's ``TunerArguments``."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal, Optional
+
+from pydantic import Field, field_validator, model_validator
+
+from coordexp.schema.base import StrictModel, float_in, int_in
+from coordexp.schema.errors import RuleViolation, raise_violations
+
+__all__ = ["TunerConfig", "MAX_LORA_RANK"]
+
+MAX_LORA_RANK = 1024
+_MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
+
+
+class TunerConfig(StrictModel):
+    """Full fine-tuning or a PEFT LoRA/DoRA adapter; the freeze switches name the three parts of a Qwen-VL model
+    (docs/design.md, decision 12)."""
+
+    train_type: Literal["full", "lora"] = Field(
+        "full", description="full: train every unfrozen parameter; lora: train a PEFT LoRA (or DoRA) adapter.")
+    use_dora: bool = Field(False, description="lora: weight-decomposed LoRA (DoRA) instead of plain LoRA.")
+    lora_rank: int_in(1, MAX_LORA_RANK) = Field(8, description="lora: adapter rank r.")
+    lora_alpha: float_in(gt=0.0, le=1e6) = Field(32.0, description="lora: scaling numerator (scale = alpha / r).")
+    lora_dropout: float_in(ge=0.0, lt=1.0) = Field(0.05, description="lora: dropout on the adapter input.")
+    lora_bias: Literal["none", "all", "lora_only"] = Field("none", description="lora: which biases train.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["all-linear"],
+        description="lora: module names (suffixes) that get adapters; 'all-linear' means every Linear of the "
+        "unfrozen parts (never lm_head).", max_length=256)
+    target_regex: Optional[str] = Field(
+        None, description="lora: a regex over full module names (re.fullmatch); overrides target_modules and the "
+        "freeze switches' choice of targets.", max_length=4096)
+    modules_to_save: list[str] = Field(
+        default_factory=list, description="lora: modules trained in full and saved with the adapter.", max_length=256)
+    freeze_llm: bool = Field(False, description="Freeze the language model (embeddings, blocks, lm_head).")
+    freeze_vit: bool = Field(True, description="Freeze the vision tower (patch/position embeddings and blocks).")
+    freeze_aligner: bool = Field(
+        True, description="Freeze the aligner: the visual merger and, for Qwen3-VL, the DeepStack mergers.")
+
+    @field_validator("target_modules", "modules_to_save")
+    @classmethod
+    def _module_names(cls, names: list[str]) -> list[str]:
+        bad = [n for n in names if not _MODULE_NAME.match(n) and n != "all-linear"]
+        if bad:
+            raise ValueError(f"{bad[:3]} are not module names (letters, digits, '_' and '.')")
+        return names
+
+    @field_validator("target_regex")
+    @classmethod
+    def _compiles(cls, pattern: Optional[str]) -> Optional[str]:
+        if pattern is not None:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"target_regex does not compile: {exc}") from None
+        return pattern
+
+    @model_validator(mode="after")
+    def _something_trains(self) -> "TunerConfig":
+        violations = []
+        if self.train_type == "full" and self.freeze_llm and self.freeze_vit and self.freeze_aligner:
+            violations.append(RuleViolation(
+                "freeze_llm", "every part is frozen (freeze_llm, freeze_vit and freeze_aligner): nothing would train",
+                "Unfreeze at least one part, or use tuner.train_type: lora."))
+        if self.train_type == "full" and (self.use_dora or self.target_regex is not None or self.modules_to_save):
+            violations.append(RuleViolation(
+                "train_type", "use_dora, target_regex and modules_to_save configure an adapter, but train_type is full",
+                "Set tuner.train_type: lora, or remove the adapter settings."))
+        raise_violations(violations)
+        return self
