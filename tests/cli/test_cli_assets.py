@@ -46,7 +46,19 @@ def test_make_tiny_model_refuses_non_empty_dir_and_unknown_family(cli_tiny_model
     result = _run("make-tiny-model", str(tmp_path / "x"), "--family", "llama")
     assert result.exit_code == 2
     assert "unknown --family 'llama'" in result.output and "qwen2_5_vl" in result.output
+    assert "qwen3_vl" in result.output
     assert not (tmp_path / "x").exists()
+
+
+def test_make_tiny_model_builds_qwen3_vl(tmp_path):
+    """Regression (issue 19): `make-tiny-model --family qwen3_vl` exited 2 ("unknown --family")."""
+    from transformers import AutoConfig
+
+    result = _run("make-tiny-model", str(tmp_path / "q3"), "--family", "qwen3_vl")
+    assert result.exit_code == 0, result.output
+    assert "tiny qwen3_vl model written" in " ".join(result.output.split())
+    config = AutoConfig.from_pretrained(str(tmp_path / "q3"))
+    assert config.model_type == "qwen3_vl" and config.vision_config.patch_size == 16
 
 
 def test_expand_vocab_on_a_checkpoint_that_has_the_tokens_copies_it(cli_tiny_model, tmp_path):
