@@ -63,6 +63,15 @@ class VllmEngineContract:
     enable_prefix_caching: bool
     enforce_eager: bool
     max_num_seqs: Optional[int]
+    # vLLM EngineArgs knobs under their own names; None = not passed (vLLM's default)
+    max_num_batched_tokens: Optional[int] = None
+    enable_chunked_prefill: Optional[bool] = None
+    disable_chunked_mm_input: Optional[bool] = None
+    limit_mm_per_prompt: Optional[dict[str, int]] = None  # {"image": N, "video": 0}
+    skip_mm_profiling: Optional[bool] = None
+    mm_encoder_tp_mode: Optional[Literal["weights", "data"]] = None
+    sleep_level: Literal[0, 1, 2] = 0  # colocate only: vLLM sleeps between rollout rounds
+    infer_batch_size: Optional[int] = None  # colocate only: prompts per engine generate call
 
 
 @dataclass(frozen=True)
@@ -215,6 +224,14 @@ def _engine_contract(cfg: CoordExpConfig) -> VllmEngineContract:
         enable_prefix_caching=v.enable_prefix_caching,
         enforce_eager=v.enforce_eager,
         max_num_seqs=v.max_num_seqs,
+        max_num_batched_tokens=v.max_num_batched_tokens,
+        enable_chunked_prefill=v.enable_chunked_prefill,
+        disable_chunked_mm_input=v.disable_chunked_mm_input,
+        limit_mm_per_prompt=v.limit_mm_per_prompt.model_dump() if v.limit_mm_per_prompt is not None else None,
+        skip_mm_profiling=v.skip_mm_profiling,
+        mm_encoder_tp_mode=v.mm_encoder_tp_mode,
+        sleep_level=v.sleep_level,
+        infer_batch_size=v.infer_batch_size,
     )
 
 

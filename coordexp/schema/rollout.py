@@ -28,6 +28,7 @@ __all__ = [
     "VllmSyncConfig",
     "VllmServerEntry",
     "VllmServerConfig",
+    "VllmMmLimits",
     "VllmConfig",
     "OffloadConfig",
     "OverlapConfig",
@@ -125,6 +126,13 @@ class VllmServerConfig(StrictModel):
         return self
 
 
+class VllmMmLimits(StrictModel):
+    """``vllm.limit_mm_per_prompt``: the most multimodal items one prompt may carry (vLLM reserves memory for them)."""
+
+    image: int_in(1, 256) = Field(1, description="Images per prompt.")
+    video: int_in(0, 0) = Field(0, description="Videos per prompt (coordexp records hold images only).")
+
+
 class VllmConfig(StrictModel):
     """``rollout_matching.vllm``: colocate settings (docs/design.md, rollout backend interface) or the server list."""
 
@@ -138,6 +146,24 @@ class VllmConfig(StrictModel):
     enable_prefix_caching: bool = Field(True, description="Colocate: reuse KV cache of shared prompt prefixes.")
     enforce_eager: bool = Field(False, description="Colocate: disable CUDA graphs.")
     max_num_seqs: Optional[BatchSize] = Field(None, description="Colocate: engine batch cap; null = vLLM default.")
+    # Engine knobs passed to vLLM's EngineArgs under the same names; null = not passed (vLLM's own default).
+    max_num_batched_tokens: Optional[int_in(16, MAX_TOKENS)] = Field(
+        None, description="Tokens the scheduler batches per step; null = vLLM default.")
+    enable_chunked_prefill: Optional[bool] = Field(None, description="Split long prefills; null = vLLM default.")
+    disable_chunked_mm_input: Optional[bool] = Field(
+        None, description="Never split one image's tokens across prefill chunks; null = vLLM default.")
+    limit_mm_per_prompt: Optional[VllmMmLimits] = Field(
+        None, description="Items per prompt, {image: N, video: 0}; null = {image: 1, video: 0}.")
+    skip_mm_profiling: Optional[bool] = Field(
+        None, description="Skip the multimodal memory profiling at start; null = vLLM default.")
+    mm_encoder_tp_mode: Optional[Literal["weights", "data"]] = Field(
+        None, description="Vision encoder under tensor parallelism: shard weights or data; null = vLLM default.")
+    sleep_level: Literal[0, 1, 2] = Field(
+        0, description="Colocate: 0 keeps vLLM awake; 1 offloads its weights and frees its KV cache between rollout "
+        "rounds; 2 discards the weights too (the next round pushes them again). Server engines never sleep.")
+    infer_batch_size: Optional[BatchSize] = Field(
+        None, description="Colocate: at most this many prompts per engine generate call (with decode_batch_size, "
+        "the smaller wins); null = decode_batch_size.")
     sync: VllmSyncConfig = Field(default_factory=VllmSyncConfig)
     server: Optional[VllmServerConfig] = Field(None, description="Required when mode is server.")
 
@@ -150,6 +176,15 @@ class VllmConfig(StrictModel):
                     "sync.mode",
                     "sync.mode: adapter requires vllm.enable_lora: true (there is no adapter to sync)",
                     "Set rollout_matching.vllm.enable_lora: true, or use sync.mode: full.",
+                )
+            )
+        if self.sleep_level == 2 and self.enable_lora:
+            violations.append(
+                RuleViolation(
+                    "sleep_level",
+                    "sleep_level: 2 discards vLLM's base weights, but with enable_lora: true only the adapter is "
+                    "pushed after a wake-up",
+                    "Use sleep_level: 1 (weights are kept in CPU memory), or enable_lora: false.",
                 )
             )
         if self.mode == "server" and self.server is None:

@@ -70,6 +70,12 @@ class VllmColocateBackend(RolloutBackend):
             max_pixels=run.template.max_pixels)
         return cls(rollout, model=model, tokenizer=processor.tokenizer, settings=settings, engine=engine)
 
+    @property
+    def chunk_size(self) -> int:
+        """Prompts per engine generate call: decode_batch_size, capped by vllm.infer_batch_size when set."""
+        cap = self.choice.engine.infer_batch_size
+        return min(self.rollout.decode_batch_size, cap) if cap else self.rollout.decode_batch_size
+
     def attach_optimizer(self, optimizer: Any) -> None:
         """The optimizer whose state the offload context moves (the trainer creates it after the backend)."""
         self._optimizer = optimizer
@@ -96,12 +102,15 @@ class VllmColocateBackend(RolloutBackend):
         with offload_context(self._model, self._optimizer, offload, active=offload.enabled) as report:
             if self._engine is None:
                 self._engine = VllmEngine.start(self.settings)
+            elif self._engine.wake_up():
+                self._pushed_version = None  # sleep_level 2 discarded the weights: push them again
             self._push_if_changed()
             outputs: list[RolloutOutput] = []
-            step = self.rollout.decode_batch_size
+            step = self.chunk_size
             for start in range(0, len(requests), step):
                 outputs += self._engine.generate(requests[start:start + step], decoding=self.rollout.decoding,
                                                  max_new_tokens=self.rollout.max_new_tokens)
+            self._engine.sleep()  # vllm.sleep_level > 0: free vLLM's GPU memory while the learner trains
         self.last_offload = report
         return outputs
 

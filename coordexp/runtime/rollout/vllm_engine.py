@@ -69,6 +69,14 @@ class EngineSettings:
     min_pixels: int | None = None
     max_pixels: int | None = None
     max_images_per_prompt: int = 1
+    # EngineArgs knobs of rollout_matching.vllm.*: None = not passed, vLLM's default applies
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool | None = None
+    disable_chunked_mm_input: bool | None = None
+    limit_mm_per_prompt: Mapping[str, int] | None = None  # None: {"image": max_images_per_prompt, "video": 0}
+    skip_mm_profiling: bool | None = None
+    mm_encoder_tp_mode: str | None = None
+    sleep_level: int = 0  # > 0: built with enable_sleep_mode; VllmEngine.sleep() uses this level (GPU only)
     repeat_terminate: RepeatTerminateConfig = RepeatTerminateConfig()
     kv_cache_memory_bytes: int | None = None  # CPU: the KV budget in bytes (None: CPU_KV_CACHE_BYTES)
     logprobs_mode: str = "processed_logprobs"  # what SamplingParams(logprobs=k) reports (swift 3.12's choice)
@@ -86,7 +94,12 @@ class EngineSettings:
             gpu_memory_utilization=vllm.gpu_memory_utilization, max_model_len=vllm.max_model_len,
             max_num_seqs=vllm.max_num_seqs, enable_prefix_caching=vllm.enable_prefix_caching,
             enforce_eager=vllm.enforce_eager, enable_lora=vllm.enable_lora, seed=seed,
-            min_pixels=min_pixels, max_pixels=max_pixels, repeat_terminate=repeat_terminate)
+            min_pixels=min_pixels, max_pixels=max_pixels, repeat_terminate=repeat_terminate,
+            max_num_batched_tokens=vllm.max_num_batched_tokens, enable_chunked_prefill=vllm.enable_chunked_prefill,
+            disable_chunked_mm_input=vllm.disable_chunked_mm_input,
+            limit_mm_per_prompt=dict(vllm.limit_mm_per_prompt) if vllm.limit_mm_per_prompt is not None else None,
+            skip_mm_profiling=vllm.skip_mm_profiling, mm_encoder_tp_mode=vllm.mm_encoder_tp_mode,
+            sleep_level=vllm.sleep_level)
         return replace(settings, **overrides)
 
     def engine_kwargs(self, device: str) -> dict[str, Any]:
@@ -95,11 +108,15 @@ class EngineSettings:
             model=self.model_path, tokenizer=self.model_path, dtype=self.dtype, seed=self.seed,
             max_model_len=self.max_model_len, tensor_parallel_size=self.tensor_parallel_size,
             enable_prefix_caching=self.enable_prefix_caching, enforce_eager=self.enforce_eager,
-            limit_mm_per_prompt={"image": self.max_images_per_prompt, "video": 0},
+            limit_mm_per_prompt=dict(self.limit_mm_per_prompt or {"image": self.max_images_per_prompt, "video": 0}),
             logprobs_mode=self.logprobs_mode, max_logprobs=MAX_LOGPROBS,
         )
         if self.max_num_seqs is not None:
             kwargs["max_num_seqs"] = self.max_num_seqs
+        for name in ("max_num_batched_tokens", "enable_chunked_prefill", "disable_chunked_mm_input",
+                     "skip_mm_profiling", "mm_encoder_tp_mode"):
+            if getattr(self, name) is not None:
+                kwargs[name] = getattr(self, name)
         pixels = {k: v for k, v in (("min_pixels", self.min_pixels), ("max_pixels", self.max_pixels)) if v}
         if pixels:
             kwargs["mm_processor_kwargs"] = pixels
@@ -114,6 +131,8 @@ class EngineSettings:
             kwargs["gpu_memory_utilization"] = self.gpu_memory_utilization
             if self.kv_cache_memory_bytes:
                 kwargs["kv_cache_memory_bytes"] = self.kv_cache_memory_bytes
+            if self.sleep_level:
+                kwargs["enable_sleep_mode"] = True  # vLLM's CPU build has no sleep mode: never passed there
         return kwargs
 
 
@@ -176,6 +195,7 @@ class VllmEngine:
             self.pieces = PieceTable.for_tokenizer(tokenizer).pieces
         self.start_seconds = 0.0
         self.last_push_seconds = 0.0
+        self.asleep = False
         # (output, its logprobs) of the last generate() that asked for them; token_logprobs() reads them back
         self._scored: list[tuple[RolloutOutput, list[TokenLogprob]]] = []
 
@@ -232,7 +252,9 @@ class VllmEngine:
     @classmethod
     def from_contract(cls, run: "RunContract", **overrides: Any) -> "VllmEngine":
         """Start the engine of a run (``serve-rollout --engine vllm``): its model, dtype, seed, template pixel
-        budget, ``rollout_matching.vllm`` settings and repeat guard; ``overrides`` are EngineSettings fields."""
+        budget, ``rollout_matching.vllm`` settings and repeat guard; ``overrides`` are EngineSettings fields.
+        A server engine never sleeps (it does not share its GPU with training), so sleep_level defaults to 0."""
+        overrides.setdefault("sleep_level", 0)
         settings = EngineSettings.from_contract(
             run.rollout_matching.serving.engine, model_path=run.model.path, dtype=run.model.dtype, seed=run.seed,
             repeat_terminate=run.rollout_matching.repeat_terminate, min_pixels=run.template.min_pixels,
@@ -392,6 +414,23 @@ class VllmEngine:
         self.last_push_seconds = time.perf_counter() - started
 
     push_weights = load_weights
+
+    def sleep(self) -> bool:
+        """Release vLLM's GPU memory until :meth:`wake_up` (``settings.sleep_level`` 1: weights to CPU, KV cache
+        freed; 2: both freed). A no-op at level 0 and on CPU; whether the engine sleeps now."""
+        if self.settings.sleep_level and self.device_kind != "cpu" and not self.asleep:
+            self._live().sleep(level=self.settings.sleep_level)
+            self.asleep = True
+        return self.asleep
+
+    def wake_up(self) -> bool:
+        """Undo :meth:`sleep`; True when the weights were discarded (level 2) and must be pushed again."""
+        if not self.asleep:
+            return False
+        self._live().wake_up()
+        self.asleep = False
+        self.reset_caches()
+        return self.settings.sleep_level == 2
 
     def reset_caches(self) -> bool:
         """Reset the prefix and encoder caches (required after every weight push); whether both resets held."""
