@@ -41,7 +41,10 @@ def model_type_of(model: Any) -> str:
 
 
 def _rope_owner(model: Any) -> Any:
-    """The module that implements ``get_rope_index`` (``Qwen2VLModel``; the ForConditionalGeneration wraps it)."""
+    """The module that implements ``get_rope_index`` (``Qwen2VLModel``; the ForConditionalGeneration wraps it, and a
+    PEFT model wraps that: ``get_base_model`` unwraps it)."""
+    if callable(getattr(model, "get_base_model", None)):
+        model = model.get_base_model()
     for candidate in (model, getattr(model, "model", None)):
         if candidate is not None and callable(getattr(candidate, "get_rope_index", None)):
             return candidate

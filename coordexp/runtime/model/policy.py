@@ -10,13 +10,12 @@ from typing import TYPE_CHECKING, Any
 from coordexp.errors import UserInputError
 from coordexp.runtime.core.tokens import CoordVocab, add_coord_tokens
 from coordexp.runtime.model.encoding import ImageTextProcessor, load_processor
-from coordexp.runtime.model.parts import model_part
 
 if TYPE_CHECKING:
     from coordexp.schema.contract import RunContract
 
 __all__ = ["LaunchError", "PROCESSOR_CLASS_NAMES", "SUPPORTED_FAMILIES", "checkpoint_family", "load_policy",
-           "make_processor", "save_processor", "expand_checkpoint_vocab"]
+           "make_processor", "save_processor", "expand_checkpoint_vocab", "export_merged"]
 
 PROCESSOR_CLASS_NAMES = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor",
                          "qwen3_vl": "Qwen3VLProcessor"}
@@ -45,37 +44,50 @@ def checkpoint_family(model_dir: str | Path) -> str:
     return family
 
 
-def load_policy(run: "RunContract") -> tuple[Any, Any]:
-    """``(model, processor)`` from ``model.path``; the tokenizer must already hold the 1000 coord tokens."""
+def load_policy(run: "RunContract", *, adapter: str | Path | None = None) -> tuple[Any, Any]:
+    """``(model, processor)`` from ``model.path`` with ``tuner.*`` applied (frozen parts, or a fresh PEFT adapter);
+    the tokenizer must already hold the 1000 coord tokens. ``adapter`` (or a ``model.path`` that is a saved
+    adapter directory): load its base, then that adapter (trainable under ``train_type: lora``, merged into the
+    base under ``full``)."""
     import torch
     from transformers import AutoModelForImageTextToText
 
+    from coordexp.runtime.model.adapters import adapter_base, attach_adapter, is_adapter_dir
+    from coordexp.runtime.model.tuner import apply_tuner
+
     cfg = run.model
-    path = Path(cfg.path)
-    if cfg.path.startswith(("/", ".", "~")) and not path.is_dir():
+    if adapter is None and is_adapter_dir(cfg.path):
+        adapter = cfg.path
+    fallback = None if adapter is None or str(adapter) == cfg.path else cfg.path
+    base = cfg.path if adapter is None else adapter_base(adapter, fallback)
+    path = Path(base)
+    if base.startswith(("/", ".", "~")) and not path.is_dir():
         raise LaunchError(
-            f"model.path {cfg.path} does not exist; build the tiny model with `coordexp make-tiny-model {cfg.path}` "
+            f"model.path {base} does not exist; build the tiny model with `coordexp make-tiny-model {base}` "
             "or point model.path at a local checkpoint"
         )
     if path.is_dir():
         checkpoint_family(path)
-    processor = load_processor(cfg.path)
+    processor = load_processor(base)
     try:
         CoordVocab.from_tokenizer(processor.tokenizer)
     except ValueError as exc:
         raise LaunchError(
-            f"{cfg.path}: {exc}. Add the coord tokens first: `coordexp expand-vocab {cfg.path} <new dir>`"
+            f"{base}: {exc}. Add the coord tokens first: `coordexp expand-vocab {base} <new dir>`"
         ) from exc
     model = AutoModelForImageTextToText.from_pretrained(
-        cfg.path, dtype=getattr(torch, _DTYPES[cfg.dtype]), attn_implementation=cfg.attn_implementation
+        base, dtype=getattr(torch, _DTYPES[cfg.dtype]), attn_implementation=cfg.attn_implementation
     )
-    frozen = {part for part, off in (("llm", run.tuner.freeze_llm), ("vision", run.tuner.freeze_vit),
-                                     ("aligner", run.tuner.freeze_aligner)) if off}
-    for name, parameter in model.named_parameters():
-        if model_part(name) in frozen:
-            parameter.requires_grad_(False)
+    if adapter is not None and run.tuner.train_type == "lora":
+        model = attach_adapter(model, adapter, trainable=True)  # the saved adapter trains on (its own targets)
+    else:
+        if adapter is not None:  # full fine-tuning from an adapter run: start from the merged weights
+            model = attach_adapter(model, adapter).merge_and_unload()
+        model = apply_tuner(model, run.tuner)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
+        if hasattr(model, "peft_config"):  # frozen embeddings: checkpointed blocks need an input that wants grad
+            model.enable_input_require_grads()
     return model, processor
 
 
@@ -140,3 +152,42 @@ def expand_checkpoint_vocab(source: str | Path, destination: str | Path) -> int:
     else:
         processor.save_pretrained(str(destination))
     return added
+
+
+def _saved_dtype(base_path: str) -> Any:
+    import torch
+
+    config_file = Path(base_path) / "config.json"
+    if not config_file.is_file():
+        return None
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    name = config.get("dtype") or config.get("torch_dtype")
+    value = getattr(torch, name, None) if isinstance(name, str) else None
+    return value if isinstance(value, torch.dtype) else None
+
+
+def export_merged(adapter_dir: str | Path, out_dir: str | Path, *, base: str | Path | None = None) -> Path:
+    """Load base + adapter, merge (``merge_and_unload``) and save a plain HF checkpoint with the processor (the
+    adapter directory's own when it holds one, which has the coord tokens, else the base's) into ``out_dir``."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from coordexp.runtime.model.adapters import adapter_base, attach_adapter
+
+    adapter_dir, out_dir = Path(adapter_dir), Path(out_dir)
+    base_path = adapter_base(adapter_dir, base)
+    family = checkpoint_family(base_path) if Path(base_path).is_dir() else None
+    has_processor = any((adapter_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
+    processor = load_processor(str(adapter_dir if has_processor else base_path))
+    model = AutoModelForImageTextToText.from_pretrained(base_path, dtype=torch.float32)
+    merged = attach_adapter(model, adapter_dir).merge_and_unload()
+    saved_dtype = _saved_dtype(base_path)
+    if saved_dtype is not None:
+        merged = merged.to(saved_dtype)  # merged in float32, saved in the base's own dtype
+    out_dir.mkdir(parents=True, exist_ok=True)
+    merged.save_pretrained(str(out_dir))
+    if isinstance(processor, ImageTextProcessor):
+        save_processor(out_dir, family or merged.config.model_type, processor.tokenizer, processor.image_processor)
+    else:
+        processor.save_pretrained(str(out_dir))
+    return out_dir

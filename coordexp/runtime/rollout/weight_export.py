@@ -3,11 +3,13 @@
 Used by the vLLM colocate backend (in-memory reload), the server weight channel (collective broadcast) and the
 weight-sync benchmark, so both engines receive the same names and values:
 
-- :func:`named_tensors`: HF checkpoint names; a PEFT LoRA policy is merged ON THE FLY into new tensors
-  (``W + scale * B @ A``). The training model is never merged, unmerged or written (``merge_adapter`` would add and
+- :func:`named_tensors`: HF checkpoint names; a PEFT LoRA/DoRA policy is merged ON THE FLY, by PEFT's own merge
+  on a copy of each adapted layer (so DoRA's magnitude rescaling is included and the result equals
+  ``merge_and_unload``). The training model is never merged, unmerged or written (``merge_adapter`` would add and
   subtract the delta in place, in the training dtype, which does not round-trip bit for bit).
 - :func:`adapter_state`: the active LoRA adapter as one :class:`AdapterState` (PEFT state-dict names, a JSON-plain
-  ``adapter_config`` dict), the shape every caller uses.
+  ``adapter_config`` dict), the shape every caller uses; a DoRA adapter is refused (vLLM cannot serve it), which
+  sends adapter sync down its fallback to full merged weights.
 - :func:`policy_version`: a cheap fingerprint that changes exactly when a parameter is updated in place.
 """
 
@@ -50,12 +52,25 @@ def _active_adapter(model: Any) -> str:
     return active if isinstance(active, str) else active[0]
 
 
+def _merged_copy(module: Any, adapter: str) -> Any:
+    """A copy of the LoRA layer ``module`` with ``adapter`` merged by PEFT's own ``merge`` (plain LoRA
+    ``W + scale * B @ A``; DoRA rescales by its magnitude vector over the column norm): the live layer is only
+    read, so the training weights, gradients and DoRA caches stay as they are."""
+    import copy
+
+    with torch.no_grad():
+        clone = copy.deepcopy(module)
+        clone.merge(adapter_names=[adapter])
+    return clone.get_base_layer()
+
+
 def named_tensors(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """The policy's weights under HF checkpoint names (each parameter once; tied weights are one tensor).
 
-    A plain model yields its detached parameters (views, no copy). A PEFT LoRA model yields the base weights with
-    the active adapter's delta added into NEW tensors, ``base_model.model.`` / ``.base_layer`` / ``modules_to_save``
-    spellings removed and the LoRA tensors themselves skipped; the model is only read.
+    A plain model yields its detached parameters (views, no copy). A PEFT LoRA/DoRA model yields the base weights
+    with the active adapter merged into NEW tensors (what ``merge_and_unload`` would leave), ``base_model.model.`` /
+    ``.base_layer`` / ``modules_to_save`` spellings removed and the adapter tensors themselves skipped; the model is
+    only read.
     """
     model = unwrap_model(model)
     if not is_peft(model):
@@ -65,19 +80,20 @@ def named_tensors(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
 
     adapter = _active_adapter(model)
     lora_modules = {name: module for name, module in model.named_modules() if isinstance(module, LoraLayer)}
+    merged: tuple[str, Any] | None = None  # (owner, merged base layer): weight and bias come from one merge
     for name, parameter in model.named_parameters():
         if ".lora_" in name or ".original_module." in name:
             continue
         hf_name = name.removeprefix(_PEFT_PREFIX).replace(f".modules_to_save.{adapter}.", ".")
         tensor = parameter.detach()
         if ".base_layer." in name:
-            owner = name.split(".base_layer.")[0]
+            owner, leaf = name.split(".base_layer.", 1)
             hf_name = hf_name.replace(".base_layer.", ".")
             module = lora_modules.get(owner)
-            if module is not None and name.endswith(".weight") and not module.merged \
-                    and adapter in getattr(module, "lora_A", {}):
-                with torch.no_grad():
-                    tensor = tensor + module.get_delta_weight(adapter).to(tensor.dtype)
+            if module is not None and not module.merged and adapter in getattr(module, "lora_A", {}):
+                if merged is None or merged[0] != owner:
+                    merged = (owner, _merged_copy(module, adapter))
+                tensor = merged[1].get_parameter(leaf).detach()
         yield hf_name, tensor
 
 
@@ -107,6 +123,11 @@ def adapter_state(model: Any) -> AdapterState:
     from peft import get_peft_model_state_dict
 
     adapter = _active_adapter(model)
+    if getattr(model.peft_config[adapter], "use_dora", False):
+        raise WeightSyncError(
+            "vLLM cannot serve a DoRA adapter (its LoRA kernels have no magnitude vector)",
+            hint="DoRA rollouts need merged weights: rollout_matching.vllm.sync.mode: full (adapter mode falls back "
+            "to full when sync.fallback_to_full is true)")
     tensors = get_peft_model_state_dict(model, adapter_name=adapter)
     config = json.loads(json.dumps(model.peft_config[adapter].to_dict(), default=_plain_json))
     return AdapterState(adapter, config, tuple((name, t.detach()) for name, t in tensors.items()))

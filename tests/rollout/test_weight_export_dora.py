@@ -1,0 +1,98 @@
+"""Merged weight export of real Qwen-VL LoRA and DoRA policies (tiny Qwen2-VL and Qwen3-VL, adapters from
+``apply_tuner``) equals PEFT's own ``merge_and_unload``, and exporting leaves the training model bit-identical."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from coordexp.runtime.model.tuner import apply_tuner
+from coordexp.runtime.rollout.weight_export import adapter_state, named_tensors, policy_version
+from coordexp.runtime.rollout.weight_sync import WeightSyncError
+from coordexp.schema.tuner import TunerConfig
+
+pytest.importorskip("peft", reason="needs peft (pip install peft)")
+
+
+def _policy(model_dir, *, use_dora: bool, seed: int, **tuner):
+    """A float32 tiny policy wrapped by apply_tuner, with every adapter tensor randomised (a fresh lora_B is zero,
+    which would make any merge look right)."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=torch.float32)
+    policy = apply_tuner(model, TunerConfig(train_type="lora", use_dora=use_dora, lora_rank=4, lora_alpha=8,
+                                            **tuner))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in policy.named_parameters():
+            if "lora_magnitude_vector" in name:  # stays positive: a row norm
+                parameter.mul_(0.5 + torch.rand(parameter.shape, generator=generator))
+            elif ".lora_" in name:
+                parameter.add_(0.1 * torch.randn(parameter.shape, generator=generator))
+            elif ".modules_to_save." in name:
+                parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
+    return policy
+
+
+def _bits(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+FAMILIES = ["qwen2_vl", "qwen3_vl"]
+
+
+@pytest.fixture(params=FAMILIES)
+def family_dir(request, tiny_model_dir, qwen3_model_dir):
+    return request.param, (tiny_model_dir if request.param == "qwen2_vl" else qwen3_model_dir)
+
+
+@pytest.mark.parametrize("use_dora", [False, True], ids=["lora", "dora"])
+def test_export_equals_merge_and_unload_and_leaves_the_policy_bit_identical(family_dir, use_dora):
+    family, model_dir = family_dir
+    saved = ["model.visual.deepstack_merger_list.0"] if family == "qwen3_vl" else ["model.visual.merger"]
+    policy = _policy(model_dir, use_dora=use_dora, seed=1, modules_to_save=saved)
+    before, version = _bits(policy), policy_version(policy)
+
+    exported = dict(named_tensors(policy))
+
+    after = dict(policy.named_parameters())
+    assert set(after) == set(before)
+    for name, value in before.items():  # the training model is only read: same bits, same in-place versions
+        assert torch.equal(after[name].detach().view(torch.int32), value.view(torch.int32)), name
+    assert policy_version(policy) == version
+    reference = copy.deepcopy(policy).merge_and_unload().state_dict()
+    assert set(exported) == set(reference)
+    for name, tensor in reference.items():
+        torch.testing.assert_close(exported[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+    # the merge changed something real: adapted weights and the trained modules_to_save differ from the base
+    base = dict(policy.get_base_model().named_parameters())
+    q_proj = "model.language_model.layers.0.self_attn.q_proj.weight"
+    assert not torch.allclose(exported[q_proj], base[q_proj.replace(".weight", ".base_layer.weight")])
+    merger = next(n for n in exported if n.startswith(saved[0] + ".") and n.endswith("weight"))
+    original = merger.replace(saved[0], saved[0] + ".original_module")
+    assert not torch.allclose(exported[merger], base[original])
+
+
+def test_dora_export_is_not_plain_lora_math(tiny_model_dir):
+    """DoRA's merge rescales every output row by magnitude / ||W + dW||: adding the plain LoRA delta alone (the old
+    export) gives a different weight, so the test above would catch a DoRA-blind merge."""
+    policy = _policy(tiny_model_dir, use_dora=True, seed=2)
+    layer = policy.get_base_model().model.language_model.layers[0].self_attn.q_proj
+    plain = layer.base_layer.weight + layer.get_delta_weight("default")
+    exported = dict(named_tensors(policy))["model.language_model.layers.0.self_attn.q_proj.weight"]
+    assert not torch.allclose(exported, plain, atol=1e-4)
+    norms = exported.norm(dim=1)
+    torch.testing.assert_close(norms, layer.lora_magnitude_vector["default"].weight.detach(), rtol=1e-4, atol=1e-5)
+
+
+def test_dora_adapter_state_is_refused_so_adapter_sync_falls_back(tiny_model_dir):
+    policy = _policy(tiny_model_dir, use_dora=True, seed=3)
+    with pytest.raises(WeightSyncError, match="DoRA") as info:
+        adapter_state(policy)
+    assert "sync.mode: full" in info.value.hint
+    plain = _policy(tiny_model_dir, use_dora=False, seed=3)
+    state = adapter_state(plain)
+    assert state.config["use_dora"] is False
+    assert any(".lora_A." in name for name, _ in state.tensors)
