@@ -17,6 +17,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from coordexp.cli.adapters import register as register_adapters
 from coordexp.cli.assets import register as register_assets
 from coordexp.cli.convert import register as register_convert
 from coordexp.cli.demo import register as register_demo
@@ -122,13 +123,25 @@ def migrate(
     output: Annotated[
         Optional[Path], typer.Option("--output", "-o", help="Write the canonical YAML here instead of stdout.")
     ] = None,
+    base_dir: Annotated[
+        Optional[Path], typer.Option("--base-dir", help="Upstream configs: the launch directory their relative "
+                                     "paths meant (default: the current directory).", show_default=False)
+    ] = None,
 ) -> None:
-    """Rewrite legacy keys into canonical YAML; report what could not be moved (exit 2 if anything is left).
+    """Rewrite legacy keys into canonical YAML. Exit 0: everything moved and the result validates; exit 2:
+    something was left out or could not be moved (listed), or the result does not validate.
 
-    The original bytes are never lost: writes go to a temp file renamed into place, --in-place keeps a
-    byte-identical backup under a fresh name (.bak, .bak.1, ...), read-only targets and -o onto the input are refused.
+    A config with extends (or upstream's inherit): -o/stdout writes ONE self-contained file, --in-place migrates
+    every file of the chain. The original bytes are never lost: writes go to a temp file renamed into place,
+    --in-place keeps a byte-identical backup under a fresh name (.bak, .bak.1, ...), read-only targets and -o onto
+    the input are refused.
     """
     from coordexp.schema.loader import validate_config_file
+    from coordexp.schema.migrate_chain import needs_chain
+
+    if needs_chain(config):
+        _migrate_chain(config, in_place, output, base_dir)
+        return
     from coordexp.schema.migrate_io import migrate_file
 
     result = migrate_file(config, in_place=in_place, output=output)  # errors: exit 2 through the frame
@@ -158,10 +171,52 @@ def migrate(
     raise typer.Exit(EXIT_INVALID if migration.unresolved else EXIT_OK)
 
 
+def _migrate_chain(config: Path, in_place: bool, output: Optional[Path], base_dir: Optional[Path]) -> None:
+    """``migrate`` of an extends chain or an upstream config (coordexp/schema/migrate_chain.py); same exit codes."""
+    from coordexp.schema.loader import validate_config_file
+    from coordexp.schema.migrate_chain import migrate_chain
+
+    result = migrate_chain(config, output=output, in_place=in_place, base_dir=base_dir)
+    if result.upstream:
+        err.print("upstream-shaped config: ms-swift spellings mapped; relative paths resolved against "
+                  f"{safe(str(base_dir or Path.cwd()))}")
+    for outcome in result.files:
+        m = outcome.migration
+        if in_place:
+            err.print(f"{safe(str(outcome.path))}:")
+        for change in m.changes:
+            err.print(f"  [green]moved[/green]  {safe(change)}")
+        for left in m.left_out:
+            err.print(f"  [yellow]left out[/yellow] {safe(left)}")
+        for left in m.unresolved:
+            err.print(f"  [yellow]left[/yellow]   {safe(left)}")
+        if outcome.written is not None:
+            kept = f" (backup: {safe(str(outcome.backup))})" if outcome.backup else ""
+            err.print(f"wrote {safe(str(outcome.written))}{kept}")
+    for line in result.paths:
+        err.print(f"  [cyan]path[/cyan]   {safe(line)}")
+    if not in_place and output is None:
+        sys.stdout.write(result.text)
+    written = config if in_place else output
+    if written is not None:
+        report = validate_config_file(written)
+        if report.ok:
+            err.print(f"[green]✓[/green] {safe(str(written))} validates")
+        else:
+            err.print(f"[red]✗[/red] {safe(str(written))} still has {len(report.errors)} problem(s):")
+            for issue in report.errors:
+                err.print("  [red]•[/red] " + issue_line(issue, report.path))
+            raise typer.Exit(EXIT_INVALID)
+    if result.needs_user:
+        err.print("[yellow]exit 2:[/yellow] the keys listed as left out / left need your decision")
+    raise typer.Exit(EXIT_INVALID if result.needs_user else EXIT_OK)
+
+
 app.command("validate")(guarded(validate))
 app.command("schema")(guarded(schema))
 app.command("migrate")(guarded(migrate))
 register_assets(app)
+register_adapters(app)
 register_train(app)
 register_demo(app)
 register_serve(app)

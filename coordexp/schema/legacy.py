@@ -187,6 +187,22 @@ LEGACY_KEYS: tuple[LegacyKey, ...] = (
         "packing_length is derived from global_max_length (or template.max_length); remove training.packing_length "
         "and set global_max_length instead.",
     ),
+    # upstream (ms-swift era) spellings: coordexp/schema/migrate_upstream.py moves them
+    *(
+        LegacyKey(old, new, f"Upstream's {old} is {new} in coordexp.")
+        for old, new in (
+            ("model.model", "model.path"),
+            ("model.torch_dtype", "model.dtype"),
+            ("model.attn_impl", "model.attn_implementation"),
+            ("custom.train_jsonl", "data.train_jsonl"),
+            ("custom.val_jsonl", "data.val_jsonl"),
+            ("custom.train_sample_limit", "data.max_train_samples"),
+            ("custom.val_sample_limit", "data.max_val_samples"),
+        )
+    ),
+    LegacyKey("inherit", "extends", "Upstream's alias of extends; `coordexp migrate` follows it.", migrates=False),
+    LegacyKey("template.template", None, "Remove it: the model family comes from the checkpoint's config.json."),
+    LegacyKey("deepspeed", "training.deepspeed", "DeepSpeed is training.deepspeed: zero2 (a preset or a JSON path)."),
     *(
         LegacyKey(f"training.{k}", None, why)
         for k, why in (

@@ -317,11 +317,21 @@ def _resolve_paths(data: dict, merged: MergedConfig) -> dict:
     return data
 
 
+def _in_parent(issue: ConfigIssue, top: Optional[str]) -> ConfigIssue:
+    """A legacy key set in a base file: say that migrating the leaf covers it (the chain is followed)."""
+    if not issue.file or not top or issue.file == top:
+        return issue
+    hint = (f"{issue.hint} It is set in {issue.file}, a base of {top}: `coordexp migrate {top} -o NEW.yaml` writes "
+            f"one self-contained file with it moved, `coordexp migrate {top} --in-place` migrates every file of "
+            "the chain.")
+    return ConfigIssue(issue.path, issue.message, hint.strip(), issue.file)
+
+
 def validate_merged(merged: MergedConfig) -> ValidationReport:
     """Legacy keys first (their message wins), then the schema; all issues of the file at once."""
     top = merged.files[-1] if merged.files else None
     hits = find_legacy_keys(merged.data)
-    issues = [hit.issue(merged.file_of(hit.path)) for hit in hits]
+    issues = [_in_parent(hit.issue(merged.file_of(hit.path)), top) for hit in hits]
     # a stripped legacy key (or the key it names) must not also be reported as "required key is missing"
     covered = {h.dotted for h in hits} | {
         h.replacement.split(":")[0].removesuffix("[]") for h in hits if h.replacement

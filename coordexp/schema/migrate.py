@@ -11,11 +11,13 @@ import copy
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
+from coordexp.schema.dotted import ABSENT, get, pop, split
 from coordexp.schema.errors import ConfigError, ConfigIssue, format_path
 from coordexp.schema.legacy import find_legacy_keys
 from coordexp.schema.loader import deep_merge, load_merged
+from coordexp.schema.migrate_upstream import upstream_pre
 from coordexp.schema.yaml_io import dump_yaml, parse_yaml_text
 
 __all__ = ["Migration", "migrate_mapping", "migrate_text", "OLD_COORD_DEFAULTS"]
@@ -76,44 +78,14 @@ class Migration:
     data: dict
     changes: list[str] = field(default_factory=list)
     unresolved: list[str] = field(default_factory=list)
+    left_out: list[str] = field(default_factory=list)  # upstream features coordexp lacks: removed, with why
 
     @property
     def changed(self) -> bool:
-        return bool(self.changes)
+        return bool(self.changes or self.left_out)
 
 
-_ABSENT = object()
-
-
-def _split(dotted: str) -> list[str]:
-    return dotted.split(".")
-
-
-def _get(data: dict, dotted: str, default: Any = _ABSENT) -> Any:
-    node: Any = data
-    for part in _split(dotted):
-        if not isinstance(node, dict) or part not in node:
-            return default
-        node = node[part]
-    return node
-
-
-def _pop(data: dict, dotted: str) -> Any:
-    parts = _split(dotted)
-    trail = [data]
-    for part in parts[:-1]:
-        nxt = trail[-1].get(part) if isinstance(trail[-1], dict) else None
-        if not isinstance(nxt, dict):
-            return _ABSENT
-        trail.append(nxt)
-    value = trail[-1].pop(parts[-1], _ABSENT)
-    for depth in range(len(parts) - 1, 0, -1):  # drop mappings the move left empty
-        if not trail[depth]:
-            del trail[depth - 1][parts[depth - 1]]
-        else:
-            break
-    return value
-
+_ABSENT, _get, _pop, _split = ABSENT, get, pop, split
 
 class _Rewriter:
     def __init__(self, data: dict, base_view: dict):
@@ -406,11 +378,13 @@ def _shape_issues(raw: dict) -> list[ConfigIssue]:
     return issues
 
 
-def migrate_mapping(raw: dict, base_view: Optional[dict] = None) -> Migration:
+def migrate_mapping(raw: dict, base_view: Optional[dict] = None, *,
+                    post: Optional[Callable[[Any], None]] = None) -> Migration:
     """Rewrite every mechanical legacy move of ``raw`` (a copy is returned; ``raw`` is not modified).
 
     ``base_view`` is the merged mapping of the file's ``extends`` bases, consulted (never edited) to decide
     whether a pipeline already exists. A section of the wrong shape raises :class:`ConfigError` naming its path.
+    Upstream spellings (migrate_upstream.py) are rewritten first; ``post`` runs on the rewriter at the end.
     """
     if not isinstance(raw, dict):
         raise ConfigError([ConfigIssue("", f"top level must be a mapping of sections (got a {_kind(raw)})",
@@ -419,6 +393,7 @@ def migrate_mapping(raw: dict, base_view: Optional[dict] = None) -> Migration:
     if issues:
         raise ConfigError(issues)
     rw = _Rewriter(copy.deepcopy(raw), base_view or {})
+    upstream_pre(rw)
     old_variant = _get(rw.data, "custom.trainer_variant") == "rollout_matching_sft"
     if old_variant:
         rw.data["custom"]["trainer_variant"] = "stage2_rollout_aligned"
@@ -438,6 +413,8 @@ def migrate_mapping(raw: dict, base_view: Optional[dict] = None) -> Migration:
             if key in custom and custom[key] in ({}, None):
                 del custom[key]
                 rw.m.changes.append(f"removed empty custom.{key}")
+    if post is not None:
+        post(rw)
     reported = " ".join(rw.m.unresolved)
     for hit in find_legacy_keys(rw.data):
         if hit.dotted not in reported:

@@ -161,7 +161,10 @@ def test_nothing_legacy_survives_a_full_migration(stage2_config):
 
 _SAMPLE_VALUES = {"rollout_matching.decode_mode": "greedy", "custom.trainer_variant": "rollout_matching_sft",
                   "custom.coord_soft_ce_w1": None, "rollout_matching.ot_cost": "l1",
-                  "rollout_matching.maskiou_resolution": 64, "model.freeze_vision_tower": False}
+                  "rollout_matching.maskiou_resolution": 64, "model.freeze_vision_tower": False,
+                  "model.model": "Qwen/Qwen2.5-VL-3B-Instruct", "model.torch_dtype": "float32", "model.attn_impl": "sdpa",
+                  "custom.train_jsonl": "data/train.jsonl", "custom.val_jsonl": "v.jsonl", "template.template": "qwen2_vl",
+                  "deepspeed": {"enabled": False}}
 
 
 @pytest.mark.parametrize("entry", [e for e in LEGACY_KEYS if e.migrates and ".vllm.server." not in e.pattern],

@@ -1,0 +1,269 @@
+"""Upstream CoordExp (ms-swift era) spellings for ``coordexp migrate``: renames, values, removals and left-outs.
+
+Upstream configs name keys after ms-swift (``model.model``, ``custom.train_jsonl``, a top-level ``deepspeed``
+block) and carry features coordexp does not have. Every such key is moved, removed as redundant (with why), or
+listed as left out (with why): nothing disappears silently. Relative paths there were relative to the launch
+directory, not the YAML file; :func:`resolve_paths` rewrites them (see :mod:`coordexp.schema.migrate_chain`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import typing
+from pathlib import Path
+from typing import Any, Optional
+
+from pydantic import BaseModel
+
+from coordexp.schema.base import MAX_PIXELS
+from coordexp.schema.legacy import find_legacy_keys
+from coordexp.schema.loader import _PATH_FIELDS
+from coordexp.schema.dotted import ABSENT as _ABSENT, get as _get, pop as _pop
+from coordexp.schema.root import CoordExpConfig
+from coordexp.schema.training import TrainingConfig
+
+__all__ = ["UPSTREAM_MARKERS", "is_upstream", "upstream_pre", "upstream_post", "resolve_paths", "write_paths"]
+
+_RM = "rollout_matching"
+UPSTREAM_MARKERS = ("model.model", "model.torch_dtype", "model.attn_impl", "template.template", "custom.train_jsonl",
+                    "custom.val_jsonl", "custom.jsonl", "deepspeed", "data.dataset", "data.val_dataset",
+                    "tuner.use_swift_lora")
+"""Keys only an upstream config has: their presence anywhere in a chain makes its paths launch-relative."""
+
+_RENAMES = {
+    "model.model": "model.path",
+    "model.torch_dtype": "model.dtype",
+    "model.attn_impl": "model.attn_implementation",
+    "custom.jsonl": "data.train_jsonl",
+    "custom.train_jsonl": "data.train_jsonl",
+    "custom.val_jsonl": "data.val_jsonl",
+    "custom.train_sample_limit": "data.max_train_samples",
+    "custom.val_sample_limit": "data.max_val_samples",
+    "custom.user_prompt": "template.user_prompt",
+    "template.system": "template.system_prompt",
+    "training.gradient_checkpointing": "model.gradient_checkpointing",
+    "custom.rollout_matching": "custom.extra.rollout_matching",  # upstream read the flat form the same way
+    **{f"data.dataloader_{k}": f"training.dataloader_{k}"
+       for k in ("num_workers", "pin_memory", "prefetch_factor", "persistent_workers", "drop_last")},
+}
+
+# Removed: coordexp does the same thing another way, so nothing is lost (value None: whatever the value).
+_REDUNDANT: dict[str, tuple[Any, str]] = {
+    "template.template": (None, "the model family comes from the checkpoint's config.json (model_type)"),
+    "data.dataset": (None, "an ms-swift placeholder; coordexp reads data.train_jsonl"),
+    "data.val_dataset": (None, "an ms-swift placeholder; coordexp reads data.val_jsonl"),
+    "custom.json_format": ("standard", "the only record format"),
+    "custom.emit_norm": ("none", "records are read as norm1000 bins as they are"),
+    "tuner.use_swift_lora": (False, "coordexp trains adapters with PEFT"),
+    "training.optimizer": ("multimodal", "per-part learning rates (learning_rate, vit_lr, aligner_lr) are always on"),
+    "training.bf16": (None, "model.dtype sets the parameter and compute dtype"),
+    "training.fp16": (None, "model.dtype sets the parameter and compute dtype"),
+}
+
+_NO_AUG = "coordexp has no image augmentation: records are trained on as they are"
+# Left out: a feature coordexp does not have; the run behaves differently without it, so the user decides.
+_LEFT_OUT = {
+    "custom.augmentation": _NO_AUG,
+    "custom.augmentation_curriculum": _NO_AUG,
+    "custom.dump_conversation_text": "no conversation-text dump (`coordexp show-rollouts` shows rollouts)",
+    "custom.dump_conversation_path": "no conversation-text dump",
+    "custom.token_type_metrics": "per-token-type metrics are not computed",
+    "custom.instability_monitor": "no instability monitor",
+    "custom.log_file": "logs go to stdout/stderr (redirect them to a file)",
+    "custom.coord_offset": "no coord-offset embedding/head training",
+    "custom.visual_kd": "no visual knowledge distillation",
+    "custom.fusion_config": "no dataset fusion: one train_jsonl",
+    "custom.use_summary": "no summary mode",
+    "custom.val_sample_with_replacement": "validation takes the first max_val_samples records",
+    "custom.object_ordering": "objects keep the order of the record",
+    "custom.coord_tokens": "coordinates are always coord tokens",
+    "custom.extra": "upstream's free-form extras have no owner in coordexp",
+    "debug": "no debug mode: its output_dir and sample limits are not applied",
+    "rlhf": "no GKD / RLHF trainer",
+    "deepspeed": "deepspeed.enabled must be true or false with a config name",
+    "data.dataset_num_proc": "records are read in-process",
+    "template.truncation_strategy": "an over-long sample fails fast at global_max_length instead of being truncated",
+    "training.save_delay_steps": "checkpoints are saved every save_steps from the start",
+    "training.save_delay_epochs": "checkpoints are saved every save_steps from the start",
+    "training.save_last_epoch": "no extra end-of-epoch checkpoint",
+    "training.add_version": "coordexp writes into training.output_dir as given (no v<N>-<timestamp> folder)",
+    "training.optimizer": "only the multimodal optimizer (per-part learning rates) exists",
+    "tuner.use_swift_lora": "coordexp trains adapters with PEFT",
+    f"{_RM}.desc_monitor": "no desc monitor (semantic matching metrics)",
+    f"{_RM}.monitor_dump": "no monitor dumps",
+    f"{_RM}.debug_dump_parse_failures": "no parse-failure dumps",
+    f"{_RM}.debug_dump_max": "no parse-failure dumps",
+    f"{_RM}.eval_detection": "evaluation runs with `coordexp eval`",
+    f"{_RM}.eval_prompt_variant": "one prompt (template.*) for training and evaluation",
+}
+_GENERIC = "not a coordexp key in this version"
+_REFUSED = "a TrainingArguments field coordexp refuses (`coordexp validate` on a file setting it says why)"
+
+
+def _refused() -> set[str]:
+    """training.* fields the schema declares only to refuse them (hidden from dumps: ``exclude``)."""
+    return {name for name, info in TrainingConfig.model_fields.items() if info.exclude}
+# training.* targets of this mapping that the TrainingArguments surface is gaining: kept even while unknown,
+# so the migrated file validates once that lands (validate names them until then).
+EXPECTED_TRAINING = ("vit_lr", "aligner_lr", "effective_batch_size", "lr_scheduler_kwargs")
+
+
+def is_upstream(merged: dict) -> bool:
+    """Whether a (merged) chain uses upstream spellings, so its relative paths were launch-relative."""
+    return any(_get(merged, key) is not _ABSENT for key in UPSTREAM_MARKERS)
+
+
+def _leave_out(rw: Any, dotted: str, why: str) -> None:
+    value = _pop(rw.data, dotted)
+    if value is not _ABSENT:
+        rw.m.left_out.append(f"{dotted}: {why} (value was {_short(value)})")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def upstream_pre(rw: Any) -> None:
+    """Renames and value rewrites of upstream spellings, before coordexp's own legacy rewrites run."""
+    if "inherit" in rw.data:  # upstream's alias, read only when extends is absent
+        inherited = rw.data.pop("inherit")
+        if "extends" not in rw.data:
+            rw.data["extends"] = inherited
+            rw.m.changes.append("inherit -> extends")
+        else:
+            rw.m.changes.append("removed inherit (upstream ignored it next to extends)")
+    for source, target in _RENAMES.items():
+        rw.move(source, target)
+    for key in ("instability_monitor", "log_file"):
+        _leave_out(rw, f"custom.extra.{key}", _LEFT_OUT[f"custom.{key}"])
+    _deepspeed(rw)
+    if _get(rw.data, "training.lr_scheduler_type") == "cosine_warmup_with_min_lr":
+        rw.data["training"]["lr_scheduler_type"] = "cosine_with_min_lr"
+        rw.m.changes.append("training.lr_scheduler_type: cosine_warmup_with_min_lr -> cosine_with_min_lr "
+                            "(lr_scheduler_kwargs.min_lr kept)")
+    pixels = _get(rw.data, "template.max_pixels")
+    if isinstance(pixels, int) and not isinstance(pixels, bool) and pixels > MAX_PIXELS:
+        rw.data["template"]["max_pixels"] = MAX_PIXELS
+        rw.m.changes.append(f"template.max_pixels: {pixels} -> {MAX_PIXELS} (coordexp's cap; as before, images "
+                            "up to that size are never resized)")
+    for dotted, (value, why) in _REDUNDANT.items():
+        found = _get(rw.data, dotted)
+        if found is not _ABSENT and (value is None or found == value):
+            _pop(rw.data, dotted)
+            rw.m.changes.append(f"removed {dotted}: {_short(found)} ({why})")
+
+
+def _deepspeed(rw: Any) -> None:
+    block = _get(rw.data, "deepspeed")
+    if not isinstance(block, dict) or not isinstance(block.get("enabled"), bool):
+        return  # anything else is left out by upstream_post with the reason
+    if not block["enabled"]:
+        _pop(rw.data, "deepspeed")
+        if rw.view("training.deepspeed") not in (_ABSENT, None):  # a base file (migrated in place) enables it
+            rw.put("deepspeed.enabled", "training.deepspeed", None)
+            rw.m.changes.append("deepspeed: {enabled: false} -> training.deepspeed: null (overrides the base file)")
+        else:
+            rw.m.changes.append("removed deepspeed (enabled: false)")
+        return
+    preset = block.get("config")
+    if isinstance(preset, str) and preset and set(block) <= {"enabled", "config"}:
+        if rw.put("deepspeed.config", "training.deepspeed", preset):
+            _pop(rw.data, "deepspeed")
+            rw.m.changes.append(f"deepspeed: {{enabled: true, config: {preset}}} -> training.deepspeed: {preset}")
+
+
+def upstream_post(rw: Any, *, leaf: bool = True) -> None:
+    """Fill the upstream defaults a leaf relied on, then list every key without a coordexp owner as left out."""
+    if leaf:
+        if rw.view("custom.trainer_variant") is _ABSENT:
+            rw.put("custom.trainer_variant", "custom.trainer_variant", "stage1_sft")
+            rw.m.changes.append("custom.trainer_variant: stage1_sft (upstream's default trainer, plain SFT)")
+        if rw.view("tuner.train_type") is _ABSENT:
+            rw.put("tuner.train_type", "tuner.train_type", "lora")
+            rw.m.changes.append("tuner.train_type: lora (ms-swift's default, which upstream ran with)")
+    for dotted, why in _LEFT_OUT.items():
+        if dotted == "training.optimizer" or dotted == "tuner.use_swift_lora":
+            why = f"{why}: set it by hand if another value was intended"
+        _leave_out(rw, dotted, why)
+    legacy = [hit.path for hit in find_legacy_keys(rw.data)]
+    refused = _refused()
+    for path in list(_unknown_keys(rw.data, CoordExpConfig, ())):
+        if any(h[:len(path)] == path or path[:len(h)] == h for h in legacy):
+            continue  # a legacy key: coordexp's own rewrite reported it
+        if path[0] == "training" and path[1] in EXPECTED_TRAINING:
+            continue
+        _leave_out(rw, ".".join(path), _REFUSED if path[0] == "training" and path[1] in refused else _GENERIC)
+
+
+def _model_of(annotation: Any) -> Optional[type]:
+    """The BaseModel inside ``annotation`` (through Optional/Annotated), if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _model_of(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _unknown_keys(node: Any, model: type, path: tuple) -> list[tuple]:
+    """Dotted paths (tuples) of mapping keys ``model`` does not declare, recursing through nested models."""
+    if not isinstance(node, dict):
+        return []
+    found = []
+    fields = model.model_fields
+    for key, value in node.items():
+        if path == () and key == "extends":
+            continue
+        if key not in fields or (path == ("training",) and fields[key].exclude):
+            found.append((*path, key))
+            continue
+        child = _model_of(fields[key].annotation)
+        if child is not None and not typing.get_origin(fields[key].annotation) is list:
+            found += _unknown_keys(value, child, (*path, key))
+    return found
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_PRESET = re.compile(r"^[\w.-]+$")  # a DeepSpeed preset name such as zero2 (no folder, no .json)
+
+
+def resolve_paths(data: dict, base: Path, report: list[str], how: str) -> None:
+    """Make every relative path value absolute against ``base`` (``how`` says why in the report)."""
+    for key_path, kind in _PATH_FIELDS:
+        parent = _get(data, ".".join(key_path[:-1])) if len(key_path) > 1 else data
+        value = parent.get(key_path[-1]) if isinstance(parent, dict) else None
+        if not isinstance(value, str) or not value or "\x00" in value:
+            continue
+        dotted = ".".join(key_path)
+        expanded = Path(os.path.expanduser(value))
+        if key_path[-1] == "deepspeed" and _PRESET.match(value) and not value.endswith(".json"):
+            continue  # a preset name, not a file
+        if expanded.is_absolute():
+            continue
+        target = os.path.normpath(base / expanded)
+        if kind == "hub-or-path" and not value.startswith((".", "~")) and not os.path.exists(target) \
+                and _HUB_ID.match(value):
+            report.append(f"{dotted}: {value!r} kept as a hub id ({target} does not exist; upstream fell back to "
+                          "the hub too)")
+            continue
+        parent[key_path[-1]] = target
+        exists = "" if os.path.exists(target) else " (does not exist yet)"
+        report.append(f"{dotted}: {value!r} resolved against {how} -> {target}{exists}")
+
+
+def write_paths(data: dict, out_dir: Path, *, climb: bool = False) -> None:
+    """Absolute path values become ``./``-relative to ``out_dir`` (coordexp's file-relative rule): those under it,
+    or all of them with ``climb`` (``../`` allowed); the others stay absolute."""
+    for key_path, _ in _PATH_FIELDS:
+        parent = _get(data, ".".join(key_path[:-1])) if len(key_path) > 1 else data
+        value = parent.get(key_path[-1]) if isinstance(parent, dict) else None
+        if not isinstance(value, str) or not os.path.isabs(value):
+            continue
+        rel = os.path.relpath(value, out_dir)
+        if climb and rel.startswith(".."):
+            parent[key_path[-1]] = rel
+        elif not rel.startswith(".."):
+            parent[key_path[-1]] = "./" + rel if rel != "." else "."
