@@ -1,12 +1,20 @@
-"""``training.*``: the subset of Hugging Face ``TrainingArguments`` a run needs, plus post-rollout packing."""
+"""``training.*``: Hugging Face ``TrainingArguments`` as a run sets them, plus coordexp's own knobs (per-part
+learning rates, effective batch size, DeepSpeed presets, post-rollout packing).
+
+The fields typed here are *owned* (coordexp reads or resolves them); every other ``TrainingArguments`` field is
+typed from transformers' own dataclass (``hf_surface.py``) and passed through, or refused with the reason
+(docs/design.md, decision 13).
+"""
 
 from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import Field, model_validator
+from pydantic import Field, create_model, field_validator, model_validator
 
 from coordexp.schema.base import (
+    MAX_BATCH,
+    MAX_DEVICES,
     MAX_WORKERS,
     BatchSize,
     Count,
@@ -19,12 +27,37 @@ from coordexp.schema.base import (
     path_extra,
 )
 from coordexp.schema.errors import RuleViolation, raise_violations
+from coordexp.schema.hf_surface import passthrough_fields, refused_fields
+from coordexp.schema.hf_training_fields import HF_TRAINING_FIELDS, REPORT_TO_CHOICES
 
-__all__ = ["TrainingConfig"]
+__all__ = ["TrainingConfig", "SchedulerKwargs", "DEEPSPEED_PRESETS", "HF_PASSTHROUGH"]
+
+DEEPSPEED_PRESETS = ("zero2", "zero3")
+"""Shipped DeepSpeed configs (coordexp/runtime/train/deepspeed/<name>.json, "auto" values filled by transformers)."""
+
+LearningRate = float_in(gt=0.0, le=10.0)
+WeightDecay = float_in(ge=0.0, le=10.0)
+ReportTarget = Literal[REPORT_TO_CHOICES]  # type: ignore[valid-type]
 
 
-class TrainingConfig(StrictModel):
-    """Optimiser, schedule, checkpointing and packing knobs (names follow ``transformers.TrainingArguments``)."""
+class SchedulerKwargs(StrictModel):
+    """``lr_scheduler_kwargs`` of ``cosine_with_min_lr``: the floor the cosine decays to, as exactly one of an
+    absolute rate (the LLM's; every part ends at the same fraction of its own rate) or a fraction."""
+
+    min_lr: Optional[float_in(ge=0.0, le=10.0)] = Field(None, description="Absolute floor of learning_rate.")
+    min_lr_rate: Optional[Probability] = Field(None, description="Floor as a fraction of each group's rate.")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "SchedulerKwargs":
+        if (self.min_lr is None) == (self.min_lr_rate is None):
+            raise_violations([RuleViolation("min_lr", "set exactly one of min_lr and min_lr_rate",
+                                            "e.g. lr_scheduler_kwargs: {min_lr_rate: 0.1}")])
+        return self
+
+
+class _OwnedTrainingFields(StrictModel):
+    """Optimiser, schedule, checkpointing and packing knobs coordexp reads itself (names follow
+    ``transformers.TrainingArguments`` and ms-swift where they exist)."""
 
     output_dir: PathStr = Field(
         description="Checkpoints and logs go here.", json_schema_extra=path_extra()
@@ -34,26 +67,43 @@ class TrainingConfig(StrictModel):
         1, description="Eval batch per rank; rollout decoding uses rollout_matching.decode_batch_size."
     )
     gradient_accumulation_steps: BatchSize = Field(1, description="Micro-steps per optimizer step.")
+    effective_batch_size: Optional[int_in(1, MAX_BATCH * MAX_DEVICES)] = Field(
+        None, description="Samples per optimizer step over all ranks: gradient_accumulation_steps = effective / "
+        "(per_device_train_batch_size * WORLD_SIZE), resolved at launch (must divide).")
     max_steps: Optional[Count] = Field(None, description="Optimizer steps; null trains num_train_epochs.")
     num_train_epochs: float_in(gt=0.0, le=1e6) = Field(1.0, description="Epochs when max_steps is null (at most 1e6).")
-    learning_rate: float_in(gt=0.0, le=10.0) = Field(1e-5, description="Peak learning rate, in (0, 10].")
-    weight_decay: float_in(ge=0.0, le=10.0) = Field(0.0, description="AdamW weight decay, in [0, 10].")
+    learning_rate: LearningRate = Field(1e-5, description="Peak learning rate of the LLM part, in (0, 10].")
+    vit_lr: Optional[LearningRate] = Field(None, description="Peak rate of the vision tower; null = learning_rate.")
+    aligner_lr: Optional[LearningRate] = Field(None, description="Peak rate of the aligner; null = learning_rate.")
+    weight_decay: WeightDecay = Field(0.0, description="AdamW weight decay of the LLM part, in [0, 10].")
+    vit_weight_decay: Optional[WeightDecay] = Field(None, description="Vision tower; null = weight_decay.")
+    aligner_weight_decay: Optional[WeightDecay] = Field(None, description="Aligner; null = weight_decay.")
     adam_beta1: float_in(ge=0.0, lt=1.0) = Field(0.9)
     adam_beta2: float_in(ge=0.0, lt=1.0) = Field(0.999)
     max_grad_norm: float_in(ge=0.0, le=1e6) = Field(1.0, description="Gradient clipping; 0 disables.")
     warmup_ratio: Probability = Field(0.0, description="Fraction of steps spent warming up.")
-    lr_scheduler_type: Literal["constant", "constant_with_warmup", "linear", "cosine"] = Field("cosine")
+    lr_scheduler_type: Literal["constant", "constant_with_warmup", "linear", "cosine", "cosine_with_min_lr"] = Field(
+        "cosine", description="cosine_with_min_lr decays to the floor in lr_scheduler_kwargs.")
+    lr_scheduler_kwargs: Optional[SchedulerKwargs] = Field(
+        None, description="cosine_with_min_lr only: {min_lr: float} or {min_lr_rate: float}.")
     optim: Literal["adamw_torch", "adamw_torch_fused", "sgd"] = Field("adamw_torch")
     seed: Seed = Field(42, description="Run seed (0..2**32-1): data order, init, and rollout seeds.")
     logging_steps: Count = Field(10, description="Log every N optimizer steps.")
+    logging_dir: Optional[PathStr] = Field(
+        None, description="TensorBoard event folder (transformers 5 reads TENSORBOARD_LOGGING_DIR; coordexp sets "
+        "it); null = under output_dir.", json_schema_extra=path_extra())
     save_steps: Count = Field(500, description="Checkpoint every N optimizer steps.")
     save_total_limit: Optional[Count] = Field(None, description="Keep at most N checkpoints.")
+    save_safetensors: Literal[True] = Field(
+        True, description="Accepted for older configs: transformers 5 always saves safetensors (false is refused).")
     eval_steps: Optional[Count] = Field(None, description="Evaluate every N steps (needs data.val_jsonl).")
     dataloader_num_workers: int_in(0, MAX_WORKERS) = Field(0)
-    report_to: Literal["none", "tensorboard", "wandb"] = Field("none", description="Metrics sink.")
+    report_to: list[ReportTarget] = Field(
+        default_factory=list, description="Metrics sinks (a list; the string 'none' or one name is accepted).",
+        max_length=len(REPORT_TO_CHOICES))
     deepspeed: Optional[PathStr] = Field(
-        None, description="DeepSpeed JSON config path.", json_schema_extra=path_extra()
-    )
+        None, description="A shipped preset (zero2, zero3) or a DeepSpeed JSON path starting with '.', '/' or '~' "
+        "(resolved against this file's folder).", json_schema_extra=path_extra("hub-or-path"))
     packing: bool = Field(False, description="Pack post-rollout Y_train segments into rows of packing_length.")
     packing_buffer: BatchSize = Field(512, description="Cap on the rank-local carry buffer of segments.")
     packing_min_fill_ratio: Probability = Field(
@@ -63,17 +113,92 @@ class TrainingConfig(StrictModel):
         True, description="Carry-only mode: leftovers are dropped at the end (must be true with packing)."
     )
 
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _report_to_list(cls, value):
+        if isinstance(value, str):  # transformers accepts one name; "none" means no sink
+            return [] if value == "none" else [value]
+        return value
+
+    @field_validator("deepspeed", mode="before")
+    @classmethod
+    def _deepspeed_ref(cls, value):
+        if isinstance(value, dict):
+            raise ValueError("an inline DeepSpeed dict is not supported: use a preset (zero2, zero3) or write it to "
+                             "a JSON file and give its path")
+        if isinstance(value, str) and value not in DEEPSPEED_PRESETS and not value.startswith((".", "/", "~")):
+            raise ValueError(f"{value!r} is neither a preset ({', '.join(DEEPSPEED_PRESETS)}) nor a path (paths "
+                             "start with '.', '/' or '~', e.g. ./ds_zero2.json)")
+        return value
+
     @model_validator(mode="after")
-    def _packing_rules(self) -> "TrainingConfig":
+    def _rules(self) -> "_OwnedTrainingFields":
         violations = []
         if self.packing and not self.packing_drop_last:
-            violations.append(
-                RuleViolation(
-                    "packing_drop_last",
-                    "training.packing: true requires packing_drop_last: true (carry-only mode; the trainer runs "
-                    "no extra flush steps after the last step)",
-                    "Set training.packing_drop_last: true, or training.packing: false.",
-                )
-            )
+            violations.append(RuleViolation(
+                "packing_drop_last",
+                "training.packing: true requires packing_drop_last: true (carry-only mode; the trainer runs "
+                "no extra flush steps after the last step)",
+                "Set training.packing_drop_last: true, or training.packing: false."))
+        if self.packing and self.deepspeed is not None:
+            violations.append(RuleViolation(
+                "deepspeed", "training.deepspeed with training.packing: true is refused: multi-row packing is not "
+                "correct under DeepSpeed yet (issue 21: one micro-step trains several packed rows)",
+                "Set training.packing: false to use DeepSpeed, or remove training.deepspeed."))
+        violations += self._batch_rules() + self._schedule_rules()
+        if getattr(self, "bf16", False) and getattr(self, "fp16", False):
+            violations.append(RuleViolation("fp16", "bf16 and fp16 are both true", "Choose one mixed precision."))
         raise_violations(violations)
         return self
+
+    def _batch_rules(self) -> list[RuleViolation]:
+        out = []
+        eff = self.effective_batch_size
+        if eff is not None and self.gradient_accumulation_steps != 1:
+            out.append(RuleViolation(
+                "effective_batch_size", "effective_batch_size and gradient_accumulation_steps both set: the "
+                "effective batch size resolves the accumulation steps from the world size at launch",
+                "Keep one of them."))
+        if eff is not None and eff % self.per_device_train_batch_size:
+            out.append(RuleViolation(
+                "effective_batch_size", f"effective_batch_size ({eff}) is not a multiple of "
+                f"per_device_train_batch_size ({self.per_device_train_batch_size})",
+                "Make it per_device_train_batch_size * world size * accumulation steps."))
+        return out
+
+    def _schedule_rules(self) -> list[RuleViolation]:
+        out = []
+        kwargs = self.lr_scheduler_kwargs
+        if self.lr_scheduler_type == "cosine_with_min_lr" and kwargs is None:
+            out.append(RuleViolation(
+                "lr_scheduler_kwargs", "lr_scheduler_type: cosine_with_min_lr needs its floor",
+                "Add lr_scheduler_kwargs: {min_lr: 1.0e-6} or {min_lr_rate: 0.1}."))
+        if self.lr_scheduler_type != "cosine_with_min_lr" and kwargs is not None:
+            out.append(RuleViolation(
+                "lr_scheduler_kwargs", f"lr_scheduler_kwargs only applies to cosine_with_min_lr, not "
+                f"{self.lr_scheduler_type}", "Remove it, or set lr_scheduler_type: cosine_with_min_lr."))
+        if kwargs is not None and kwargs.min_lr is not None and kwargs.min_lr > self.learning_rate:
+            out.append(RuleViolation(
+                "lr_scheduler_kwargs.min_lr", f"min_lr ({kwargs.min_lr}) is above learning_rate "
+                f"({self.learning_rate}): the floor must not exceed the peak", "Lower min_lr."))
+        warmup = getattr(self, "warmup_steps", 0)
+        if "warmup_steps" in self.model_fields_set and warmup and self.warmup_ratio:
+            out.append(RuleViolation("warmup_steps", "warmup_steps and warmup_ratio both set",
+                                     "Keep one of them."))
+        return out
+
+
+_OWNED = set(_OwnedTrainingFields.model_fields)
+HF_PASSTHROUGH: tuple[str, ...] = tuple(passthrough_fields(_OWNED))
+"""The ``TrainingArguments`` fields passed to transformers unchanged (launch.training_arguments reads them)."""
+
+TrainingConfig = create_model(  # type: ignore[call-overload]
+    "TrainingConfig",
+    __base__=_OwnedTrainingFields,
+    __module__=__name__,
+    __doc__="``training.*``: coordexp's own knobs plus every YAML-writable ``TrainingArguments`` field of the "
+    "installed transformers (typed and bounded from its dataclass); refused fields fail with the reason.",
+    **passthrough_fields(_OWNED),
+    **refused_fields(_OWNED),
+)
+assert set(HF_TRAINING_FIELDS) <= set(TrainingConfig.model_fields)  # every HF field is owned, passed or refused

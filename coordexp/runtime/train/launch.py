@@ -21,19 +21,47 @@ if TYPE_CHECKING:
 
 __all__ = ["LaunchError", "load_policy", "training_arguments", "build_trainer", "TrainOutcome", "run_training"]
 
+def _accumulation_steps(t: Any, world_size: int) -> int:
+    """``gradient_accumulation_steps``, or ``effective_batch_size / (per_device_train_batch_size * world_size)``
+    when the effective batch size is set (exit 2 when it does not divide)."""
+    if t.effective_batch_size is None:
+        return t.gradient_accumulation_steps
+    per_step = t.per_device_train_batch_size * world_size
+    if t.effective_batch_size % per_step:
+        raise LaunchError(
+            f"training.effective_batch_size ({t.effective_batch_size}) is not a multiple of "
+            f"per_device_train_batch_size ({t.per_device_train_batch_size}) * WORLD_SIZE ({world_size}) = {per_step}",
+            hint="Change effective_batch_size, per_device_train_batch_size or the number of ranks so it divides.")
+    return t.effective_batch_size // per_step
+
+
 def training_arguments(run: "RunContract", **overrides: Any):
-    """The HF ``TrainingArguments`` of ``training.*`` (DeepSpeed/FSDP settings pass through unchanged)."""
+    """The HF ``TrainingArguments`` of ``training.*``: the passed-through HF fields as written, the owned ones
+    resolved (accumulation from effective_batch_size and WORLD_SIZE, DeepSpeed presets, evaluation), and the
+    fields coordexp controls set here (docs/design.md, decision 13)."""
     import torch
     from transformers import TrainingArguments
 
+    from coordexp.runtime.train.deepspeed import resolve_deepspeed
+    from coordexp.schema.training import HF_PASSTHROUGH
+
     t = run.training
     on_cpu = not torch.cuda.is_available()
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     evaluate = run.data.val_jsonl is not None and t.eval_steps is not None
+    if t.logging_dir is not None:  # transformers 5 dropped TrainingArguments.logging_dir for this variable
+        os.environ["TENSORBOARD_LOGGING_DIR"] = t.logging_dir
+    passed = {name: getattr(t, name) for name in HF_PASSTHROUGH}
+    if passed["ddp_find_unused_parameters"] is None:
+        passed["ddp_find_unused_parameters"] = False  # every trainable parameter gets a gradient each step
+    if "eval_strategy" in t.model_fields_set:
+        evaluate = t.eval_strategy != "no"
     kwargs: dict[str, Any] = dict(
+        passed,
         output_dir=t.output_dir,
         per_device_train_batch_size=t.per_device_train_batch_size,
         per_device_eval_batch_size=t.per_device_eval_batch_size,
-        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        gradient_accumulation_steps=_accumulation_steps(t, world_size),
         max_steps=t.max_steps if t.max_steps is not None else -1,
         num_train_epochs=t.num_train_epochs,
         learning_rate=t.learning_rate,
@@ -41,24 +69,24 @@ def training_arguments(run: "RunContract", **overrides: Any):
         adam_beta1=t.adam_beta1,
         adam_beta2=t.adam_beta2,
         max_grad_norm=t.max_grad_norm,
-        warmup_steps=t.warmup_ratio if t.warmup_ratio < 1 else 0,
+        warmup_steps=t.warmup_steps if "warmup_steps" in t.model_fields_set else (
+            t.warmup_ratio if t.warmup_ratio < 1 else 0),
         lr_scheduler_type=t.lr_scheduler_type,
+        lr_scheduler_kwargs=t.lr_scheduler_kwargs.model_dump(exclude_none=True) if t.lr_scheduler_kwargs else None,
         optim=t.optim,
         seed=t.seed,
         logging_steps=t.logging_steps,
         save_steps=t.save_steps,
         save_total_limit=t.save_total_limit,
-        eval_strategy="steps" if evaluate else "no",
+        eval_strategy=t.eval_strategy if "eval_strategy" in t.model_fields_set else ("steps" if evaluate else "no"),
         eval_steps=t.eval_steps if evaluate else None,
         dataloader_num_workers=t.dataloader_num_workers,
-        report_to=t.report_to,
-        deepspeed=t.deepspeed,
+        report_to=list(t.report_to) or "none",
+        deepspeed=resolve_deepspeed(t.deepspeed),
         remove_unused_columns=False,
         use_cpu=on_cpu,
-        ddp_backend="gloo" if on_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
-        ddp_find_unused_parameters=False,
+        ddp_backend="gloo" if on_cpu and world_size > 1 else None,
         disable_tqdm=True,
-        save_only_model=False,
     )
     kwargs.update(overrides)
     return TrainingArguments(**kwargs)

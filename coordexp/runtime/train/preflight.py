@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,7 +32,7 @@ from coordexp.runtime.core.distribution import InfeasibleTopologyError, per_rank
 from coordexp.runtime.core.tokens import ALL_COORD_TOKENS
 
 __all__ = ["EXIT_CODES", "PreflightCheck", "PreflightReport", "run_preflight", "exit_code_of",
-           "coord_tokens_missing", "suggest_device_split", "port_is_free"]
+           "coord_tokens_missing", "suggest_device_split", "port_is_free", "optimizer_groups_detail"]
 
 EXIT_CODES = {
     EXIT_OK: "ready to launch",
@@ -180,6 +181,7 @@ def run_preflight(config_path: str | Path, *, learner_world_size: int = 1, healt
         checks.extend(_failed("sync mode", i.render(), EXIT_INVALID) for i in exc.issues)
 
     _check_model(Path(run.model.path), checks)
+    checks.append(PreflightCheck("optimizer groups", True, optimizer_groups_detail(run)))
     _check_data(run, checks, sample_records)
     if not isinstance(backend, VllmServerContract):
         checks.append(PreflightCheck("servers", True, "not in server mode: no rollout server to check"))
@@ -271,6 +273,50 @@ def _check_repeat_guards(servers: Any, checks: list[PreflightCheck], timeout_s: 
                                   "on (coordexp serve-rollout CFG), or disable it in this config", EXIT_EXTERNAL))
         else:
             checks.append(PreflightCheck(name, True, probe.detail))
+
+
+def _checkpoint_part_sizes(model_dir: Path) -> dict[str, int] | None:
+    """Parameter counts per model part from the safetensors headers (no torch); None without safetensors files."""
+    from coordexp.runtime.model.parts import model_part
+
+    files = sorted(model_dir.glob("*.safetensors")) if model_dir.is_dir() else []
+    if not files:
+        return None
+    sizes = {"llm": 0, "vision": 0, "aligner": 0}
+    for file in files:
+        with open(file, "rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            header = json.loads(handle.read(min(length, 100 * 2**20)))
+        for name, info in header.items():
+            if name != "__metadata__":
+                count = 1
+                for dim in info.get("shape", []):
+                    count *= int(dim)
+                sizes[model_part(name)] += count
+    return sizes
+
+
+def optimizer_groups_detail(run: Any) -> str:
+    """The optimizer groups a launch will build: per part its lr, weight decay and checkpoint parameter count, or
+    frozen (biases and norms get weight decay 0 in a group of their own at launch; docs/design.md, decision 13)."""
+    from coordexp.runtime.train.optim import part_rates
+
+    t, tuner = run.training, run.tuner
+    frozen = {"llm": tuner.freeze_llm, "vision": tuner.freeze_vit, "aligner": tuner.freeze_aligner}
+    try:
+        sizes = _checkpoint_part_sizes(Path(run.model.path))
+    except (OSError, ValueError, struct.error):
+        sizes = None
+    parts = []
+    for part, rate in part_rates(t).items():
+        if frozen[part]:
+            parts.append(f"{part}: frozen")
+            continue
+        lora = tuner.train_type == "lora"
+        count = "" if sizes is None else " (LoRA adapters)" if lora else f", {sizes[part]:,} params"
+        parts.append(f"{part}: lr {rate.lr:g}, weight_decay {rate.weight_decay:g}{count}")
+    floor = t.lr_scheduler_kwargs.model_dump(exclude_none=True) if t.lr_scheduler_kwargs else ""
+    return "; ".join(parts) + f"; schedule {t.lr_scheduler_type} {floor}".rstrip()
 
 
 def _check_model(model_dir: Path, checks: list[PreflightCheck]) -> None:

@@ -206,7 +206,13 @@ class CoordExpTrainer(Trainer):
         return [replace(o, policy_version=version) for o in outputs]
 
     def create_optimizer(self, model=None):
-        """The HF optimizer; a backend that offloads around rollouts (vLLM colocate) also gets a handle on it."""
+        """HF's optimizer over per-part groups (lr / weight decay of llm, vision, aligner: docs/design.md,
+        decision 13); a backend that offloads around rollouts (vLLM colocate) also gets a handle on it."""
+        if self.optimizer is None and self.optimizer_cls_and_kwargs is None:
+            from coordexp.runtime.train.optim import describe_groups, grouped_optimizer
+
+            self.optimizer = grouped_optimizer(self, self.model if model is None else model, self.run.training)
+            logger.info("optimizer groups: %s", "; ".join(describe_groups(self.optimizer.param_groups)))
         optimizer = super().create_optimizer(model)
         if self.backend is not None:
             self.backend.attach_optimizer(optimizer)
