@@ -22,16 +22,21 @@ __all__ = ["register", "evaluate", "resolve_checkpoint"]
 SCORES = ("logprob", "mean_logprob", "constant")
 
 
+def _saved(directory: Path) -> bool:
+    """A saved model: a full checkpoint (config.json) or a LoRA adapter (adapter_config.json)."""
+    return (directory / "config.json").is_file() or (directory / "adapter_config.json").is_file()
+
+
 def resolve_checkpoint(run: Any, checkpoint: Optional[Path]) -> Path:
-    """``--checkpoint`` if given; else the run's ``training.output_dir`` once it holds a saved model; else
-    ``model.path`` (evaluating the starting point)."""
+    """``--checkpoint`` if given; else the run's ``training.output_dir`` once it holds a saved model or adapter;
+    else ``model.path`` (evaluating the starting point)."""
     if checkpoint is not None:
-        if not (checkpoint / "config.json").is_file():
-            raise UserInputError(f"--checkpoint {checkpoint} holds no saved model (config.json is missing)",
-                                 hint="pass a training output_dir or a checkpoint-N directory")
+        if not _saved(checkpoint):
+            raise UserInputError(f"--checkpoint {checkpoint} holds no saved model (neither config.json nor "
+                                 "adapter_config.json)", hint="pass a training output_dir or a checkpoint-N directory")
         return checkpoint
     trained = Path(run.training.output_dir)
-    return trained if (trained / "config.json").is_file() else Path(run.model.path)
+    return trained if _saved(trained) else Path(run.model.path)
 
 
 def _fmt(value: Optional[float]) -> str:
@@ -41,8 +46,8 @@ def _fmt(value: Optional[float]) -> str:
 def evaluate(
     config: Annotated[Path, typer.Argument(help="The run's YAML config.", show_default=False)],
     checkpoint: Annotated[Optional[Path], typer.Option(
-        "--checkpoint", help="Model directory to evaluate (default: the config's output_dir if trained, else "
-                             "model.path).")] = None,
+        "--checkpoint", help="Model or LoRA adapter directory to evaluate (default: the config's output_dir if "
+                             "trained, else model.path).")] = None,
     split: Annotated[str, typer.Option("--split", help="Which records: val (data.val_jsonl) or train.")] = "val",
     limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Evaluate the first N records only.")] = None,
     score: Annotated[str, typer.Option(
@@ -61,18 +66,25 @@ def evaluate(
         raise UserInputError(f"--score must be one of {', '.join(SCORES)}, got {score!r}")
     run = load_run(config, as_json=as_json)
     model_dir = resolve_checkpoint(run, checkpoint)
+    adapter = None
+    from coordexp.runtime.model.adapters import adapter_base, is_adapter_dir
+
+    if is_adapter_dir(model_dir):  # base from the adapter's record (or model.path), then the adapter on top
+        adapter, model_dir = model_dir, Path(adapter_base(model_dir, run.model.path))
     run = dataclasses.replace(run, model=run.model.model_copy(update={"path": str(model_dir)}))
     target = out_dir if out_dir is not None else Path(run.training.output_dir) / f"eval_{split}"
 
     from coordexp.runtime.train.evaluate import run_evaluation
 
     console = err if as_json else out
-    console.print(f"[cyan]eval[/cyan] model {safe(model_dir)}")
+    console.print(f"[cyan]eval[/cyan] model {safe(model_dir)}" + (f" + adapter {safe(adapter)}" if adapter else ""))
     report = run_evaluation(run, split=split, limit=limit, score=score, out_dir=target, png_count=pngs,  # type: ignore[arg-type]
+                            adapter=adapter,
                             log=lambda message: console.print(f"[cyan]eval[/cyan] {safe(message)}"))
     if as_json:
-        sys.stdout.write(json.dumps({"ok": True, "model": str(model_dir), "split": split, **report.to_dict()},
-                                    indent=2) + "\n")
+        shown_adapter = None if adapter is None else str(adapter)
+        sys.stdout.write(json.dumps({"ok": True, "model": str(model_dir), "adapter": shown_adapter, "split": split,
+                                     **report.to_dict()}, indent=2) + "\n")
         raise typer.Exit(EXIT_OK)
     print_report(report)
 

@@ -296,9 +296,10 @@ def run_evaluation(
     out_dir: str | Path | None = None,
     png_count: int = 4,
     log: Any = None,
+    adapter: str | Path | None = None,
 ) -> DetectionEval:
-    """``coordexp eval``: load ``run.model.path`` and the split's records, roll out through the configured backend,
-    evaluate, write the files under ``out_dir`` and close the backend."""
+    """``coordexp eval``: load ``run.model.path`` (plus the saved LoRA ``adapter``, if any) and the split's records,
+    roll out through the configured backend, evaluate, write the files under ``out_dir`` and close the backend."""
     from coordexp.runtime.model.data import load_records
     from coordexp.runtime.model.policy import LaunchError, load_policy
     from coordexp.runtime.rollout.registry import create_backend
@@ -309,7 +310,7 @@ def run_evaluation(
         raise LaunchError(f"the config has no data.{split}_jsonl to evaluate",
                           hint="set data.val_jsonl, or pass --split train")
     records = load_records(jsonl, run.data.image_root, max_samples=limit)
-    model, processor = load_policy(run)
+    model, processor = load_policy(run, adapter=adapter)
     host = HostContext.create(processor, run.rollout_matching, run.template)
     backend = create_backend(run, model, processor)
     if log is not None:
