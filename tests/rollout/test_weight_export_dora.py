@@ -96,3 +96,33 @@ def test_dora_adapter_state_is_refused_so_adapter_sync_falls_back(tiny_model_dir
     state = adapter_state(plain)
     assert state.config["use_dora"] is False
     assert any(".lora_A." in name for name, _ in state.tensors)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("use_dora", [False, True], ids=["lora", "dora"])
+def test_colocate_adapter_sync_of_an_apply_tuner_policy(write_run_config, restore_engine, model_dir, processor,
+                                                        rollout_requests, caplog, use_dora):
+    """Plain LoRA is served as a vLLM adapter; DoRA falls back (one warning) to merged weights. Either way vLLM
+    rolls out exactly what HF generates with the PEFT policy."""
+    from coordexp.runtime.rollout.hf import HfRolloutBackend
+    from coordexp.runtime.rollout.vllm_colocate import VllmColocateBackend
+    from coordexp.schema.contract import load_contract
+
+    from .conftest import GUARD, LORA_RANK, MAX_NEW
+
+    run = load_contract(write_run_config({"rollout_matching": {"vllm": {
+        "enable_lora": True, "sync": {"mode": "adapter", "fallback_to_full": True}}}}))
+    policy = _policy(model_dir, use_dora=use_dora, seed=7)
+    assert policy.peft_config["default"].r <= LORA_RANK
+    policy.eval()
+    hf = HfRolloutBackend(policy, processor.tokenizer, decode_batch_size=4, max_new_tokens=MAX_NEW,
+                          decoding=run.rollout_matching.decoding, repeat_terminate=GUARD)
+    expected = [o.response_token_ids for o in hf.generate(rollout_requests)]
+    backend = VllmColocateBackend.from_run(run, policy, processor, engine=restore_engine)
+    with caplog.at_level("WARNING"):
+        got = [o.response_token_ids for o in backend.generate(rollout_requests)]
+    assert got == expected
+    assert backend.sync_mode == ("full" if use_dora else "adapter")
+    assert (restore_engine.adapter is not None) == (not use_dora)
+    assert sum("switching to full" in r.getMessage() for r in caplog.records) == (1 if use_dora else 0)
+    backend.close()
