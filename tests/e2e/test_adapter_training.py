@@ -286,3 +286,47 @@ def test_serve_rollout_serves_the_pushed_lora_adapter_and_dora_falls_back_to_ful
         assert first != second
     finally:
         server.kill()
+
+
+def test_qwen3_vl_stage2_trains_an_upstream_style_regex_adapter_with_deepstack_modules_to_save(
+        tmp_path, qwen3_model_dir, dataset):
+    """The upstream Qwen3-VL recipe on the tiny model: target_regex over the merger, the DeepStack merger and the
+    last LLM layer, the mergers also trained in full (one by one), packed stage 2 with HF rollouts."""
+    from safetensors.torch import load_file
+
+    from coordexp.runtime.train.launch import run_training
+    from coordexp.schema.contract import load_contract
+
+    regex = (r"^(model\.visual\.merger\.(linear_fc1|linear_fc2)"
+             r"|model\.visual\.deepstack_merger_list\.(0)\.(linear_fc1|linear_fc2)"
+             r"|model\.language_model\.layers\.(1)\.(self_attn\.(q_proj|k_proj|v_proj|o_proj)"
+             r"|mlp\.(gate_proj|up_proj|down_proj)))$")
+    config = {
+        "extends": str(REPO / "examples" / "stage2_cpu_hf.yaml"),
+        "global_max_length": 1024,
+        "model": {"path": str(qwen3_model_dir), "dtype": "float32", "attn_implementation": "sdpa"},
+        "template": {"min_pixels": 32 * 32 * 4, "max_pixels": 32 * 32 * 16},
+        "data": {"train_jsonl": str(dataset.train_jsonl), "val_jsonl": None},
+        "training": {"output_dir": str(tmp_path / "run"), "max_steps": 2, "save_steps": 1000, "logging_steps": 1,
+                     "per_device_train_batch_size": 2, "learning_rate": 1e-2, "warmup_ratio": 0.0,
+                     "lr_scheduler_type": "constant"},
+        "rollout_matching": {"rollout_backend": "hf", "decode_batch_size": 2, "max_new_tokens": 16},
+        "tuner": {"train_type": "lora", "target_regex": regex, "lora_rank": 4, "lora_dropout": 0.0,
+                  "modules_to_save": ["model.visual.deepstack_merger_list.0"]},
+    }
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(config), encoding="utf-8")
+    outcome = run_training(load_contract(path), print_logs=False)
+    assert outcome.global_step == 2
+    saved = _adapter_config(outcome.output_dir)
+    assert saved["target_modules"] == regex
+    assert saved["modules_to_save"] == ["model.visual.deepstack_merger_list.0"]
+    tensors = load_file(outcome.output_dir / "adapter_model.safetensors")
+    assert any(".lora_A." in n and "language_model.layers.1." in n for n in tensors)
+    assert not any("language_model.layers.0." in n for n in tensors)
+    merger = {n: t for n, t in tensors.items() if "deepstack_merger_list.0" in n and ".lora_" not in n}
+    assert merger  # trained in full and saved with the adapter: it moved away from the base checkpoint
+    base = load_file(Path(qwen3_model_dir) / "model.safetensors")
+    moved = [n for n, t in merger.items() for b in base if b.endswith(n.split("deepstack_merger_list.0.", 1)[1])
+             and "deepstack_merger_list.0." in b and not torch.equal(base[b], t)]
+    assert moved
