@@ -126,3 +126,21 @@ def test_colocate_adapter_sync_of_an_apply_tuner_policy(write_run_config, restor
     assert (restore_engine.adapter is not None) == (not use_dora)
     assert sum("switching to full" in r.getMessage() for r in caplog.records) == (1 if use_dora else 0)
     backend.close()
+
+
+def test_export_with_gradients_present_leaves_them_and_exports_plain_tensors(tiny_model_dir):
+    """Mid-accumulation the adapter holds gradients: the export leaves them as they are and yields tensors that
+    carry no gradient and need none."""
+    policy = _policy(tiny_model_dir, use_dora=True, seed=8)
+    ids = torch.tensor([[3, 9, 27, 81, 4]])
+    policy(input_ids=ids, labels=ids).loss.backward()
+    grads = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
+    assert grads
+    reference = copy.deepcopy(policy).merge_and_unload().state_dict()
+    exported = dict(named_tensors(policy))
+    for name, tensor in reference.items():
+        torch.testing.assert_close(exported[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+        assert exported[name].grad is None and not exported[name].requires_grad
+    for name, parameter in policy.named_parameters():
+        if name in grads:
+            assert torch.equal(parameter.grad, grads[name]), name

@@ -58,8 +58,10 @@ def _merged_copy(module: Any, adapter: str) -> Any:
     read, so the training weights, gradients and DoRA caches stay as they are."""
     import copy
 
+    # gradients stay behind: a memo entry of None makes deepcopy give every copied parameter grad None
+    memo: dict[int, Any] = {id(p.grad): None for p in module.parameters() if p.grad is not None}
     with torch.no_grad():
-        clone = copy.deepcopy(module)
+        clone = copy.deepcopy(module, memo)
         clone.merge(adapter_names=[adapter])
     return clone.get_base_layer()
 
