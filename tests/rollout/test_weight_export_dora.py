@@ -144,3 +144,19 @@ def test_export_with_gradients_present_leaves_them_and_exports_plain_tensors(tin
     for name, parameter in policy.named_parameters():
         if name in grads:
             assert torch.equal(parameter.grad, grads[name]), name
+
+
+def test_colocate_engine_starts_from_the_base_of_an_adapter_model_path(tmp_path, write_run_config, model_dir):
+    """vLLM cannot load an adapter directory as a model: the colocated engine starts from the adapter's base and
+    the first push brings the adapted weights."""
+    from coordexp.runtime.rollout.vllm_colocate import VllmColocateBackend
+    from coordexp.schema.contract import load_contract
+
+    adapter = tmp_path / "adapter"
+    _policy(model_dir, use_dora=False, seed=9).save_pretrained(str(adapter))
+    run = load_contract(write_run_config({"model": {"path": str(adapter)}}, name="adapter_path.yaml"))
+    backend = VllmColocateBackend.from_run(run, object(), type("P", (), {"tokenizer": None})())
+    assert backend.settings.model_path == str(model_dir)
+    plain = load_contract(write_run_config({}, name="plain_path.yaml"))
+    assert VllmColocateBackend.from_run(plain, object(), type("P", (), {"tokenizer": None})()).settings.model_path \
+        == str(model_dir)

@@ -64,8 +64,12 @@ class VllmColocateBackend(RolloutBackend):
         rollout = run.rollout_matching
         if not isinstance(rollout.backend, VllmColocateContract):
             raise TypeError(f"VllmColocateBackend needs a vllm_colocate backend contract, got {rollout.backend.kind}")
+        from coordexp.runtime.model.adapters import adapter_base, is_adapter_dir
+
+        # a saved adapter as model.path: vLLM starts from its base; the first push brings the adapter's weights
+        model_path = adapter_base(run.model.path) if is_adapter_dir(run.model.path) else run.model.path
         settings = EngineSettings.from_contract(
-            rollout.backend.engine, model_path=run.model.path, dtype=run.model.dtype, seed=run.seed,
+            rollout.backend.engine, model_path=model_path, dtype=run.model.dtype, seed=run.seed,
             repeat_terminate=rollout.repeat_terminate, min_pixels=run.template.min_pixels,
             max_pixels=run.template.max_pixels)
         return cls(rollout, model=model, tokenizer=processor.tokenizer, settings=settings, engine=engine)
