@@ -118,6 +118,8 @@ class _OwnedTrainingFields(StrictModel):
     def _report_to_list(cls, value):
         if isinstance(value, str):  # transformers accepts one name; "none" means no sink
             return [] if value == "none" else [value]
+        if isinstance(value, list) and value == ["none"]:  # transformers reads ["none"] as no sink too
+            return []
         return value
 
     @field_validator("deepspeed", mode="before")
