@@ -55,6 +55,17 @@ ConfigArgs = Annotated[list[Path], typer.Argument(help="YAML config file(s) to c
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output (one JSON list on stdout).")]
 
 
+def _checkpoint_model_type(path: str) -> str | None:
+    """The family (``model_type``) of a local checkpoint for ``--print-contract``; None for a hub id or a directory
+    without a readable config (validation never loads a model)."""
+    try:
+        data = json.loads((Path(path).expanduser() / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    family = data.get("model_type") if isinstance(data, dict) else None
+    return family if isinstance(family, str) else None
+
+
 def validate(
     configs: ConfigArgs,
     as_json: JsonOpt = False,
@@ -70,6 +81,8 @@ def validate(
     for path in configs:
         report = validate_config_file(path)
         contract = build_contract(report.config).to_dict() if report.ok and print_contract else None
+        if contract is not None:
+            contract["model"]["family"] = _checkpoint_model_type(contract["model"]["path"])
         results.append((str(path), report, contract))
 
     if as_json:

@@ -105,6 +105,7 @@ def test_the_migrated_chain_validates_and_shows_the_recipe(migrated):
     assert training["lr_scheduler_type"] == "cosine_with_min_lr"
     assert contract["trainer_variant"] == "stage2_rollout_aligned"
     assert Path(contract["model"]["path"]).name == "Qwen3-VL-tiny-coordexp"  # launch-relative path kept its meaning
+    assert contract["model"]["family"] == "qwen3_vl"  # read from the checkpoint: the config names no family
 
 
 def test_the_migrated_config_trains_a_dora_adapter_with_three_rates_and_resumes(migrated):
