@@ -186,3 +186,15 @@ class ServeRolloutProcess:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=30)
+
+
+def hf_greedy_ids(model, processor, requests, run) -> list:
+    """Response ids of HF generate on ``model`` for ``requests`` under ``run``'s decoding, guard and token budget:
+    the reference a served or pushed policy must equal."""
+    from coordexp.runtime.rollout.hf import HfRolloutBackend
+
+    backend = HfRolloutBackend(model, processor.tokenizer, decode_batch_size=2,
+                               max_new_tokens=run.rollout_matching.max_new_tokens,
+                               decoding=run.rollout_matching.decoding,
+                               repeat_terminate=run.rollout_matching.repeat_terminate)
+    return [o.response_token_ids for o in backend.generate(requests)]

@@ -149,7 +149,6 @@ def migrate(
     --in-place keeps a byte-identical backup under a fresh name (.bak, .bak.1, ...), read-only targets and -o onto
     the input are refused.
     """
-    from coordexp.schema.loader import validate_config_file
     from coordexp.schema.migrate_chain import needs_chain
 
     if needs_chain(config):
@@ -173,20 +172,26 @@ def migrate(
 
     written = config if in_place else output
     if written is not None:
-        report = validate_config_file(written)
-        if report.ok:
-            err.print(f"[green]✓[/green] {safe(str(written))} validates")
-        else:
-            err.print(f"[red]✗[/red] {safe(str(written))} still has {len(report.errors)} problem(s):")
-            for issue in report.errors:
-                err.print("  [red]•[/red] " + issue_line(issue, report.path))
-            raise typer.Exit(EXIT_INVALID)
+        _check_written(written)
     raise typer.Exit(EXIT_INVALID if migration.unresolved else EXIT_OK)
+
+
+def _check_written(written: Path) -> None:
+    """Validate what ``migrate`` wrote; exit 2 listing its problems when it still does not validate."""
+    from coordexp.schema.loader import validate_config_file
+
+    report = validate_config_file(written)
+    if report.ok:
+        err.print(f"[green]✓[/green] {safe(str(written))} validates")
+        return
+    err.print(f"[red]✗[/red] {safe(str(written))} still has {len(report.errors)} problem(s):")
+    for issue in report.errors:
+        err.print("  [red]•[/red] " + issue_line(issue, report.path))
+    raise typer.Exit(EXIT_INVALID)
 
 
 def _migrate_chain(config: Path, in_place: bool, output: Optional[Path], base_dir: Optional[Path]) -> None:
     """``migrate`` of an extends chain or an upstream config (coordexp/schema/migrate_chain.py); same exit codes."""
-    from coordexp.schema.loader import validate_config_file
     from coordexp.schema.migrate_chain import migrate_chain
 
     result = migrate_chain(config, output=output, in_place=in_place, base_dir=base_dir)
@@ -212,14 +217,7 @@ def _migrate_chain(config: Path, in_place: bool, output: Optional[Path], base_di
         sys.stdout.write(result.text)
     written = config if in_place else output
     if written is not None:
-        report = validate_config_file(written)
-        if report.ok:
-            err.print(f"[green]✓[/green] {safe(str(written))} validates")
-        else:
-            err.print(f"[red]✗[/red] {safe(str(written))} still has {len(report.errors)} problem(s):")
-            for issue in report.errors:
-                err.print("  [red]•[/red] " + issue_line(issue, report.path))
-            raise typer.Exit(EXIT_INVALID)
+        _check_written(written)
     if result.needs_user:
         err.print("[yellow]exit 2:[/yellow] the keys listed as left out / left need your decision")
     raise typer.Exit(EXIT_INVALID if result.needs_user else EXIT_OK)

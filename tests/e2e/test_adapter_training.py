@@ -200,16 +200,6 @@ def _randomise_adapter_(policy, seed: int) -> None:
                 parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.5)
 
 
-def _greedy_hf(model, processor, requests, run) -> list:
-    from coordexp.runtime.rollout.hf import HfRolloutBackend
-
-    backend = HfRolloutBackend(model, processor.tokenizer, decode_batch_size=2,
-                               max_new_tokens=run.rollout_matching.max_new_tokens,
-                               decoding=run.rollout_matching.decoding,
-                               repeat_terminate=run.rollout_matching.repeat_terminate)
-    return [o.response_token_ids for o in backend.generate(requests)]
-
-
 @pytest.mark.vllm
 @pytest.mark.skipif(VLLM_MISSING, reason=VLLM_SKIP)
 def test_serve_rollout_serves_the_pushed_lora_adapter_and_dora_falls_back_to_full_once(
@@ -221,7 +211,7 @@ def test_serve_rollout_serves_the_pushed_lora_adapter_and_dora_falls_back_to_ful
     from coordexp.runtime.rollout.vllm_server import VllmServerBackend
     from coordexp.runtime.rollout.weight_export import is_peft
     from coordexp.schema.contract import load_contract
-    from testkit import ServeRolloutProcess, free_port, server_rollout
+    from testkit import ServeRolloutProcess, free_port, hf_greedy_ids, server_rollout
 
     for key, value in VLLM_ENV.items():
         monkeypatch.setenv(key, value)
@@ -265,7 +255,7 @@ def test_serve_rollout_serves_the_pushed_lora_adapter_and_dora_falls_back_to_ful
             remote.sync_weights(policy)
             pushed = [o.response_token_ids for o in remote.generate(requests)]
             assert remote.sync_mode == "adapter" and remote.fallback_events == []
-        assert pushed == _greedy_hf(policy, processor, requests, run)  # base + the adapter, served by vLLM
+        assert pushed == hf_greedy_ids(policy, processor, requests, run)  # base + the adapter, served by vLLM
         assert pushed != before
 
         dora_run = learner("dora.yaml", use_dora=True)
@@ -282,7 +272,7 @@ def test_serve_rollout_serves_the_pushed_lora_adapter_and_dora_falls_back_to_ful
             assert remote.sync_mode == "full" and len(remote.fallback_events) == 1
             assert "DoRA" in remote.fallback_events[0]
         assert sum("falling back to full" in r.getMessage() for r in caplog.records) == 1
-        assert second == _greedy_hf(dora, processor, requests, dora_run)  # the earlier LoRA adapter was dropped
+        assert second == hf_greedy_ids(dora, processor, requests, dora_run)  # the earlier LoRA adapter was dropped
         assert first != second
     finally:
         server.kill()

@@ -102,16 +102,6 @@ def test_stage2_with_colocated_vllm_rollouts(workspace, qwen3_model_dir):
     assert [e["policy_versions"] for e in events if e["event"] == "rollout"] == [[0, 0], [1, 1]]
 
 
-def _greedy_hf(model, processor, requests, run):
-    from coordexp.runtime.rollout.hf import HfRolloutBackend
-
-    backend = HfRolloutBackend(model, processor.tokenizer, decode_batch_size=2,
-                               max_new_tokens=run.rollout_matching.max_new_tokens,
-                               decoding=run.rollout_matching.decoding,
-                               repeat_terminate=run.rollout_matching.repeat_terminate)
-    return [o.response_token_ids for o in backend.generate(requests)]
-
-
 @pytest.mark.vllm
 @pytest.mark.skipif(VLLM_MISSING, reason=VLLM_SKIP)
 def test_serve_rollout_vllm_equals_hf_and_serves_pushed_weights(workspace, qwen3_model_dir):
@@ -122,7 +112,7 @@ def test_serve_rollout_vllm_equals_hf_and_serves_pushed_weights(workspace, qwen3
     from coordexp.runtime.rollout.base import RolloutRequest
     from coordexp.runtime.rollout.vllm_server import VllmServerBackend
     from coordexp.schema.contract import load_contract
-    from testkit import ServeRolloutProcess, free_port, server_rollout
+    from testkit import ServeRolloutProcess, free_port, hf_greedy_ids, server_rollout
 
     base = _stage2(workspace, qwen3_model_dir, "./served", max_new_tokens=16)
     base["model"].update(dtype="float32", attn_implementation="sdpa")
@@ -145,14 +135,14 @@ def test_serve_rollout_vllm_equals_hf_and_serves_pushed_weights(workspace, qwen3
         model = AutoModelForImageTextToText.from_pretrained(run.model.path, dtype=torch.float32).eval()
         with VllmServerBackend.from_run(run, None, processor) as remote:
             served = [o.response_token_ids for o in remote.generate(requests)]
-            assert served == _greedy_hf(model, processor, requests, run)
+            assert served == hf_greedy_ids(model, processor, requests, run)
             generator = torch.Generator().manual_seed(7)
             with torch.no_grad():
                 for parameter in model.parameters():
                     parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.1)
             remote.sync_weights(model)
             pushed = [o.response_token_ids for o in remote.generate(requests)]
-        assert pushed == _greedy_hf(model, processor, requests, run)
+        assert pushed == hf_greedy_ids(model, processor, requests, run)
         assert pushed != served
     finally:
         server.kill()

@@ -29,11 +29,9 @@ QWEN_SPECIAL_TOKENS = (
 TINY_BPE_VOCAB_SIZE = 2048
 _CORPUS_SEED = 20240611
 
-# The Qwen2-VL-Instruct chat template (system default, image/video placeholders, optional "Picture n:" ids).
-QWEN2_VL_CHAT_TEMPLATE = (
-    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
-    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+# One chat turn of the Qwen-VL templates: string content verbatim, or content parts (images and videos as
+# <|vision_start|><|image_pad|><|vision_end|>, optional "Picture n:" ids, text verbatim), then <|im_end|>.
+_QWEN_VL_TURN = (
     "<|im_start|>{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
     "{% else %}{% for content in message['content'] %}"
@@ -43,25 +41,21 @@ QWEN2_VL_CHAT_TEMPLATE = (
     "{% elif content['type'] == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}"
     "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
-    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% endif %}"
+)
+_COUNTERS = "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+_GENERATION_PROMPT = "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+
+# The Qwen2-VL-Instruct chat template: a default system message when the first turn is not one.
+QWEN2_VL_CHAT_TEMPLATE = (
+    _COUNTERS + "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    + _QWEN_VL_TURN + "{% endfor %}" + _GENERATION_PROMPT
 )
 
-# The Qwen3-VL-Instruct chat template's output for system/user/assistant turns without tools: no default system
-# message (Qwen2-VL inserts "You are a helpful assistant."), images as <|vision_start|><|image_pad|><|vision_end|>,
-# text parts verbatim, and the same "<|im_start|>assistant\n" generation prompt.
-QWEN3_VL_CHAT_TEMPLATE = (
-    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
-    "{% else %}{% for content in message['content'] %}"
-    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
-    "{% set image_count.value = image_count.value + 1 %}"
-    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif content['type'] == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}"
-    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
-    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+# The Qwen3-VL-Instruct chat template's output for system/user/assistant turns without tools: the same turns with no
+# default system message, and the same "<|im_start|>assistant\n" generation prompt.
+QWEN3_VL_CHAT_TEMPLATE = _COUNTERS + "{% for message in messages %}" + _QWEN_VL_TURN + "{% endfor %}" + _GENERATION_PROMPT
 
 _DESCS = (
     "cat dog person car bus truck bicycle motorcycle airplane train boat bird horse sheep cow elephant bear zebra "
