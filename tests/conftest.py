@@ -16,52 +16,7 @@ from coordexp.runtime.core.pieces import PieceTable
 from coordexp.runtime.core.tokens import CoordVocab
 from coordexp.runtime.toy.tiny import build_tiny_tokenizer
 from coordexp.schema.loader import deep_merge
-from testkit import REPO, StubServer
-
-STAGE2_CONFIG = {
-    "global_max_length": 2048,
-    "model": {"path": "Qwen/Qwen2.5-VL-3B-Instruct"},
-    "data": {"train_jsonl": "data/train.jsonl"},
-    "training": {"output_dir": "runs/test"},
-    "custom": {"trainer_variant": "stage2_rollout_aligned"},
-    "rollout_matching": {
-        "pipeline": {
-            "objective": [
-                {
-                    "name": "token_ce",
-                    "enabled": True,
-                    "weight": 1.0,
-                    "channels": ["B"],
-                    "config": {"rollout_fn_desc_weight": 0.0, "rollout_matched_prefix_struct_weight": 0.0},
-                },
-                {
-                    "name": "coord_reg",
-                    "enabled": True,
-                    "weight": 1.0,
-                    "channels": ["B"],
-                    "config": {
-                        "coord_ce_weight": 0.0,
-                        "soft_ce_weight": 1.0,
-                        "w1_weight": 1.0,
-                        "coord_gate_weight": 1.0,
-                        "text_gate_weight": 0.0,
-                        "temperature": 1.0,
-                        "target_sigma": 2.0,
-                        "target_truncate": None,
-                    },
-                },
-                {
-                    "name": "bbox_geo",
-                    "enabled": True,
-                    "weight": 0.5,
-                    "channels": ["A", "B"],
-                    "config": {"smoothl1_weight": 1.0, "ciou_weight": 1.0},
-                },
-            ],
-            "diagnostics": [{"name": "coord_diag", "enabled": True, "weight": 0.0, "channels": ["B"], "config": {}}],
-        }
-    },
-}
+from testkit import REPO, STAGE2_CONFIG, StubServer
 
 
 @pytest.fixture

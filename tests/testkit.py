@@ -122,6 +122,52 @@ def server_rollout(servers: list[tuple[str, int]], **extra) -> dict:
 
 REPO = Path(__file__).resolve().parents[1]
 
+# A minimal valid stage-2 config (tests deep-copy it: the stage2_config fixture, the schema tests).
+STAGE2_CONFIG = {
+    "global_max_length": 2048,
+    "model": {"path": "Qwen/Qwen2.5-VL-3B-Instruct"},
+    "data": {"train_jsonl": "data/train.jsonl"},
+    "training": {"output_dir": "runs/test"},
+    "custom": {"trainer_variant": "stage2_rollout_aligned"},
+    "rollout_matching": {
+        "pipeline": {
+            "objective": [
+                {
+                    "name": "token_ce",
+                    "enabled": True,
+                    "weight": 1.0,
+                    "channels": ["B"],
+                    "config": {"rollout_fn_desc_weight": 0.0, "rollout_matched_prefix_struct_weight": 0.0},
+                },
+                {
+                    "name": "coord_reg",
+                    "enabled": True,
+                    "weight": 1.0,
+                    "channels": ["B"],
+                    "config": {
+                        "coord_ce_weight": 0.0,
+                        "soft_ce_weight": 1.0,
+                        "w1_weight": 1.0,
+                        "coord_gate_weight": 1.0,
+                        "text_gate_weight": 0.0,
+                        "temperature": 1.0,
+                        "target_sigma": 2.0,
+                        "target_truncate": None,
+                    },
+                },
+                {
+                    "name": "bbox_geo",
+                    "enabled": True,
+                    "weight": 0.5,
+                    "channels": ["A", "B"],
+                    "config": {"smoothl1_weight": 1.0, "ciou_weight": 1.0},
+                },
+            ],
+            "diagnostics": [{"name": "coord_diag", "enabled": True, "weight": 0.0, "channels": ["B"], "config": {}}],
+        }
+    },
+}
+
 
 # ms-swift rebinds transformers.trainer's callback globals when imported (swift/trainers/callback.py sets
 # PrinterCallback, DEFAULT_CALLBACKS and DEFAULT_PROGRESS_CALLBACK to its own classes, which read swift-only

@@ -18,7 +18,7 @@ from coordexp.schema.hf_training_fields import HF_TRAINING_FIELDS
 from coordexp.schema.loader import validate_mapping
 from coordexp.schema.root import CoordExpConfig
 from coordexp.schema.training import HF_PASSTHROUGH, TrainingConfig
-from conftest import STAGE2_CONFIG
+from testkit import STAGE2_CONFIG
 from testkit import REPO
 
 NEW_KEYS = ("vit_lr", "aligner_lr", "vit_weight_decay", "aligner_weight_decay", "lr_scheduler_kwargs",
