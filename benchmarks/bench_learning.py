@@ -41,7 +41,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--position-code", type=float, default=100.0,
                    help="amplitude (8-bit levels) of the synthetic images' pixel position code; 0 = none")
     p.add_argument("--family", default="qwen2_vl", choices=("qwen2_vl", "qwen2_5_vl", "qwen3_vl"),
-                   help="tiny model family (ignored with --model)")
+                   help="tiny model family (ignored with --model); qwen3_vl needs --image-size 128 for the position "
+                   "code to survive its 32 px resize (docs/design.md, decision 10)")
     p.add_argument("--hidden", type=int, default=128, help="language model width (multiple of 64)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--rope-theta", type=float, default=10000.0)
