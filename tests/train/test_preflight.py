@@ -103,6 +103,24 @@ def test_model_check_names_the_family_and_refuses_others(write_config, tmp_path,
     assert report.exit_code == 2 and "'idefics3' is not a supported Qwen-VL family" in problem.detail
 
 
+def test_an_adapter_directory_is_checked_against_its_base(write_config, tmp_path, qwen3_model_dir):
+    """A saved LoRA adapter as model.path: coord tokens from its tokenizer, the family from its base checkpoint."""
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (adapter / name).write_bytes((qwen3_model_dir / name).read_bytes())
+    (adapter / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "base_model_name_or_path": str(qwen3_model_dir)}), encoding="utf-8")
+    report = run_preflight(write_config({"model": {"path": str(adapter)}}))
+    model_check = next(c for c in report.checks if c.name == "model")
+    assert model_check.ok and f"(LoRA adapter on {qwen3_model_dir}): qwen3_vl" in model_check.detail
+    (adapter / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "base_model_name_or_path": str(tmp_path / "gone")}), encoding="utf-8")
+    problem = next(c for c in run_preflight(write_config({"model": {"path": str(adapter)}})).problems
+                   if c.name == "model")
+    assert "is not a local checkpoint" in problem.detail
+
+
 def test_unreadable_image_exits_2(write_config, tmp_path, dataset):
     lines = dataset.train_jsonl.read_text(encoding="utf-8").splitlines()
     record = json.loads(lines[0])

@@ -320,7 +320,17 @@ def optimizer_groups_detail(run: Any) -> str:
 
 
 def _check_model(model_dir: Path, checks: list[PreflightCheck]) -> None:
-    if not (model_dir / "config.json").is_file():
+    from coordexp.runtime.model.adapters import AdapterDirError, adapter_base, is_adapter_dir
+
+    config_dir, adapter = model_dir, ""
+    if is_adapter_dir(model_dir):  # a saved adapter: tokenizer here, config (family) in its base checkpoint
+        try:
+            config_dir = Path(adapter_base(model_dir))
+        except AdapterDirError as exc:
+            checks.append(_failed("model", f"{exc}; {exc.hint}", EXIT_INVALID))
+            return
+        adapter = f" (LoRA adapter on {config_dir})"
+    if not (config_dir / "config.json").is_file():
         checks.append(_failed("model", f"{model_dir} has no config.json; set model.path to a Hugging Face model "
                               "directory", EXIT_INVALID))
         return
@@ -338,11 +348,11 @@ def _check_model(model_dir: Path, checks: list[PreflightCheck]) -> None:
     from coordexp.runtime.model.policy import LaunchError, checkpoint_family
 
     try:
-        family = checkpoint_family(model_dir)
+        family = checkpoint_family(config_dir)
     except LaunchError as exc:
         checks.append(_failed("model", str(exc), EXIT_INVALID))
         return
-    checks.append(PreflightCheck("model", True, f"{model_dir}: {family}, all 1000 coord tokens"))
+    checks.append(PreflightCheck("model", True, f"{model_dir}{adapter}: {family}, all 1000 coord tokens"))
 
 
 def _check_data(run: Any, checks: list[PreflightCheck], sample: int) -> None:
