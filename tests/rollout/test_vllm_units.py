@@ -90,3 +90,17 @@ def test_row_trackers_follow_live_output_lists_incrementally():
         expected = [row for row, ids in rows.items() if should_terminate(ids, guard)]
         assert trackers.tripped_rows() == expected
     assert trackers.tripped_rows() == [0]
+
+
+def test_a_server_engine_refuses_an_adapter_directory_naming_export_merged(tmp_path):
+    """serve-rollout --engine vllm on a saved adapter would serve the bare base model; it refuses before vLLM starts."""
+    from types import SimpleNamespace
+
+    from coordexp.runtime.model.adapters import AdapterDirError
+    from coordexp.runtime.rollout.vllm_engine import VllmEngine
+
+    (tmp_path / "adapter_config.json").write_text('{"peft_type": "LORA"}', encoding="utf-8")
+    run = SimpleNamespace(model=SimpleNamespace(path=str(tmp_path)))
+    with pytest.raises(AdapterDirError, match="saved LoRA adapter") as caught:
+        VllmEngine.from_contract(run)
+    assert "coordexp export-merged" in caught.value.hint

@@ -255,6 +255,13 @@ class VllmEngine:
         budget, ``rollout_matching.vllm`` settings and repeat guard; ``overrides`` are EngineSettings fields.
         A server engine never sleeps (it does not share its GPU with training), so sleep_level defaults to 0."""
         overrides.setdefault("sleep_level", 0)
+        from coordexp.runtime.model.adapters import AdapterDirError, is_adapter_dir
+
+        if is_adapter_dir(run.model.path):  # vLLM would serve the bare base, silently not the trained policy
+            raise AdapterDirError(
+                f"model.path {run.model.path} is a saved LoRA adapter; serve-rollout --engine vllm serves a full "
+                "checkpoint", hint=f"write one with `coordexp export-merged {run.model.path} MERGED_DIR` and point "
+                "model.path at MERGED_DIR, or serve with --engine hf (it loads base + adapter)")
         settings = EngineSettings.from_contract(
             run.rollout_matching.serving.engine, model_path=run.model.path, dtype=run.model.dtype, seed=run.seed,
             repeat_terminate=run.rollout_matching.repeat_terminate, min_pixels=run.template.min_pixels,
