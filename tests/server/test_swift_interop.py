@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from coordexp.runtime.model.encoding import load_processor
 from coordexp.runtime.server.serve import READY_PREFIX
 from testkit import import_swift
 
@@ -144,7 +145,7 @@ def test_infer_with_every_image_form(client, records, dataset, run_contract):
         assert ids_of(output) == first, name
 
 
-def test_text_only_and_multi_turn_chats(client, records):
+def test_text_only_and_multi_turn_chats(client, records, run_contract):
     image = base64.b64encode(records[1].image_paths[0].read_bytes()).decode()
     text_only = RolloutInferRequest(messages=[{"role": "user", "content": "Name one shape."}])
     multi_turn = RolloutInferRequest(messages=[
@@ -156,6 +157,12 @@ def test_text_only_and_multi_turn_chats(client, records):
     assert [len(o.response.choices) for o in outputs] == [1, 1]
     assert all(o.response.prompt_token_ids for o in outputs)
     assert len(outputs[1].response.prompt_token_ids) > len(outputs[0].response.prompt_token_ids)
+    # every turn reaches the prompt in order: the earlier assistant turn, then the follow-up question, the image too
+    tokenizer = load_processor(run_contract.model.path).tokenizer
+    prompt = tokenizer.decode(outputs[1].response.prompt_token_ids, skip_special_tokens=False)
+    assert "<|im_start|>assistant\nI see it.<|im_end|>" in prompt
+    assert prompt.index("Look:") < prompt.index("I see it.") < prompt.index("How many objects?")
+    assert "<|image_pad|>" in prompt and prompt.endswith("<|im_start|>assistant\n")
 
 
 def test_logprobs_come_back_where_swift_reads_them(client, records, run_contract):
@@ -167,6 +174,14 @@ def test_logprobs_come_back_where_swift_reads_them(client, records, run_contract
     logprobs = [item["logprob"] for item in content]
     assert len(logprobs) >= len(choice.token_ids) and all(v <= 0 for v in logprobs)
     assert all(len(item["top_logprobs"]) == 2 for item in content)
+    # real values, not placeholders: a random model is never certain; the chosen token is at most as likely as the
+    # best one (greedy also masks never-emit ids, which the reported distribution keeps) and, when it is listed,
+    # carries the same value there
+    assert any(v < -1e-3 for v in logprobs)
+    for item in content:
+        tops = item["top_logprobs"]
+        assert tops[0]["logprob"] >= tops[1]["logprob"] and item["logprob"] <= tops[0]["logprob"] + 1e-5
+        assert all(t["logprob"] == pytest.approx(item["logprob"], abs=1e-5) for t in tops if t["token"] == item["token"])
 
 
 def test_seeded_sampling_gives_request_j_seed_plus_j(client, records, run_contract):
@@ -177,6 +192,10 @@ def test_seeded_sampling_gives_request_j_seed_plus_j(client, records, run_contra
     assert [ids_of(o) for o in together] == [ids_of(o) for o in alone]
     again = client.infer(requests, RequestConfig(seed=1234, **sampled))
     assert [ids_of(o) for o in again] == [ids_of(o) for o in together]
+    # it really samples: another seed and greedy decoding both give other tokens (a server forced to greedy fails)
+    reseeded = client.infer(requests, RequestConfig(seed=98765, **sampled))
+    assert [ids_of(o) for o in reseeded] != [ids_of(o) for o in together]
+    assert [ids_of(o) for o in client.infer(requests, greedy())] != [ids_of(o) for o in together]
 
 
 def test_a_field_the_server_cannot_honour_is_a_400_naming_it(client, records, run_contract):
@@ -187,9 +206,15 @@ def test_a_field_the_server_cannot_honour_is_a_400_naming_it(client, records, ru
         client.infer([request], greedy(stream=True))
 
 
-def test_reset_prefix_cache_and_close_communicator(client):
-    client.reset_prefix_cache()
+def test_reset_prefix_cache_and_close_communicator(client, server, records, run_contract):
+    request = detection_request(records[0], run_contract.template, str(records[0].image_paths[0]))
+    before = ids_of(client.infer([request], greedy())[0])
+    client.reset_prefix_cache()  # swift's client raises on an answer other than 200
+    for endpoint in ("reset_prefix_cache", "close_communicator"):  # swift only logs a failed close: check it here
+        reply = client.sessions[0].post(f"{server}/{endpoint}/")
+        assert reply.status_code == 200, (endpoint, reply.text)
     client.close_communicator()  # swift's trainer closes before every init; with no group this is a no-op
+    assert ids_of(client.infer([request], greedy())[0]) == before  # still serving, same policy
 
 
 def test_importing_swift_leaves_transformers_training_classes_alone():
