@@ -115,8 +115,10 @@ _LOAD_BY_PATH = ("import importlib.util, sys\n"
 
 
 def _load_by_path(env: dict, *unimportable: str) -> subprocess.CompletedProcess:
+    """Import swift (and vLLM) in a fresh interpreter: a minute idle, several on a loaded 2-core box; the limit only
+    stops a hang, it is no speed budget."""
     return subprocess.run([sys.executable, "-c", _LOAD_BY_PATH, swift_plugin.__file__, *unimportable], env=env,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=900)
 
 
 def test_loading_by_path_without_swift_fails_loudly_naming_what_is_missing():

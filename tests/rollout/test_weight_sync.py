@@ -101,6 +101,21 @@ class Peer:
         self.process.join(timeout=30)
         return applied, errors
 
+    def wait_listening(self, timeout_s: float = 180.0) -> None:
+        """Block until the receiver's rendezvous store accepts connections (its process imports torch first, which
+        takes many seconds on a loaded machine), so the sender's own short timeouts measure the sync, not start-up."""
+        import socket
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=2):
+                    return
+            except OSError:
+                if not self.process.is_alive() or time.monotonic() > deadline:
+                    raise AssertionError(f"the receiver never listened on port {self.port}") from None
+                time.sleep(0.1)
+
     def kill(self):
         if self.process.is_alive():
             self.process.kill()
@@ -112,6 +127,7 @@ def connected():
     peer = Peer()
     sender = WeightSyncSender(timeout_s=20.0, backend="gloo")
     try:
+        peer.wait_listening()
         sender.init("127.0.0.1", peer.port, 2)
         assert peer.results.get(timeout=30) == ("ready", None)
         yield peer, sender
@@ -200,6 +216,7 @@ def test_dead_server_mid_sync_raises_instead_of_hanging():
     peer = Peer()
     sender = WeightSyncSender(timeout_s=5.0, backend="gloo")
     try:
+        peer.wait_listening()  # a readiness signal, so the 5 s timeout bounds the dead-peer send only
         sender.init("127.0.0.1", peer.port, 2)
         assert peer.results.get(timeout=30) == ("ready", None)
         peer.commands.put(("exit",))  # the server process leaves without receiving
