@@ -11,6 +11,7 @@ from coordexp.runtime.rollout.client import (
     ServerResponseError,
     ServerTimeoutError,
     ServerUnreachableError,
+    is_not_found,
 )
 
 from testkit import free_port
@@ -80,6 +81,20 @@ def test_http_500_is_a_clear_error_with_the_server_detail(stub):
     stub.behaviour["/infer/"] = lambda h, b: (500, {"detail": "worker crashed: CUDA OOM"})
     with pytest.raises(ServerResponseError, match=r"HTTP 500.*CUDA OOM"):
         RolloutServerClient(stub.base_url, timeout_s=5).infer([{"messages": []}], {"seed": 1})
+
+
+def test_http_status_is_typed_and_only_a_404_is_not_found(stub):
+    """Callers (the weight-sync wire choice, the repeat-guard probe) branch on the status, never on message text."""
+    client = RolloutServerClient(stub.base_url, timeout_s=5)
+    for status, missing in ((404, True), (500, False), (403, False)):
+        stub.behaviour["/coordexp/sync_status/"] = lambda h, b, s=status: (s, {"detail": "answered HTTP 404"})
+        with pytest.raises(ServerResponseError) as caught:
+            client.request("GET", "coordexp/sync_status", timeout=5)
+        assert caught.value.status == status and is_not_found(caught.value) is missing
+    stub.behaviour["/coordexp/sync_status/"] = lambda h, b: (200, b"[{not json")
+    with pytest.raises(ServerResponseError) as caught:
+        client.request("GET", "coordexp/sync_status", timeout=5)
+    assert caught.value.status is None and not is_not_found(caught.value)
 
 
 def test_malformed_json_is_a_clear_error(stub):

@@ -23,6 +23,7 @@ __all__ = [
     "ServerUnreachableError",
     "ServerTimeoutError",
     "ServerResponseError",
+    "is_not_found",
     "RolloutServerClient",
     "SERVER_MODE_HINT",
 ]
@@ -53,7 +54,17 @@ class ServerTimeoutError(ServerError):
 
 
 class ServerResponseError(ServerError):
-    """The server answered, but with an HTTP error status or a body that is not the expected JSON shape."""
+    """The server answered, but with an HTTP error status (``status``) or a body that is not the expected JSON shape
+    (``status`` None); callers branch on ``status``, never on the message text."""
+
+    def __init__(self, message: str, *, url: str, status: int | None = None):
+        super().__init__(message, url=url)
+        self.status = status
+
+
+def is_not_found(exc: BaseException) -> bool:
+    """Whether ``exc`` is a server's HTTP 404 (an endpoint this server does not have, e.g. ``swift rollout``)."""
+    return isinstance(exc, ServerResponseError) and exc.status == 404
 
 
 class RolloutServerClient:
@@ -98,7 +109,7 @@ class RolloutServerClient:
             detail = _error_detail(exc)
             raise ServerResponseError(
                 f"rollout server {url} answered HTTP {exc.code}{detail}; see the server log for the cause",
-                url=url) from None
+                url=url, status=int(exc.code)) from None
         except (socket.timeout, TimeoutError) as exc:
             raise ServerTimeoutError(
                 f"rollout server {url} did not answer within {limit} ({exc}); the server may be hung or overloaded",

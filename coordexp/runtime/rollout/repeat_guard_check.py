@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Literal, Sequence
 
 from coordexp.errors import ExternalSystemError
-from coordexp.runtime.rollout.client import ServerError
+from coordexp.runtime.rollout.client import ServerError, is_not_found
 
 if TYPE_CHECKING:
     from coordexp.runtime.rollout.client import RolloutServerClient
@@ -66,7 +66,7 @@ def probe_repeat_guard(client: "RolloutServerClient", expected: "RepeatTerminate
     try:
         body = client.request("GET", REPEAT_GUARD_ENDPOINT, timeout=client.timeout_s)
     except ServerError as exc:
-        if " answered HTTP 404" not in str(exc):
+        if not is_not_found(exc):
             raise
         return RepeatGuardProbe(client.base_url, "unknown", f"{url} does not exist (404: not a coordexp serve-rollout "
                                 "server, e.g. swift rollout), so its repeat guard cannot be checked; make sure it "

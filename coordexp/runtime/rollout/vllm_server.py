@@ -30,7 +30,7 @@ from coordexp.errors import ExternalSystemError
 from coordexp.runtime.rollout.base import RolloutBackend, RolloutOutput, RolloutRequest
 from coordexp.runtime.core.distribution import consecutive_seed_runs, plan_rounds, rank_allotment
 from coordexp.runtime.model.encoding import build_messages
-from coordexp.runtime.rollout.client import RolloutServerClient, ServerError
+from coordexp.runtime.rollout.client import RolloutServerClient, ServerError, is_not_found
 from coordexp.runtime.rollout.protocol import ProtocolError, item_to_rollout_output, parse_infer_response
 from coordexp.runtime.rollout.repeat_guard_check import check_repeat_guards
 from coordexp.runtime.rollout.weight_export import adapter_state, named_tensors, policy_version
@@ -333,7 +333,7 @@ class ServerWeightChannel:
                 client.request("GET", "coordexp/sync_status", timeout=client.timeout_s)
                 self._wires[client.base_url] = "coordexp"
             except ServerError as exc:
-                if " answered HTTP 404" not in str(exc):
+                if not is_not_found(exc):
                     raise
                 self._wires[client.base_url] = "swift"
         return self._wires[client.base_url]
