@@ -24,7 +24,9 @@ SCORES = ("logprob", "mean_logprob", "constant")
 
 def _saved(directory: Path) -> bool:
     """A saved model: a full checkpoint (config.json) or a LoRA adapter (adapter_config.json)."""
-    return (directory / "config.json").is_file() or (directory / "adapter_config.json").is_file()
+    from coordexp.runtime.model.adapters import is_adapter_dir
+
+    return (directory / "config.json").is_file() or is_adapter_dir(directory)
 
 
 def resolve_checkpoint(run: Any, checkpoint: Optional[Path]) -> Path:

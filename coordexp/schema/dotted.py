@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["ABSENT", "get", "pop"]
+__all__ = ["ABSENT", "split", "get", "pop"]
 
 ABSENT = object()
 

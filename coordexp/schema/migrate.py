@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
-from coordexp.schema.dotted import ABSENT, get, pop, split
+from coordexp.schema.dotted import ABSENT as _ABSENT, get as _get, pop as _pop, split as _split
 from coordexp.schema.errors import ConfigError, ConfigIssue, format_path
 from coordexp.schema.legacy import find_legacy_keys
 from coordexp.schema.loader import deep_merge, load_merged
@@ -84,8 +84,6 @@ class Migration:
     def changed(self) -> bool:
         return bool(self.changes or self.left_out)
 
-
-_ABSENT, _get, _pop, _split = ABSENT, get, pop, split
 
 class _Rewriter:
     def __init__(self, data: dict, base_view: dict):

@@ -277,12 +277,12 @@ def _check_repeat_guards(servers: Any, checks: list[PreflightCheck], timeout_s: 
 
 def _checkpoint_part_sizes(model_dir: Path) -> dict[str, int] | None:
     """Parameter counts per model part from the safetensors headers (no torch); None without safetensors files."""
-    from coordexp.runtime.model.parts import model_part
+    from coordexp.runtime.model.parts import PARTS, model_part
 
     files = sorted(model_dir.glob("*.safetensors")) if model_dir.is_dir() else []
     if not files:
         return None
-    sizes = {"llm": 0, "vision": 0, "aligner": 0}
+    sizes = dict.fromkeys(PARTS, 0)
     for file in files:
         with open(file, "rb") as handle:
             (length,) = struct.unpack("<Q", handle.read(8))
@@ -299,17 +299,18 @@ def _checkpoint_part_sizes(model_dir: Path) -> dict[str, int] | None:
 def optimizer_groups_detail(run: Any) -> str:
     """The optimizer groups a launch will build: per part its lr, weight decay and checkpoint parameter count, or
     frozen (biases and norms get weight decay 0 in a group of their own at launch; docs/design.md, decision 13)."""
+    from coordexp.runtime.model.tuner import frozen_parts
     from coordexp.runtime.train.optim import part_rates
 
     t, tuner = run.training, run.tuner
-    frozen = {"llm": tuner.freeze_llm, "vision": tuner.freeze_vit, "aligner": tuner.freeze_aligner}
+    frozen = frozen_parts(tuner)
     try:
         sizes = _checkpoint_part_sizes(Path(run.model.path))
     except (OSError, ValueError, struct.error):
         sizes = None
     parts = []
     for part, rate in part_rates(t).items():
-        if frozen[part]:
+        if part in frozen:
             parts.append(f"{part}: frozen")
             continue
         lora = tuner.train_type == "lora"
