@@ -244,3 +244,14 @@ def hf_greedy_ids(model, processor, requests, run) -> list:
                                decoding=run.rollout_matching.decoding,
                                repeat_terminate=run.rollout_matching.repeat_terminate)
     return [o.response_token_ids for o in backend.generate(requests)]
+
+
+def perturb_(model, seed: int, scale: float = 0.1) -> None:
+    """Add seeded Gaussian noise (std ``scale``) to every parameter in place: a policy that differs from its
+    checkpoint, so a weight push must change what an engine serves."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * scale)

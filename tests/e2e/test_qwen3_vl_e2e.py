@@ -112,7 +112,7 @@ def test_serve_rollout_vllm_equals_hf_and_serves_pushed_weights(workspace, qwen3
     from coordexp.runtime.rollout.base import RolloutRequest
     from coordexp.runtime.rollout.vllm_server import VllmServerBackend
     from coordexp.schema.contract import load_contract
-    from testkit import ServeRolloutProcess, free_port, hf_greedy_ids, server_rollout
+    from testkit import ServeRolloutProcess, free_port, hf_greedy_ids, perturb_, server_rollout
 
     base = _stage2(workspace, qwen3_model_dir, "./served", max_new_tokens=16)
     base["model"].update(dtype="float32", attn_implementation="sdpa")
@@ -136,10 +136,7 @@ def test_serve_rollout_vllm_equals_hf_and_serves_pushed_weights(workspace, qwen3
         with VllmServerBackend.from_run(run, None, processor) as remote:
             served = [o.response_token_ids for o in remote.generate(requests)]
             assert served == hf_greedy_ids(model, processor, requests, run)
-            generator = torch.Generator().manual_seed(7)
-            with torch.no_grad():
-                for parameter in model.parameters():
-                    parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.1)
+            perturb_(model, seed=7)
             remote.sync_weights(model)
             pushed = [o.response_token_ids for o in remote.generate(requests)]
         assert pushed == hf_greedy_ids(model, processor, requests, run)

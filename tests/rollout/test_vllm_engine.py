@@ -19,6 +19,8 @@ from coordexp.schema.contract import VllmColocateContract, load_contract
 from coordexp.schema.rollout import DecodingConfig
 from coordexp.schema.template import TemplateConfig
 
+from testkit import perturb_
+
 from .conftest import GUARD, LORA_RANK, MAX_NEW, SKIP_REASON, TEMPLATE, VLLM_MISSING, load_hf_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(VLLM_MISSING, reason=SKIP_REASON)]
@@ -34,13 +36,6 @@ def hf_rollouts(model, processor, requests, decoding=GREEDY):
 def colocate_backend(write_run_config, engine, model, processor, **vllm_overrides):
     run = load_contract(write_run_config({"rollout_matching": {"vllm": vllm_overrides}} if vllm_overrides else {}))
     return VllmColocateBackend.from_run(run, model, processor, engine=engine)
-
-
-def perturb_(model, seed: int, scale: float = 0.1) -> None:
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=generator) * scale)
 
 
 def test_greedy_rollouts_equal_hf_token_for_token_with_images(engine, model_dir, processor, rollout_requests):
