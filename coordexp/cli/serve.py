@@ -42,6 +42,20 @@ def serve_rollout(
         "longer timeout_s is clamped (default: the config's vllm.server.timeout_s, 240).")] = None,
     max_body_mb: Annotated[float, typer.Option(
         "--max-body-mb", help="Largest request body accepted (MiB); larger is 413.")] = 64.0,
+    system: Annotated[Optional[str], typer.Option(
+        "--system", show_default=False, help="System prompt for requests that send none (default: the chat "
+        "template's own, as `swift rollout`). --system-from-config uses the config's template.system_prompt.")] = None,
+    system_from_config: Annotated[bool, typer.Option(
+        "--system-from-config", help="Requests without a system message get the config's template.system_prompt.")
+    ] = False,
+    max_batch_seqs: Annotated[Optional[int], typer.Option(
+        "--max-batch-seqs", show_default=False, help="Sequences per merged engine call (concurrent /infer/ calls "
+        "share it round-robin; default: vLLM's max_num_seqs or 256, HF: 4 x decode_batch_size).")] = None,
+    batch_window_ms: Annotated[float, typer.Option(
+        "--batch-window-ms", help="How long an idle engine waits for more /infer/ calls to merge (ms).")] = 3.0,
+    max_request_tokens: Annotated[int, typer.Option(
+        "--max-request-tokens", help="Most sequences x max_tokens one /infer/ may ask for (larger is 400).")
+    ] = 1 << 20,
 ) -> None:
     """Serve rollouts of the config's model over HTTP (ms-swift `swift rollout` compatible endpoints)."""
     if engine not in (None, "vllm", "hf"):
@@ -53,6 +67,16 @@ def serve_rollout(
 
     if not 0 < max_body_mb <= 4096:
         fail(f"--max-body-mb {max_body_mb} is out of range", "Use a size in (0, 4096] MiB")
+    if system is not None and system_from_config:
+        fail("--system and --system-from-config both set the default system prompt", "Pass one of them")
+    if max_batch_seqs is not None and not 1 <= max_batch_seqs <= 65536:
+        fail(f"--max-batch-seqs {max_batch_seqs} is out of range", "Use 1..65536 sequences")
+    if not 0 <= batch_window_ms <= 1000:
+        fail(f"--batch-window-ms {batch_window_ms} is out of range", "Use 0..1000 ms")
+    if not 1 <= max_request_tokens <= 1 << 40:
+        fail(f"--max-request-tokens {max_request_tokens} is out of range", "Use 1..2**40 tokens")
+    if system is not None and ("\x00" in system or len(system) > 100_000):
+        fail("--system holds a NUL byte or more than 100,000 characters", "Pass a plain-text system prompt")
 
     from coordexp.runtime.server.rendezvous import RendezvousPolicy
     from coordexp.runtime.server.serve import bind_socket, build_app, build_engine, resolve_engine_kind
@@ -67,8 +91,15 @@ def serve_rollout(
         err.print(f"loading {safe(run.model.path)} with the {kind} engine "
                   f"(repeat_terminate {'on' if run.rollout_matching.repeat_terminate.enabled else 'off'}) ...")
         server_engine = build_engine(run, kind)
+        from coordexp.runtime.server.app import default_batch_policy
+        from coordexp.runtime.server.batching import BatchPolicy
+
+        seqs = max_batch_seqs or default_batch_policy(server_engine).max_batch_seqs
         app = build_app(run, server_engine, image_root=root, bind_host=host, policy=policy,
-                        max_body_bytes=int(max_body_mb * 2**20))
+                        max_body_bytes=int(max_body_mb * 2**20),
+                        system=run.template.system_prompt if system_from_config else system,
+                        batch=BatchPolicy(max_batch_seqs=seqs, window_s=batch_window_ms / 1000),
+                        max_request_tokens=max_request_tokens)
         run_server(app, sock, log_level=log_level, access_log=access_log)
     finally:
         sock.close()

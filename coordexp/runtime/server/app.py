@@ -2,7 +2,9 @@
 
 Every engine and weight-sync operation runs on ONE worker thread, first in first out: the event loop only parses,
 queues and answers, so ``GET /health/`` answers while an ``/infer/`` runs, and a weight update acknowledged before
-an ``/infer/`` is applied before it (docs/design.md#ms310). Weight-sync endpoints acknowledge first and execute in the
+an ``/infer/`` is applied before it (docs/design.md#ms310). Concurrent ``/infer/`` calls are merged into shared
+engine calls under a sequence budget and served round-robin (``batching.py``; ``GET /coordexp/batch_status/``
+counts engine calls and merged ones); weights never change inside one. Weight-sync endpoints acknowledge first and execute in the
 queue (swift clients broadcast right after the reply); anything that can be checked before the broadcast
 (metadata, a missing communicator, no LoRA support) is a 4xx instead, so the client never blocks on a receive that
 will not happen. A failure after the acknowledgement is reported to the sender by the transport and listed by
@@ -13,8 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
-import tempfile
 import threading
 import time
 import uuid
@@ -29,26 +29,25 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from fastapi.responses import JSONResponse
 
-from coordexp.runtime.rollout.base import RolloutOutput, RolloutRequest
 from coordexp.runtime.rollout import protocol as p
 from coordexp.runtime.rollout.repeat_guard_check import repeat_guard_reply
-from coordexp.runtime.server.engine import EngineError, GenerationParams, RolloutEngine, TokenLogprob
-from coordexp.runtime.server.inputs import InferInputError, encode_served, request_to_prompt, scrub_paths
+from coordexp.runtime.server.batching import BatchPolicy, Scheduler
+from coordexp.runtime.server.engine import EngineError, GenerationParams, RolloutEngine
+from coordexp.runtime.server.infer import END_OF_TURN_TOKEN, MAX_TOP_LOGPROBS, InferPlanner
+from coordexp.runtime.server.inputs import InferInputError, scrub_paths
 from coordexp.runtime.rollout import swift_sync
+from coordexp.runtime.rollout.store_guard import new_rendezvous_key
 from coordexp.runtime.rollout.weight_sync import DEFAULT_TIMEOUT_S, WeightSyncError, WeightSyncReceiver
-from coordexp.runtime.server.limits import (DEFAULT_MAX_BODY_BYTES, BodyGuard, max_token_chars, request_limits,
-                                            validation_error_detail)
+from coordexp.runtime.server.limits import (DEFAULT_MAX_BODY_BYTES, MAX_REQUEST_TOKENS, BodyGuard, max_token_chars,
+                                            request_limits, validation_error_detail)
 from coordexp.runtime.server.rendezvous import RendezvousBusy, RendezvousPolicy, RendezvousRunner, SyncTokenGuard
 from coordexp.runtime.server.worker import FifoWorker, WorkerStopped
 from coordexp.schema.rollout import DecodingConfig
 from coordexp.schema.template import TemplateConfig
 
-__all__ = ["create_app", "RolloutService", "END_OF_TURN_TOKEN"]
+__all__ = ["create_app", "RolloutService", "END_OF_TURN_TOKEN", "MAX_TOP_LOGPROBS"]
 
 log = logging.getLogger("coordexp.serve")
-END_OF_TURN_TOKEN = "<|im_end|>"
-_SEED_MASK = 0x7FFFFFFF
-MAX_TOP_LOGPROBS = 20  # vLLM's default max_logprobs: what a swift server answers at most
 _RECENT_OPS = 16
 RECEIVERS = 1  # this server process is the only weight-sync receiver (the engine fans weights out itself)
 DEFAULT_MAX_MODEL_LEN = 4096  # an engine that states no max_model_len (the vLLM engine's own default)
@@ -62,7 +61,8 @@ class RolloutService:
                  image_root: str | Path | None, defaults: GenerationParams, model_name: str = "coordexp",
                  sync_timeout_s: float = DEFAULT_TIMEOUT_S, bind_host: str | None = None,
                  policy: RendezvousPolicy | None = None, max_model_len: int | None = None,
-                 swift_planes: swift_sync.PlaneFactory | None = None):
+                 swift_planes: swift_sync.PlaneFactory | None = None, system: str | None = None,
+                 batch: BatchPolicy | None = None, max_request_tokens: int = MAX_REQUEST_TOKENS):
         self.engine, self.processor, self.template = engine, processor, template
         self.image_root = Path(image_root).resolve() if image_root is not None else None
         if self.image_root is not None and not self.image_root.is_dir():
@@ -78,6 +78,11 @@ class RolloutService:
         self._rendezvous: Future | None = None
         self.max_model_len = int(max_model_len or getattr(engine, "max_model_len", 0) or DEFAULT_MAX_MODEL_LEN)
         self.chars_per_token = max_token_chars(processor.tokenizer)
+        self.max_request_tokens = int(max_request_tokens)
+        self.planner = InferPlanner(engine, processor, template, image_root=self.image_root, defaults=defaults,
+                                    max_model_len=self.max_model_len, model_name=model_name, system=system)
+        self.scheduler = Scheduler(engine, self.worker, batch or default_batch_policy(engine))
+        self.abandoned = False  # shutdown left an engine call running (serve() then exits without finalizers)
         self.stopping = asyncio.Event()  # set on SIGINT/SIGTERM: waiting requests are answered 503
         self.loop: asyncio.AbstractEventLoop | None = None
         self.receiver: WeightSyncReceiver | swift_sync.SwiftWireReceiver | None = None
@@ -87,10 +92,6 @@ class RolloutService:
         self.pending = self.completed = self.failed = self.weights_version = 0
         self.last_error: str | None = None
         self.recent: deque[p.SyncOpRecord] = deque(maxlen=_RECENT_OPS)
-        self._requests = 0
-        self._unseeded = random.Random(0)  # like vLLM's engine seed 0: unseeded calls still reproduce per process
-        tokenizer = processor.tokenizer
-        self._stop_strings = {END_OF_TURN_TOKEN, tokenizer.eos_token or END_OF_TURN_TOKEN}
 
     # ------------------------------------------------------------------------------------------ queue
 
@@ -163,10 +164,14 @@ class RolloutService:
         receiver = WeightSyncReceiver(timeout_s=timeout_s, backend=backend,
                                       device=device if backend == "nccl" else "cpu")
         local = self.policy.local_address(body.host)
+        # A fresh secret per authorized init, answered to this caller only: every store key lives under it, so a
+        # client that did not pass the HTTP guard cannot read or write what the group reads (store_guard).
+        key = new_rendezvous_key()
         self._open_group(receiver, body.port, timeout_s, lambda listener: receiver.init(
-            self.policy.bind_host, body.port, world_size, local_address=local, listener=listener))
+            self.policy.bind_host, body.port, world_size, local_address=local, listener=listener,
+            rendezvous_key=key))
         return p.InitCommunicatorResponse(world_size=world_size, client_rank=world_size - 1, backend=backend,
-                                          timeout_s=timeout_s)
+                                          timeout_s=timeout_s, rendezvous_key=key)
 
     def _init_swift(self, body: p.InitCommunicatorRequest, world_size: int) -> p.InitCommunicatorResponse:
         """ms-swift's wire (swift's ``VLLMClient``): a StatelessProcessGroup-compatible store at the requested
@@ -260,133 +265,14 @@ class RolloutService:
 
     # ------------------------------------------------------------------------------------------ inference
 
-    def refused_fields(self, body: p.InferRequestBody) -> list[str]:
-        """``field: reason`` for every request field this server would not honour (never silently ignored)."""
-        config = body.request_config
-        refused = [f"{name}: not an ms-swift 3.12 /infer/ field" for name in p.unknown_infer_fields(body)]
-        checks = (
-            ("request_config.stream", config.stream, "streaming is not served; send stream: false"),
-            ("request_config.structured_outputs_regex", config.structured_outputs_regex is not None,
-             "guided decoding is not served (the learner parses and checks rollouts itself)"),
-            ("request_config.logprobs", config.logprobs and not callable(getattr(self.engine, "token_logprobs", None)),
-             f"the {self.engine.engine_type} engine does not return logprobs"),
-            ("request_config.top_logprobs", config.top_logprobs is not None and not config.logprobs,
-             "needs logprobs: true"),
-            ("request_config.top_logprobs", config.top_logprobs is not None
-             and not 0 <= config.top_logprobs <= MAX_TOP_LOGPROBS, f"must be 0..{MAX_TOP_LOGPROBS}"),
-            ("request_config.presence_penalty", config.presence_penalty != 0, "not supported; leave it 0"),
-            ("request_config.frequency_penalty", config.frequency_penalty != 0, "not supported; leave it 0"),
-            ("request_config.length_penalty", config.length_penalty != 1.0,
-             "not supported (beam search ranks with the model's own length_penalty); leave it 1.0"),
-            ("request_config.best_of", config.best_of not in (None, 1, config.n), "not supported; leave it unset"),
-            ("metrics", body.metrics is not None, "metrics are computed by the client; send null"),
-            ("template", body.template is not None, "the server renders with the model's own chat template; send null"),
-            ("adapter_request", body.adapter_request is not None,
-             "per-request adapters are not served; push weights with the weight-sync endpoints"),
-        )
-        refused += [f"{name}: {reason}" for name, bad, reason in checks if bad]
-        extra_stops = sorted(set(config.stop) - self._stop_strings)
-        if extra_stops:
-            refused.append(f"request_config.stop {extra_stops}: the server stops at {END_OF_TURN_TOKEN} only (other "
-                           "stop strings would cut JSON rollouts); drop them")
-        return refused
-
-    def generation_params(self, config: p.RequestConfig) -> GenerationParams:
-        base = self.defaults.decoding
-        decoding = {
-            "temperature": base.temperature if config.temperature is None else config.temperature,
-            "top_p": base.top_p if config.top_p is None else config.top_p,
-            "top_k": base.top_k if config.top_k is None else (-1 if config.top_k <= 0 else config.top_k),
-            "num_beams": config.num_beams if config.num_beams > 1 else base.num_beams,
-            "repetition_penalty": base.repetition_penalty if config.repetition_penalty is None
-            else config.repetition_penalty,
-        }
-        try:
-            resolved = DecodingConfig.model_validate(decoding)
-        except ValidationError as exc:
-            raise InferInputError(validation_error_detail(exc.errors(), prefix="request_config")) from None
-        max_new = self.defaults.max_new_tokens if config.max_tokens is None else config.max_tokens
-        if not 1 <= max_new < self.max_model_len:
-            raise InferInputError(f"request_config.max_tokens: {max_new} must be in 1..{self.max_model_len - 1} "
-                                  f"(this engine's max_model_len {self.max_model_len} holds prompt and completion)")
-        return GenerationParams(max_new_tokens=int(max_new), decoding=resolved,
-                                logprobs=(config.top_logprobs or 0) if config.logprobs else None)
-
-    def seeds(self, count: int, n: int, seed: int | None) -> list[int]:
-        """Request j, choice k: ``seed + j*n + k`` (MS310's per-request ``seed + j`` when n = 1), in 1..2**31-1;
-        an unset seed (None or 0, as in MS310) draws from the server's own seeded RNG."""
-        if seed:
-            return [((seed + i) & _SEED_MASK) or 1 for i in range(count * n)]
-        return [self._unseeded.randint(1, _SEED_MASK) for _ in range(count * n)]
+    def submit_infer(self, body: p.InferRequestBody) -> Future:
+        """Queue one ``/infer/`` as a scheduler job (merged with concurrent calls, batching.py); refusals that need
+        no encoding raise :class:`InferInputError` here, before anything is queued."""
+        return self.scheduler.submit(self.planner.job(body))
 
     def infer(self, body: p.InferRequestBody) -> list[dict[str, Any]]:
-        """Runs on the worker: refuse what cannot be honoured, encode with the trainer's encoder (any chat the
-        template accepts), generate, add logprobs if asked, shape MS310 replies."""
-        refused = self.refused_fields(body)
-        if refused:
-            raise InferInputError("these request fields cannot be honoured: " + "; ".join(refused))
-        config = body.request_config
-        params = self.generation_params(config)
-        n = config.n
-        seeds = self.seeds(len(body.infer_requests), n, config.seed)
-        requests: list[RolloutRequest] = []
-        with tempfile.TemporaryDirectory(prefix="coordexp-infer-") as scratch:
-            for j, item in enumerate(body.infer_requests):
-                served = request_to_prompt(item, j, self.template, self.image_root, Path(scratch))
-                prompt = encode_served(self.processor, served)
-                if prompt.prompt_len + params.max_new_tokens > self.max_model_len:
-                    raise InferInputError(f"infer_requests[{j}]: the prompt is {prompt.prompt_len} tokens; with "
-                                          f"max_tokens {params.max_new_tokens} it exceeds this engine's max_model_len "
-                                          f"{self.max_model_len}; shorten the prompt or lower max_tokens")
-                requests.extend(RolloutRequest(prompt=prompt, index=j * n + k, seed=seeds[j * n + k],
-                                               record=served.record) for k in range(n))
-            outputs = self.engine.generate(requests, params) if requests else []
-        if len(outputs) != len(requests):
-            raise EngineError(f"the engine returned {len(outputs)} outputs for {len(requests)} requests")
-        logprobs: list[Any] = [None] * len(outputs)
-        if config.logprobs and outputs:
-            top = config.top_logprobs or 0
-            logprobs = [self._choice_logprobs(tokens, config.top_logprobs is not None)
-                        for tokens in self.engine.token_logprobs(requests, outputs, params, top)]  # type: ignore[attr-defined]
-        return [self._reply(outputs[j * n:(j + 1) * n], logprobs[j * n:(j + 1) * n], config.return_details)
-                for j in range(len(body.infer_requests))]
-
-    def _token_entry(self, token_id: int, logprob: float) -> dict[str, Any]:
-        token = self.processor.tokenizer.decode([token_id], skip_special_tokens=False)
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
-
-    def _choice_logprobs(self, tokens: Sequence[TokenLogprob], with_top: bool) -> p.ChoiceLogprobs:
-        """swift's per-choice shape: ``{"content": [{token, logprob, bytes[, top_logprobs]}]}``."""
-        content = []
-        for entry in tokens:
-            item = self._token_entry(entry.token_id, entry.logprob)
-            if with_top:
-                item["top_logprobs"] = [self._token_entry(i, v) for i, v in entry.top]
-            content.append(p.LogprobToken.model_validate(item))
-        return p.ChoiceLogprobs(content=content)
-
-    def _reply(self, outputs: Sequence[RolloutOutput], logprobs: Sequence[p.ChoiceLogprobs | None],
-               details: bool) -> dict[str, Any]:
-        with self._lock:
-            self._requests += 1
-            request_id = str(self._requests)
-        prompt_ids = list(outputs[0].prompt_token_ids)
-        choices = [p.ChatCompletionChoice(
-            index=k, message=p.ResponseMessage(content=out.text),
-            finish_reason="length" if out.finish_reason == "length" else "stop", logprobs=logprobs[k],
-            token_ids=list(out.response_token_ids) if details else None) for k, out in enumerate(outputs)]
-        completion = sum(len(out.response_token_ids) for out in outputs)
-        reasons = [out.finish_reason for out in outputs]
-        triggered = int("repeat" in reasons)
-        response = p.ChatCompletionResponse(
-            model=self.model_name, id=request_id, created=int(time.time()), choices=choices,
-            usage=p.UsageInfo(prompt_tokens=len(prompt_ids), completion_tokens=completion,
-                              total_tokens=len(prompt_ids) + completion),
-            prompt_token_ids=prompt_ids if details else None)
-        item = p.RolloutResponseItem(response=response, rollout_infos={"repeat_terminate_triggered": triggered},
-                                     coordexp=p.CoordexpInferInfo(repeat_terminate_triggered=triggered,
-                                                                  finish_reasons=reasons))
-        return item.model_dump(mode="json", exclude_none=False)
+        """One call, waiting for its answer (tests and tools that do not serve HTTP)."""
+        return self.submit_infer(body).result()
 
     def begin_shutdown(self) -> None:
         """SIGINT/SIGTERM arrived (any thread): every request still waiting for the worker is answered 503."""
@@ -396,7 +282,9 @@ class RolloutService:
     def shutdown(self) -> None:
         """Stop taking work, drop queued operations, leave the group, free the engine; never waits more than
         :data:`SHUTDOWN_WAIT_S` for a running engine call (it is abandoned with the process)."""
+        self.scheduler.stop()  # no new round starts; the one running ends within one engine call
         idle = self.worker.stop(SHUTDOWN_WAIT_S)
+        self.abandoned = not idle
         if self.receiver is not None and idle:
             self.receiver.close()
         if idle:
@@ -408,16 +296,21 @@ def create_app(engine: RolloutEngine, processor: Any, template: TemplateConfig, 
                sync_timeout_s: float = DEFAULT_TIMEOUT_S, bind_host: str | None = None,
                policy: RendezvousPolicy | None = None, max_model_len: int | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               swift_planes: swift_sync.PlaneFactory | None = None) -> FastAPI:
+               swift_planes: swift_sync.PlaneFactory | None = None, system: str | None = None,
+               batch: BatchPolicy | None = None, max_request_tokens: int = MAX_REQUEST_TOKENS) -> FastAPI:
     """The app for ``engine``. ``defaults``: sampling where a request leaves it unset (the config's decoding and
     max_new_tokens; greedy, 256 tokens if None). ``image_root``: the only directory local image paths may name
     (None: no local files, base64 only). ``policy``: the weight-sync rendezvous rules (default: loopback, no
     token, ``sync_timeout_s`` cap). ``max_model_len``: bounds prompt + ``max_tokens`` (default: the engine's).
-    ``swift_planes``: the data plane of ms-swift's own weight-sync wire (default: NCCL through vLLM's PyNccl)."""
+    ``swift_planes``: the data plane of ms-swift's own weight-sync wire (default: NCCL through vLLM's PyNccl).
+    ``system``: the system prompt of requests without one (None: the chat template's default, as swift's server).
+    ``batch``: the budget of one merged engine call (default: the engine's batch size); ``max_request_tokens``:
+    the most sequences x max_tokens one call may ask for."""
     service = RolloutService(engine, processor, template, image_root=image_root,
                              defaults=defaults or GenerationParams(256, DecodingConfig()), model_name=model_name,
                              sync_timeout_s=sync_timeout_s, bind_host=bind_host, policy=policy,
-                             max_model_len=max_model_len, swift_planes=swift_planes)
+                             max_model_len=max_model_len, swift_planes=swift_planes, system=system, batch=batch,
+                             max_request_tokens=max_request_tokens)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -429,6 +322,7 @@ def create_app(engine: RolloutEngine, processor: Any, template: TemplateConfig, 
     app = FastAPI(title="coordexp rollout server", lifespan=lifespan)
     app.state.service = service
     app.state.begin_shutdown = service.begin_shutdown  # serve() calls it on SIGINT/SIGTERM
+    app.state.abandoned = lambda: service.abandoned  # serve() exits without finalizers when an engine call is left
 
     def refused(path: str, status: int, detail: str) -> None:
         log.warning("refused %s with %d: %s", path, status, detail[:300])
@@ -442,12 +336,13 @@ def create_app(engine: RolloutEngine, processor: Any, template: TemplateConfig, 
         refused(request.url.path, 422, detail)
         return JSONResponse({"detail": detail}, status_code=422)
 
-    async def on_worker(fn: Callable[[], Any]) -> Any:
-        """The worker's result, or 503 as soon as the server starts shutting down (the call is abandoned)."""
+    async def on_worker(fn: Callable[[], Any] | None = None, queued: Callable[[], Future] | None = None) -> Any:
+        """The worker's result (``fn`` run there, or the future ``queued()`` returns), or 503 as soon as the server
+        starts shutting down (the call is abandoned)."""
         if service.stopping.is_set():
             raise HTTPException(503, "the rollout server is shutting down; send the request to another server")
         try:
-            work = asyncio.wrap_future(service.run(fn))
+            work = asyncio.wrap_future(queued() if queued is not None else service.run(fn))  # type: ignore[arg-type]
         except WorkerStopped:
             raise HTTPException(503, "the rollout server is shutting down; send the request to another server"
                                 ) from None
@@ -480,12 +375,14 @@ def create_app(engine: RolloutEngine, processor: Any, template: TemplateConfig, 
 
     @app.post("/infer/")
     async def infer(body: p.InferRequestBody) -> JSONResponse:
-        limits = request_limits(body, max_model_len=service.max_model_len, chars_per_token=service.chars_per_token)
+        limits = request_limits(body, max_model_len=service.max_model_len, chars_per_token=service.chars_per_token,
+                                default_max_tokens=service.planner.defaults.max_new_tokens,
+                                max_request_tokens=service.max_request_tokens)
         if limits:  # checked before queueing: an unbounded request never reaches the worker
             refused("/infer/", 400, "; ".join(limits))
             raise HTTPException(400, "/infer/: " + "; ".join(limits))
         try:
-            return JSONResponse(await on_worker(lambda: service.infer(body)))
+            return JSONResponse(await on_worker(queued=lambda: service.submit_infer(body)))
         except HTTPException:
             raise
         except (InferInputError, EngineError) as exc:
@@ -555,8 +452,23 @@ def create_app(engine: RolloutEngine, processor: Any, template: TemplateConfig, 
         service.close_communicator()
         return {"message": p.MESSAGE_CLOSE}
 
+    @app.get("/coordexp/batch_status/")
+    async def batch_status() -> dict:
+        """Engine calls made and how many of them merged several /infer/ calls (tests and benchmarks read it)."""
+        return service.scheduler.stats()
+
     @app.get("/coordexp/sync_status/")
     async def sync_status() -> dict:
         return service.status().model_dump(mode="json")
 
     return app
+
+
+def default_batch_policy(engine: Any) -> BatchPolicy:
+    """One merged engine call holds what the engine runs at once: vLLM's ``max_num_seqs`` (its default 256 when
+    unset), the HF engine's ``decode_batch_size`` x 4 (it decodes in chunks of that size anyway)."""
+    settings = getattr(engine, "settings", None)
+    seqs = getattr(settings, "max_num_seqs", None)
+    if seqs is None and getattr(engine, "decode_batch_size", None):
+        seqs = 4 * int(engine.decode_batch_size)
+    return BatchPolicy(max_batch_seqs=int(seqs or 256))

@@ -1,7 +1,8 @@
 """``/infer/`` request -> encoded prompt: any chat the model's chat template accepts, images anywhere.
 
 A request's messages (ms-swift's ``RolloutInferRequest`` rules: a trailing assistant turn is dropped; without a
-system message the config's system prompt is used; media are inline items OR ``<image>`` tags / empty image items
+system message the chat template's own default applies, as in ``swift rollout``, unless the server was started
+with an explicit system prompt (``serve-rollout --system``); media are inline items OR ``<image>`` tags / empty image items
 filled from the top-level ``images`` in order, never both) become the transformers chat messages the processor's
 template renders. When they are exactly the learner's detection prompt (:func:`build_messages`: system, then ONE
 user turn with the images followed by the prompt text), the prompt is encoded by the learner's own
@@ -183,8 +184,9 @@ def _refuse_unserved_fields(request: RolloutInferRequest, where: str) -> None:
 
 
 def request_to_prompt(request: RolloutInferRequest, index: int, template: TemplateConfig,
-                      image_root: Path | None, scratch: Path) -> ServedPrompt:
-    """The images (resolved) and the chat of one request; see the module docstring for the rules."""
+                      image_root: Path | None, scratch: Path, system: str | None = None) -> ServedPrompt:
+    """The images (resolved) and the chat of one request; see the module docstring for the rules. ``system``: the
+    server's explicit system prompt for requests without one (None: the chat template's default)."""
     from coordexp.runtime.model.encoding import build_messages
 
     where = f"infer_requests[{index}]"
@@ -194,8 +196,8 @@ def request_to_prompt(request: RolloutInferRequest, index: int, template: Templa
         messages.pop()  # swift drops a trailing assistant turn too (it is not a prefill)
     if not messages:
         raise InferInputError(f"{where}.messages: nothing left to answer after the trailing assistant turn")
-    if messages[0].get("role") != "system":
-        messages.insert(0, {"role": "system", "content": template.system_prompt})
+    if messages[0].get("role") != "system" and system is not None:
+        messages.insert(0, {"role": "system", "content": system})
     chat: list[dict[str, Any]] = []
     slots: list[tuple[str, str]] = []  # (name, inline value or "") per image, in prompt order
     for m, message in enumerate(messages):
@@ -221,11 +223,11 @@ def request_to_prompt(request: RolloutInferRequest, index: int, template: Templa
     paths = tuple(resolve_image(value, image_root, scratch, name, f"r{index}_i{k}")
                   for k, ((name, _), value) in enumerate(zip(slots, values)))
     record = DetectionRecord(image_paths=paths, width=0, height=0, objects=(), source=where)
-    system = _text_of(chat[0]["content"])
+    system_text = _text_of(chat[0]["content"]) if chat[0].get("role") == "system" else None
     user = _text_of(chat[-1]["content"][-1:]) if len(chat) == 2 and chat[1]["content"] else None
-    if system is not None and user is not None:
-        detection = template.model_copy(update={"system_prompt": system, "user_prompt": user})
-        if build_messages(record, detection) == [{"role": "system", "content": system}, chat[1]] \
+    if system_text is not None and user is not None:
+        detection = template.model_copy(update={"system_prompt": system_text, "user_prompt": user})
+        if build_messages(record, detection) == [{"role": "system", "content": system_text}, chat[1]] \
                 and set(chat[0]) == {"role", "content"} and set(chat[1]) == {"role", "content"} and paths:
             return ServedPrompt(record=record, template=detection, messages=None)
     return ServedPrompt(record=record, template=template, messages=chat)

@@ -9,12 +9,18 @@ answered 500 (FastAPI echoes the value into a 422 body that JSON cannot encode).
   the metadata check multiply for seconds on the event loop);
 - :func:`validation_error_response`: a 422 whose ``detail`` names each field and never echoes the value;
 - :func:`request_limits`: ``field: reason`` for every bound an ``/infer/`` request breaks: finite floats,
-  ``max_tokens`` < ``max_model_len``, ``num_beams``/``n`` caps, and the prompt's characters against what
-  ``max_model_len`` tokens can hold (checked before tokenizing: a 20 MB prompt is never encoded).
+  ``max_tokens`` < ``max_model_len``, ``num_beams``/``n`` caps, the per-request budget of sequences x max_tokens
+  (one call cannot hold the engine for long; the scheduler interleaves the rest), stop strings, text that is not
+  valid Unicode (a lone surrogate such as ``\\ud800``), and the prompt's characters against what ``max_model_len``
+  tokens can hold (checked before tokenizing: a 20 MB prompt is never encoded).
+
+The NaN/Infinity scan looks at numbers outside JSON strings only (base64 image data holds "NaN" about 4 times per
+MB) and runs off the event loop when the body is large.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import re
@@ -22,14 +28,21 @@ from typing import Any, Awaitable, Callable, Iterable
 
 from coordexp.schema.base import MAX_BEAMS
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "MAX_INT_DIGITS", "MAX_CHOICES", "MAX_SEQUENCES", "BodyGuard", "non_finite_paths",
-           "validation_error_detail", "request_limits", "prompt_chars", "max_token_chars"]
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "MAX_INT_DIGITS", "MAX_CHOICES", "MAX_SEQUENCES", "MAX_REQUEST_TOKENS",
+           "MAX_STOPS", "BodyGuard", "non_finite_paths", "validation_error_detail", "request_limits", "prompt_chars",
+           "max_token_chars", "invalid_text_fields"]
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024  # base64 images of a few large pages; --max-body-mb raises it
 MAX_CHOICES = 64  # n per request (GRPO-style groups are far smaller)
 MAX_SEQUENCES = 4096  # requests x n of one /infer/ call: one call's sequences fit in the worker's memory
 MAX_INT_DIGITS = 30  # far above any count, size or seed the server takes (2**64 has 20 digits)
+# sequences x max_tokens of one /infer/ call (--max-request-tokens): 4,096 x 256; larger calls are split by the client
+MAX_REQUEST_TOKENS = 1 << 20
+MAX_STOPS = 16  # stop strings per call (swift's clients send one or two)
+MAX_STOP_CHARS = 256
 _SUSPECT = re.compile(rb"NaN|Infinity|\d[eE]\+?\d{3}|\d{%d}" % (MAX_INT_DIGITS + 1))
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string literal, escapes included
+OFF_LOOP_BYTES = 256 * 1024  # bodies at least this large are scanned on a thread, never on the event loop
 _FIELD_LIMIT = 8  # validation errors listed in one detail
 
 Scope = dict
@@ -56,8 +69,9 @@ def _parse_int(text: str) -> Any:
 
 def non_finite_paths(body: bytes) -> list[str] | None:
     """Dotted paths (``request_config.temperature``, ``metadatas[0].numel``) of non-finite numbers and over-long
-    integers in a JSON body (None when the body is not JSON at all: the app's own parser answers that)."""
-    if not _SUSPECT.search(body):
+    integers in a JSON body (None when the body is not JSON at all: the app's own parser answers that). Only text
+    outside string literals is searched first, so image data in strings never costs a second parse."""
+    if not _SUSPECT.search(body) or not _SUSPECT.search(_JSON_STRING.sub(b'""', body)):
         return []
     try:
         document = json.loads(body, parse_constant=_NonFinite, parse_float=_parse_float, parse_int=_parse_int)
@@ -122,7 +136,10 @@ class BodyGuard:
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
-        bad = non_finite_paths(body)
+        if len(body) >= OFF_LOOP_BYTES:  # a large body is scanned beside the event loop: /health/ keeps answering
+            bad = await asyncio.get_running_loop().run_in_executor(None, non_finite_paths, body)
+        else:
+            bad = non_finite_paths(body)
         if bad:
             await self._refuse(scope, send, 400, "request body: numbers that are not finite or have more than "
                                                   f"{MAX_INT_DIGITS} digits have no meaning here: {', '.join(bad)}; "
@@ -177,8 +194,41 @@ def max_token_chars(tokenizer: Any) -> int:
         return 256
 
 
-def request_limits(body: Any, *, max_model_len: int, chars_per_token: int) -> list[str]:
-    """``field: reason`` for every bound an ``/infer/`` body (a ``protocol.InferRequestBody``) breaks."""
+def _bad_text(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def invalid_text_fields(requests: Iterable[Any]) -> list[str]:
+    """The fields of ``infer_requests`` whose text is not valid Unicode (lone surrogates such as ``\\ud800``, which
+    strict JSON can carry but no tokenizer encodes), named like ``infer_requests[0].messages[1].role``."""
+    found: list[str] = []
+    for j, request in enumerate(requests):
+        stack: list[tuple[str, Any]] = [(f"infer_requests[{j}].messages", request.messages),
+                                        (f"infer_requests[{j}].images", request.images)]
+        while stack and len(found) < _FIELD_LIMIT:
+            path, value = stack.pop()
+            if isinstance(value, str):
+                if _bad_text(value):
+                    found.append(path)
+            elif isinstance(value, dict):
+                for key, item in value.items():
+                    if isinstance(key, str) and _bad_text(key):
+                        found.append(f"{path} (a key)")
+                    else:
+                        stack.append((f"{path}.{key}", item))
+            elif isinstance(value, list):
+                stack.extend((f"{path}[{k}]", item) for k, item in enumerate(value))
+    return sorted(found)
+
+
+def request_limits(body: Any, *, max_model_len: int, chars_per_token: int, default_max_tokens: int = 1,
+                   max_request_tokens: int = MAX_REQUEST_TOKENS) -> list[str]:
+    """``field: reason`` for every bound an ``/infer/`` body (a ``protocol.InferRequestBody``) breaks;
+    ``default_max_tokens``: what an unset ``max_tokens`` means on this server."""
     config = body.request_config
     refused = [f"request_config.{name}: must be a finite number (got {value})"
                for name, value in config if isinstance(value, float) and not math.isfinite(value)]
@@ -192,6 +242,22 @@ def request_limits(body: Any, *, max_model_len: int, chars_per_token: int) -> li
     elif len(body.infer_requests) * config.n > MAX_SEQUENCES:
         refused.append(f"infer_requests: {len(body.infer_requests)} requests x n={config.n} exceed "
                        f"{MAX_SEQUENCES} sequences per call; split the call")
+    else:
+        sequences = len(body.infer_requests) * config.n
+        max_tokens = config.max_tokens if config.max_tokens is not None else default_max_tokens
+        if sequences * max_tokens > max_request_tokens:
+            refused.append(f"infer_requests: {sequences} sequences x max_tokens {max_tokens} = "
+                           f"{sequences * max_tokens} tokens exceed this server's per-request budget of "
+                           f"{max_request_tokens} (--max-request-tokens); split the call or lower max_tokens")
+    if len(config.stop) > MAX_STOPS:
+        refused.append(f"request_config.stop: {len(config.stop)} stop strings exceed the cap {MAX_STOPS}")
+    for k, stop in enumerate(config.stop[:MAX_STOPS]):
+        if not stop or len(stop) > MAX_STOP_CHARS:
+            refused.append(f"request_config.stop[{k}]: a stop string must have 1..{MAX_STOP_CHARS} characters")
+        elif _bad_text(stop):
+            refused.append(f"request_config.stop[{k}]: not valid Unicode text (a lone surrogate)")
+    refused += [f"{field}: not valid Unicode text (a lone surrogate such as \\ud800); send UTF-8 text"
+                for field in invalid_text_fields(body.infer_requests)]
     char_cap = max_model_len * chars_per_token
     for j, request in enumerate(body.infer_requests):
         chars = prompt_chars(request.messages)

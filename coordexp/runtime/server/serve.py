@@ -6,7 +6,9 @@
   OS for a free port; the ready line printed on stdout names the real one.
 - SIGINT/SIGTERM stop it within seconds: every request still waiting for the engine worker is answered 503 at
   once, queued work is dropped, an engine call still running is abandoned after 2 s (the worker is a daemon
-  thread), the weight-sync group is left and the engine released when it is idle.
+  thread), the weight-sync group is left and the engine released when it is idle. When an engine call was
+  abandoned the process ends with ``os._exit`` after flushing its output: interpreter finalization under a
+  running torch/vLLM call ended in SIGABRT (issue 23); the exit code stays 0.
 - The access log is on by default (``access_log=False`` / ``--no-access-log`` turns it off): every request and
   its status, so a client's 4xx leaves a trace; refusals also log their reason on ``coordexp.serve``.
 """
@@ -18,7 +20,9 @@ import errno
 import importlib
 import importlib.util
 import logging
+import os
 import socket
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -112,11 +116,14 @@ def build_engine(run: "RunContract", kind: EngineKind) -> RolloutEngine:
 
 
 def build_app(run: "RunContract", engine: RolloutEngine, *, image_root: str | Path | None,
-              bind_host: str | None = None, policy: Any = None, max_body_bytes: int | None = None) -> "FastAPI":
+              bind_host: str | None = None, policy: Any = None, max_body_bytes: int | None = None,
+              system: str | None = None, batch: Any = None, max_request_tokens: int | None = None) -> "FastAPI":
     """The app of ``run``: the config's template, decoding and max_new_tokens as request defaults; prompt plus
     ``max_tokens`` bounded by the config's resolved ``max_model_len``; ``policy``: the weight-sync
-    :class:`~coordexp.runtime.server.rendezvous.RendezvousPolicy` (default: loopback rules for ``bind_host``)."""
-    from coordexp.runtime.server.limits import DEFAULT_MAX_BODY_BYTES
+    :class:`~coordexp.runtime.server.rendezvous.RendezvousPolicy` (default: loopback rules for ``bind_host``);
+    ``system``: the system prompt of requests without one (None: the chat template's default); ``batch``: a
+    :class:`~coordexp.runtime.server.batching.BatchPolicy` (default: the engine's batch size)."""
+    from coordexp.runtime.server.limits import DEFAULT_MAX_BODY_BYTES, MAX_REQUEST_TOKENS
     from coordexp.runtime.model.encoding import load_processor
     from coordexp.runtime.server.app import create_app
 
@@ -126,7 +133,8 @@ def build_app(run: "RunContract", engine: RolloutEngine, *, image_root: str | Pa
                       defaults=defaults, model_name=Path(run.model.path).name or run.model.path,
                       sync_timeout_s=rollout.serving.sync_timeout_s, bind_host=bind_host, policy=policy,
                       max_model_len=rollout.serving.engine.max_model_len,
-                      max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES)
+                      max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES, system=system, batch=batch,
+                      max_request_tokens=max_request_tokens or MAX_REQUEST_TOKENS)
 
 
 def log_config(log_level: str) -> dict[str, Any]:
@@ -165,3 +173,19 @@ def serve(app: Any, sock: socket.socket, *, log_level: str = "info", graceful_ti
     finally:
         sock.close()
     print("coordexp rollout server stopped", flush=True)
+    abandoned = getattr(getattr(app, "state", None), "abandoned", None)
+    if callable(abandoned) and abandoned():
+        exit_now(0)
+
+
+def exit_now(code: int) -> None:
+    """End the process at once (no finalizers): an engine call still runs on the worker thread, and finalizing the
+    interpreter under it aborts (SIGABRT). Output is flushed first."""
+    log.warning("an engine call was still running at shutdown; exiting without waiting for it")
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

@@ -4,6 +4,9 @@ Why not a ``ThreadPoolExecutor``: its threads are joined at interpreter exit, so
 minutes would keep a stopped server alive (issue 12: SIGINT no longer stopped it). This worker's thread is a daemon
 and :meth:`FifoWorker.stop` never waits longer than its bound: queued work is cancelled, a running engine call is
 abandoned (the process is about to exit), and the caller learns whether it was.
+
+``epoch`` counts the barrier operations submitted so far (everything but the ``/infer/`` scheduler's ticks): the
+scheduler (``batching.py``) merges only jobs that no weight update separates.
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ class FifoWorker:
 
     def __init__(self, name: str = "coordexp-engine"):
         self._queue: "queue.SimpleQueue[tuple[Future, Callable[[], Any]] | None]" = queue.SimpleQueue()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._stopped = False
+        self.epoch = 0  # barrier operations submitted so far
         self._busy = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
@@ -39,11 +43,19 @@ class FifoWorker:
         """Whether a callable is running right now."""
         return self._busy.is_set()
 
-    def submit(self, fn: Callable[[], Any]) -> "Future[Any]":
+    @property
+    def lock(self) -> threading.RLock:
+        """Held while submitting: a caller that reads :attr:`epoch` under it submits in a consistent order."""
+        return self._lock
+
+    def submit(self, fn: Callable[[], Any], *, barrier: bool = True) -> "Future[Any]":
+        """Queue ``fn``; ``barrier`` (the default): it separates the ``/infer/`` jobs queued before it from those
+        queued after it (weight updates, cache resets)."""
         future: Future = Future()
         with self._lock:
             if self._stopped:
                 raise WorkerStopped("the server is shutting down and takes no more work")
+            self.epoch += barrier
             self._queue.put((future, fn))
         return future
 
