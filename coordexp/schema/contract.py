@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel
+from pydantic import BaseModel, SecretStr
 
 from coordexp.schema.custom import ObjectFieldOrder, TrainerVariant
 from coordexp.schema.data import DataConfig
@@ -108,6 +108,7 @@ class VllmServerContract:
     timeout_s: float
     infer_timeout_s: Optional[float]  # None: no /infer/ timeout (null or <= 0 in the YAML)
     sync: WeightSyncContract
+    sync_token: Optional[SecretStr] = None  # masked in repr and to_dict; None: COORDEXP_SYNC_TOKEN, if set
     kind: Literal["vllm_server"] = field(default="vllm_server", init=False)
 
 
@@ -209,6 +210,8 @@ def _plain(value: Any) -> Any:
         return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
     if isinstance(value, BaseModel):
         return value.model_dump(mode="json")
+    if isinstance(value, SecretStr):
+        return str(value)  # "**********": a secret is never printed
     if isinstance(value, (tuple, list)):
         return [_plain(v) for v in value]
     return value
@@ -257,6 +260,7 @@ def _backend_contract(cfg: CoordExpConfig, engine: VllmEngineContract) -> Backen
         timeout_s=server.timeout_s,
         infer_timeout_s=infer_timeout if infer_timeout is not None and infer_timeout > 0 else None,
         sync=sync,
+        sync_token=server.sync_token,
     )
 
 

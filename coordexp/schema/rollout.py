@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Literal, Optional
 from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from coordexp.schema.base import (
     MAX_BEAMS,
@@ -107,6 +107,18 @@ class VllmServerConfig(StrictModel):
     infer_timeout_s: Optional[float_in(ge=-MAX_SECONDS, le=MAX_SECONDS)] = Field(
         None, description="HTTP timeout for /infer/; null or <= 0 means no timeout (at most a week)."
     )
+    sync_token: Optional[SecretStr] = Field(
+        None, description="The servers' weight-sync token (their --sync-token), sent as a Bearer header; never "
+        "printed. null: the COORDEXP_SYNC_TOKEN environment variable, if set.")
+
+    @field_validator("sync_token")
+    @classmethod
+    def _token_shape(cls, value: Optional[SecretStr]) -> Optional[SecretStr]:
+        token = value.get_secret_value() if value is not None else None
+        if token is not None and (len(token) < 8 or any(ord(c) < 33 or ord(c) > 126 for c in token)):
+            raise ValueError("sync_token must be at least 8 printable ASCII characters without spaces, the same "
+                             "value as the servers' --sync-token (the value is not shown)")
+        return value
 
     @model_validator(mode="after")
     def _distinct_servers(self) -> "VllmServerConfig":
@@ -223,13 +235,16 @@ class OffloadConfig(StrictModel):
 
 
 class OverlapConfig(StrictModel):
-    """Actor-learner overlap (issue 14): the next micro-step's rollouts are generated while this one trains, so a
-    sample may come from a policy up to ``staleness`` optimizer steps old. Off by default (on-policy, docs/design.md, seeds)."""
+    """Actor-learner overlap: the next micro-step's rollouts are generated while this one trains, so a sample may
+    come from a policy one optimizer step old. Off by default (on-policy). ``staleness`` bounds the age of every
+    trained sample, overlap on or off: carried packing segments older than it are dropped (docs/design.md,
+    decision 14)."""
 
     enabled: bool = Field(False, description="Generate the next micro-step's rollouts while this one trains.")
-    staleness: int_in(1, 1) = Field(
-        1, description="Max optimizer steps between the policy that generated a sample and the one trained on it "
-        "(the pipeline runs one micro-step ahead, so 1 is the only value).",
+    staleness: int_in(1, 16) = Field(
+        1, description="Max optimizer steps between the policy that generated a sample and the one trained on it; "
+        "carried segments older than this are dropped (rollout/stale_dropped). The pipeline runs at most one "
+        "micro-step ahead, so fresh samples are never older than 1.",
     )
 
 

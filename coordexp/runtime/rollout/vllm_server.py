@@ -10,17 +10,23 @@
   request order. ``N = 0`` sends nothing. A call's
   ``request_config.seed`` is the seed of its first request (the server gives request ``j`` ``seed + j``); the
   trainer's seeds are a pure function of (training seed, global step, micro-step, request index), never 0.
-  A failed call is retried once, then raises :class:`RolloutServerError` naming the server and the rollout step.
+  The client retries a lost connection or HTTP 502/503/504 with backoff (a seeded ``/infer/`` is idempotent); any
+  other failure raises :class:`RolloutServerError` naming the server and the rollout step.
+  :meth:`VllmServerBackend.generate_with_metadata` returns each call's metadata WITH its outputs (a background
+  rollout can never mix up another call's).
 - ``sync_weights``: pushes only when the parameters changed since the last push (optimizer steps bump tensor
   versions, so gradient-accumulation micro-steps push nothing). Under ``torch.distributed`` every rank runs
   ``barrier -> rank0 push -> broadcast(outcome) -> barrier`` and, if rank 0 failed, every rank raises the SAME error.
-  Adapter sync that fails falls back to full with one warning and stays full (``sync.fallback_to_full``).
+  Rank 0 pushes to all servers at once (:mod:`~coordexp.runtime.rollout.server_push`: one export of the policy,
+  each failed server named by URL). Adapter sync that fails falls back to full with one warning and stays full
+  (``sync.fallback_to_full``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -33,8 +39,9 @@ from coordexp.runtime.model.encoding import build_messages
 from coordexp.runtime.rollout.client import RolloutServerClient, ServerError, is_not_found
 from coordexp.runtime.rollout.protocol import ProtocolError, item_to_rollout_output, parse_infer_response
 from coordexp.runtime.rollout.repeat_guard_check import check_repeat_guards
+from coordexp.runtime.rollout.server_push import SharedExport, push_in_parallel
 from coordexp.runtime.rollout.weight_export import adapter_state, named_tensors, policy_version
-from coordexp.runtime.rollout.weight_sync import WeightSyncError
+from coordexp.runtime.rollout.weight_sync import DEFAULT_BUCKET_MB, WeightSyncError
 from coordexp.schema.contract import VllmServerContract
 from coordexp.schema.rollout import DecodingConfig, RepeatTerminateConfig
 from coordexp.schema.template import TemplateConfig
@@ -53,7 +60,8 @@ _RANK0_HINT = ("rank 0's log has the full error; fix its cause (a dead server: r
 
 
 class RolloutServerError(ExternalSystemError, RuntimeError):
-    """A rollout server call failed twice (or its reply is unusable); the message names the server and the step."""
+    """A rollout server call failed (after the client's retries) or its reply is unusable; the message names the
+    server and the step."""
 
 
 def learner_topology() -> tuple[int, int]:
@@ -137,6 +145,8 @@ class VllmServerBackend(RolloutBackend):
         self._pushed_version: tuple | None = None
         self._closed = False
         self.last_calls: list[dict[str, Any]] = []
+        self._state_lock = threading.Lock()  # rollout_step and last_calls: a background rollout updates them
+        self._fallback_lock = threading.Lock()
         rank, world = self._topology()
         self._check_health()
         self.world_sizes = [c.world_size() for c in self.clients]
@@ -158,9 +168,7 @@ class VllmServerBackend(RolloutBackend):
             raise TypeError(f"VllmServerBackend needs a vllm_server backend contract, got {choice.kind}")
         _, world = learner_topology()
         rollout.require_full_sync_for(world)
-        clients = [RolloutServerClient(s.base_url, group_port=s.group_port, timeout_s=choice.timeout_s,
-                                       infer_timeout_s=choice.infer_timeout_s) for s in choice.servers]
-        return cls(clients, decode_batch_size=rollout.decode_batch_size, max_new_tokens=rollout.max_new_tokens,
+        return cls(clients_for(choice), decode_batch_size=rollout.decode_batch_size, max_new_tokens=rollout.max_new_tokens,
                    decoding=rollout.decoding, template=run.template, sync_mode=choice.sync.mode,
                    fallback_to_full=choice.sync.fallback_to_full, timeout_s=choice.timeout_s,
                    repeat_terminate=rollout.repeat_terminate)
@@ -190,54 +198,66 @@ class VllmServerBackend(RolloutBackend):
 
     # -- generation -------------------------------------------------------------------------------------------
     def generate(self, requests: Sequence[RolloutRequest]) -> list[RolloutOutput]:
+        return self.generate_with_metadata(requests)[0]
+
+    def generate_with_metadata(self, requests: Sequence[RolloutRequest]
+                               ) -> tuple[list[RolloutOutput], dict[str, Any]]:
+        """The outputs, in request order, and THIS call's metadata (:meth:`run_metadata`'s shape, its ``calls``
+        and ``rollout_step`` this call's own), safe to use while another thread rolls out."""
         if self._closed:
             raise RuntimeError("the vllm_server backend is closed")
-        self.rollout_step += 1
+        with self._state_lock:
+            self.rollout_step += 1
+            step = self.rollout_step
         if not requests:
-            return []
+            return [], self._metadata(step, [])
         seeds = [int(r.seed) for r in requests]
         bodies = [infer_request_for(r, self.template) for r in requests]
         calls: list[tuple[int, int, int]] = []  # (server, start, stop)
         outputs: list[RolloutOutput | None] = [None] * len(requests)
         for round_slices in plan_rounds(len(requests), self.chunk, self.allotment):
             calls_in_round = [(s.server, a, b) for s in round_slices for a, b in consecutive_seed_runs(seeds, s.start, s.stop)]
-            futures = [self._pool.submit(self._infer_slice, server, bodies[a:b], seeds[a]) for server, a, b in calls_in_round]
+            futures = [self._pool.submit(self._infer_slice, server, bodies[a:b], seeds[a], step)
+                       for server, a, b in calls_in_round]
             for (server, a, b), future in zip(calls_in_round, futures):
                 outputs[a:b] = future.result()
             calls += calls_in_round
-        self.last_calls = [{"server": self.clients[s].base_url, "start": a, "stop": b, "seed": seeds[a]}
-                           for s, a, b in calls]
+        made = [{"server": self.clients[s].base_url, "start": a, "stop": b, "seed": seeds[a]} for s, a, b in calls]
+        with self._state_lock:
+            self.last_calls = made
         logger.info("rollout step %d: %d request(s) over %s; calls (server, start, stop, seed): %s; sync mode %s%s",
-                    self.rollout_step, len(requests), self.server_list(),
+                    step, len(requests), self.server_list(),
                     [(self.clients[s].base_url, a, b, seeds[a]) for s, a, b in calls], self.sync_mode,
                     f"; fallbacks: {self.fallback_events}" if self.fallback_events else "")
-        return [o for o in outputs if o is not None]
+        return [o for o in outputs if o is not None], self._metadata(step, made)
 
     def run_metadata(self) -> dict[str, Any]:
         """Servers (URL, group port, world size, this rank's slots), effective sync mode, fallback events, the
-        repeat-guard check and the last rollout's calls (server, request range, ``RequestConfig.seed``)."""
+        repeat-guard check and the last rollout's calls (server, request range, ``RequestConfig.seed``); a caller
+        that rolls out on another thread should take :meth:`generate_with_metadata`'s instead."""
+        with self._state_lock:
+            return self._metadata(self.rollout_step, self.last_calls)
+
+    def _metadata(self, step: int, calls: list[dict[str, Any]]) -> dict[str, Any]:
         return {
             "servers": [{"base_url": c.base_url, "group_port": c.group_port, "world_size": w, "rank_slots": a}
                         for c, w, a in zip(self.clients, self.world_sizes, self.allotment)],
             "learner_rank": self.rank, "learner_world_size": self.learner_world_size, "per_rank_chunk": self.chunk,
             "sync_mode": self.sync_mode, "fallback_events": list(self.fallback_events),
-            "repeat_guard": self.repeat_guard, "rollout_step": self.rollout_step, "calls": list(self.last_calls),
+            "repeat_guard": self.repeat_guard, "rollout_step": step, "calls": list(calls),
         }
 
-    def _infer_slice(self, server: int, bodies: list[dict], seed: int) -> list[RolloutOutput]:
+    def _infer_slice(self, server: int, bodies: list[dict], seed: int, step: int) -> list[RolloutOutput]:
         client = self.clients[server]
         config = request_config_for(self.decoding, self.max_new_tokens, seed)
-        failure: Exception | None = None
-        for _attempt in range(2):  # one retry
-            try:
-                items = parse_infer_response(client.infer(bodies, config), expected=len(bodies))
-                return [item_to_rollout_output(item) for item in items]
-            except (ServerError, ProtocolError) as exc:
-                failure = exc
-        raise RolloutServerError(
-            f"rollout step {self.rollout_step}: server {client.base_url} failed twice on /infer/ for {len(bodies)} "
-            f"request(s) (seed {seed}){self._at_step()}: {failure}. Check that server's log; if it died, restart it "
-            "(coordexp serve-rollout / swift rollout) and resume from the last checkpoint") from failure
+        try:  # the client already retried what can be retried (a lost connection, 502/503/504)
+            items = parse_infer_response(client.infer(bodies, config), expected=len(bodies))
+            return [item_to_rollout_output(item) for item in items]
+        except (ServerError, ProtocolError) as exc:
+            raise RolloutServerError(
+                f"rollout step {step}: server {client.base_url} failed on /infer/ for {len(bodies)} request(s) "
+                f"(seed {seed}){self._at_step()}: {exc}. Check that server's log; if it died, restart it "
+                "(coordexp serve-rollout / swift rollout) and resume from the last checkpoint") from exc
 
     # -- weight sync ------------------------------------------------------------------------------------------
     def sync_weights(self, model: Any) -> None:
@@ -264,16 +284,47 @@ class VllmServerBackend(RolloutBackend):
         version = policy_version(model)
         if version == self._pushed_version:
             return
-        for client in self.clients:
-            self._push(client, model)
-        self._pushed_version = version
-
-    def _push(self, client: RolloutServerClient, model: Any) -> None:
         if self._pusher is None:
             self._pusher = ServerWeightChannel(timeout_s=self.timeout_s)
-        if self.sync_mode == "adapter":
+        push_in_parallel(self.clients, lambda wave: self._wave_tasks(wave, model))
+        self._pushed_version = version
+
+    def _wave_tasks(self, wave: Sequence[RolloutServerClient], model: Any) -> list[Callable[[], None]]:
+        """One push per server of ``wave``; a channel with ``export``/``push`` exports the policy once for all."""
+        pusher = self._pusher
+        if not (hasattr(pusher, "export") and hasattr(pusher, "push")):
+            return [lambda c=client: self._push(c, model) for client in wave]
+        mode = self.sync_mode
+        if mode == "adapter":
             try:
-                self._pusher(client, model, "adapter")
+                state = pusher.export(model, "adapter")
+            except Exception as exc:  # noqa: BLE001 - no adapter to send: every server takes the fallback
+                return [lambda c=client, e=exc: self._push(c, model, adapter_error=e) for client in wave]
+            return [lambda c=client: self._push(c, model, adapter=state) for client in wave]
+        window = int(2 * (getattr(pusher, "bucket_mb", None) or DEFAULT_BUCKET_MB) * 1024 * 1024)
+        shared = SharedExport(pusher.export(model, "full"), len(wave), window_bytes=window)
+
+        def push_full(k: int, client: RolloutServerClient) -> None:
+            try:
+                pusher.push(client, shared.reader(k), "full")
+            finally:
+                shared.release(k)
+
+        return [lambda k=k, c=client: push_full(k, c) for k, client in enumerate(wave)]
+
+    def _push(self, client: RolloutServerClient, model: Any, *, adapter: Any = None,
+              adapter_error: Exception | None = None) -> None:
+        """One server's push in the current mode; an adapter failure falls back to full (fresh export) or raises."""
+        pusher = self._pusher
+        exported = hasattr(pusher, "export") and hasattr(pusher, "push")
+        if self.sync_mode == "adapter" or adapter is not None or adapter_error is not None:
+            try:
+                if adapter_error is not None:
+                    raise adapter_error
+                if exported:
+                    pusher.push(client, adapter, "adapter")
+                else:
+                    pusher(client, model, "adapter")
                 return
             except Exception as exc:  # noqa: BLE001 - any adapter failure is the fallback's trigger
                 if not self.fallback_to_full:
@@ -284,10 +335,11 @@ class VllmServerBackend(RolloutBackend):
                 event = (f"rollout step {self.rollout_step}: adapter sync to {client.base_url} failed "
                          f"({type(exc).__name__}: {exc}); falling back to full merged-weight sync for the rest of "
                          "the run")
-                self.fallback_events.append(event)
-                self.sync_mode = "full"
+                with self._fallback_lock:
+                    self.fallback_events.append(event)
+                    self.sync_mode = "full"
                 logger.warning(event)
-        self._pusher(client, model, "full")
+        pusher(client, model, "full")
 
     def close(self) -> None:
         if self._closed:
@@ -297,6 +349,17 @@ class VllmServerBackend(RolloutBackend):
         if callable(closer):
             closer()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        for client in self.clients:
+            closer = getattr(client, "close", None)  # pooled connections; a stand-in client may have none
+            if callable(closer):
+                closer()
+
+
+def clients_for(choice: VllmServerContract) -> list[RolloutServerClient]:
+    """One client per configured server with the contract's timeouts and weight-sync token."""
+    return [RolloutServerClient(s.base_url, group_port=s.group_port, timeout_s=choice.timeout_s,
+                                infer_timeout_s=choice.infer_timeout_s, sync_token=choice.sync_token)
+            for s in choice.servers]
 
 
 class ServerWeightChannel:
@@ -356,9 +419,10 @@ class ServerWeightChannel:
             from coordexp.runtime.rollout.weight_sync import WeightSyncSender
 
             sender = WeightSyncSender(timeout_s=self.timeout_s, backend=self.backend)
-            client.request("POST", "init_communicator",
-                           {"host": host, "port": port, "world_size": world_size, "client_device_uuid": None,
-                            "backend": sender.backend, "timeout_s": self.timeout_s}, timeout=self.timeout_s)
+            sender.use_init_reply(client.request(  # the reply's rendezvous_key: only this learner may join
+                "POST", "init_communicator", {"host": host, "port": port, "world_size": world_size,
+                                              "client_device_uuid": None, "backend": sender.backend,
+                                              "timeout_s": self.timeout_s}, timeout=self.timeout_s))
         sender.init(host, port, world_size)
         self._senders[client.base_url] = sender
         return sender
@@ -385,20 +449,29 @@ class ServerWeightChannel:
                        timeout=self.timeout_s)
         return sender
 
+    def export(self, model: Any, mode: str) -> Any:
+        """What one push sends, made once for all servers: the :class:`AdapterState` (``adapter``), or the
+        one-pass stream of merged named tensors (``full``)."""
+        return adapter_state(model) if mode == "adapter" else named_tensors(model)
+
     def __call__(self, client: RolloutServerClient, model: Any, mode: str) -> None:
+        self.push(client, self.export(model, mode), mode)
+
+    def push(self, client: RolloutServerClient, exported: Any, mode: str) -> None:
+        """Send ``exported`` (from :meth:`export`) to one server; the transports only read it."""
         sender = self._sender(client)
         swift = getattr(sender, "wire", "coordexp") == "swift"
         if mode == "adapter" and swift and not client.engine_type().get("enable_lora", False):
             raise WeightSyncError(f"rollout server {client.base_url} (swift rollout) has LoRA disabled "
                                   "(enable_lora: false); start it with --vllm_enable_lora true, or sync full weights")
         if mode == "adapter":
-            adapter = adapter_state(model)
+            adapter = exported
             lora_id = _fresh_lora_id() if swift else ADAPTER_LORA_ID  # swift's vLLM keeps an id's first load
             report = sender.send_adapter(adapter.tensors, announce=lambda m: client.update_adapter_flattened_param(
                 lora_id, adapter.config, [x.model_dump(mode="json") for x in m]))
         else:
             options = {} if self.bucket_mb is None else {"bucket_mb": self.bucket_mb}
-            report = sender.send_full(named_tensors(model), announce=lambda m: client.update_flattened_params(
+            report = sender.send_full(exported, announce=lambda m: client.update_flattened_params(
                 [x.model_dump(mode="json") for x in m]), **options)
         self.reports.append(report)
         client.reset_prefix_cache()
