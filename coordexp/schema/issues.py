@@ -75,6 +75,9 @@ def _allowed_keys(root: type, loc: tuple) -> Optional[list[str]]:
     return sorted(current.model_fields) if isinstance(current, type) else None
 
 
+SECRET_KEYS = frozenset({"sync_token"})  # config keys whose value an error message must not repeat
+
+
 def _describe(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -93,7 +96,7 @@ def _hint_for(err: dict, allowed: Optional[list[str]], key: str) -> tuple[str, s
     if kind == "missing":
         return "required key is missing", f"Add `{key}: ...` (see `coordexp schema` for its type)."
     msg = err["msg"]
-    got = f" (got {_describe(value)})"
+    got = f" (got {_describe(value)})" if key not in SECRET_KEYS else ""  # a secret is never echoed
     if kind in {"int_type", "float_type", "bool_type", "string_type"} and isinstance(value, str):
         if kind == "bool_type":
             return msg + got, "Write true or false without quotes (yes/no/on/off are strings)."
