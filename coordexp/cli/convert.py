@@ -1,17 +1,23 @@
 """``coordexp convert``: COCO / LVIS / ODVG annotations -> coordexp JSONL, and ``coordexp eval`` predictions -> a
 COCO results file with the original image and category ids. Bad input exits 2 listing ``file: record: problem``
-lines; the output file is written only when the whole conversion succeeded (temp file + rename)."""
+lines; the output file is written only when the whole conversion succeeded (temp file + rename).
+
+File safety (:mod:`coordexp.cli.file_guard`): sources must be regular files (a FIFO or ``/dev/zero`` is refused,
+reads are capped); ``-o`` may not be an input (also through a symlink or hard link), a device, FIFO, directory or
+read-only file. Every record ``to-jsonl`` writes passes the checks ``train`` applies to data records
+(``coordexp.runtime.model.data.parse_record``), so what ``convert`` accepts, ``train`` loads."""
 
 from __future__ import annotations
 
 import json
-import os
+import re
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
 
+from coordexp.cli.file_guard import check_output_file, read_source_text, write_atomic
 from coordexp.cli.frame import EXIT_OK, guarded, out, safe
 from coordexp.errors import UserInputError
 
@@ -23,28 +29,60 @@ convert_app = typer.Typer(
 )
 
 
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserInputError(f"{path}: cannot read ({exc})") from None
+_LABEL_KEY = re.compile(r"-?[0-9]{1,20}")  # ASCII digits only: "²".isdigit() is true and int("²") raises
 
 
-def _read_json(path: Path) -> Any:
+def _read_json(path: Path, what: str) -> Any:
+    from coordexp.runtime.core.coco import load_json
+
     try:
-        return json.loads(_read_text(path))
+        return load_json(read_source_text(path, what))
     except ValueError as exc:
-        raise UserInputError(f"{path}: not valid JSON ({exc})") from None
+        raise UserInputError(f"{path}: not valid JSON ({str(exc)[:200]})") from None
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+def _jsonl_lines(path: Path, what: str) -> list[str]:
+    """The lines of a JSONL file split on ``\n`` only, as ``train`` reads them (U+2028 inside a string is text)."""
+    return [line.rstrip("\r") for line in read_source_text(path, what).split("\n")]
+
+
+def _label_map(path: Path) -> dict[Any, str]:
+    """``--label-map``: a JSON object {label: name}; integer-looking keys become ints (ODVG labels are ints)."""
+    raw = _read_json(path, "--label-map")
+    if not isinstance(raw, dict):
+        raise UserInputError(f"{path}: top level: expected a JSON object {{label: name}}")
+    problems = [f"{path}: key {ascii(k)[:60]}: expected a non-empty category name, got {type(v).__name__}"
+                for k, v in raw.items() if not isinstance(v, str) or not v.strip()]
+    if problems:
+        from coordexp.runtime.core.coco import ConversionError
+
+        raise ConversionError(problems[:10], len(problems), hint="fix the label map; nothing was written")
+    return {int(k) if _LABEL_KEY.fullmatch(k) else k: v for k, v in raw.items()}
+
+
+def _check_records(records: list[dict[str, Any]], origins: list[str], source: Path) -> str:
+    """Every record as ``train`` would read it (``parse_record`` without opening images), then the JSONL text; a
+    record ``train`` would refuse is a ``file: record: problem`` line here instead of a file that fails later."""
+    from coordexp.runtime.core.coco import MAX_REPORTED_PROBLEMS, ConversionError
+    from coordexp.runtime.model.data import DatasetError, parse_record
+
+    if not records:
+        raise UserInputError(f"{source}: holds no image to convert (train refuses an empty file)",
+                             hint="check that this is the dataset you meant; nothing was written")
+    problems: list[str] = []
+    total = 0
+    for index, record in enumerate(records):
+        where = origins[index] if index < len(origins) else f"record {index}"
+        try:
+            parse_record(record, image_root=Path("."), source=f"{source}: {where}", check_files=False)
+        except DatasetError as exc:
+            total += 1
+            if len(problems) < MAX_REPORTED_PROBLEMS:
+                problems.extend(exc.problems)
+    if total:
+        raise ConversionError(problems, total, hint="train would refuse these records; fix the source (nothing "
+                                                    "was written)")
+    return "".join(json.dumps(r, separators=(", ", ": ")) + "\n" for r in records)
 
 
 def _report(as_json: bool, payload: dict[str, Any], lines: list[str]) -> None:
@@ -81,19 +119,16 @@ def to_jsonl(
     if geometry not in ("poly", "bbox"):
         raise UserInputError(f"--geometry must be poly or bbox, got {geometry!r}")
     kind = ("odvg" if source.suffix == ".jsonl" else "coco") if fmt == "auto" else fmt
+    target = check_output_file(output, [source, label_map] if label_map is not None else [source])
     if kind == "odvg":
-        labels = None
-        if label_map is not None:
-            raw = _read_json(label_map)
-            if not isinstance(raw, dict):
-                raise UserInputError(f"{label_map}: expected a JSON object {{label: name}}")
-            labels = {int(k) if str(k).lstrip("-").isdigit() else k: v for k, v in raw.items()}
-        converted = odvg_to_records(_read_text(source).splitlines(), source=str(source), image_prefix=image_prefix,
+        labels = _label_map(label_map) if label_map is not None else None
+        converted = odvg_to_records(_jsonl_lines(source, "source"), source=str(source), image_prefix=image_prefix,
                                     label_map=labels)
     else:
-        converted = coco_to_records(_read_json(source), source=str(source), image_prefix=image_prefix,
+        converted = coco_to_records(_read_json(source, "source"), source=str(source), image_prefix=image_prefix,
                                     geometry=geometry)  # type: ignore[arg-type]
-    _write_atomic(output, "".join(json.dumps(r, separators=(", ", ": ")) + "\n" for r in converted.records))
+    text = _check_records(converted.records, converted.origins, source)
+    write_atomic(target, text.encode("utf-8"))
     skipped = ", ".join(f"{n} {why}" for why, n in sorted(converted.skipped.items())) or "none"
     as_box = ", ".join(f"{n} {why}" for why, n in sorted(converted.as_box.items())) or "none"
     _report(as_json, {"output": str(output), "images": len(converted.records), "objects": converted.n_objects,
@@ -120,12 +155,13 @@ def to_results(
     (images matched by file name, descs by category name; unknown descs are left out and counted)."""
     from coordexp.runtime.core.coco import predictions_to_coco_results
 
-    document = _read_json(gt)
+    target = check_output_file(output, [predictions, gt])
+    document = _read_json(gt, "--gt")
     if not isinstance(document, dict):
-        raise UserInputError(f"{gt}: expected a COCO instances object")
-    results, left_out = predictions_to_coco_results(_read_text(predictions).splitlines(), document,
+        raise UserInputError(f"{gt}: top level: expected a COCO instances object")
+    results, left_out = predictions_to_coco_results(_jsonl_lines(predictions, "predictions"), document,
                                                     source=str(predictions), gt_source=str(gt))
-    _write_atomic(output, json.dumps(results) + "\n")
+    write_atomic(target, (json.dumps(results, allow_nan=False) + "\n").encode("utf-8"))
     lines = [f"[green]✓[/green] {safe(output)}: {len(results)} detections"]
     if left_out:
         lines.append(f"  left out: {sum(left_out.values())} predictions whose desc is no category of {safe(gt)}")

@@ -9,6 +9,9 @@ Readers: COCO instances JSON (LVIS too: same layout, ``coco_url`` when there is 
 single-part polygon segmentation becomes ``poly``; anything else with a box becomes ``bbox_2d``; crowd and RLE
 annotations are skipped and counted. Bad input (missing image size, a box outside the image, an unknown category,
 ...) raises :class:`ConversionError` listing ``file: record: problem`` lines (exit 2); nothing is half-converted.
+Hostile input is a problem of its record too: integer literals over :data:`MAX_NUMBER_DIGITS` digits are never
+converted, numbers beyond :data:`MAX_ABS_VALUE` are refused, ids and labels must be integers (or strings), and
+JSON nested deeper than the reader recurses is a problem of its file or line.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ __all__ = [
     "object_pixel_area",
     "coco_to_records",
     "odvg_to_records",
+    "load_json",
+    "predictions_to_coco_results",
     "build_coco_gt",
     "coco_results",
 ]
@@ -46,6 +51,8 @@ __all__ = [
 # COCO boxes are floats written by many tools; a coordinate this far past the image border is rounding, not an error.
 BOX_TOLERANCE_PX = 1.0
 MAX_REPORTED_PROBLEMS = 10
+MAX_NUMBER_DIGITS = 20  # longer integer literals are no id, size or coordinate: refused before int()
+MAX_ABS_VALUE = 2.0**53  # pixel values, sizes and scores beyond this are no image's (and float sums lose exactness)
 Geometry = Literal["poly", "bbox"]
 
 
@@ -98,6 +105,7 @@ class ConvertedDataset:
     categories: list[str]
     skipped: Counter = field(default_factory=Counter)  # reason -> annotations not converted
     as_box: Counter = field(default_factory=Counter)  # reason -> polygons written as their box
+    origins: list[str] = field(default_factory=list)  # per record: where it came from ("images[3] (id 7)", "line 2")
 
     @property
     def n_objects(self) -> int:
@@ -156,19 +164,59 @@ class _Problems:
             raise ConversionError(self.lines, self.total, hint="fix the listed records; nothing was written")
 
 
+class _LongNumber:
+    """An integer literal of more than :data:`MAX_NUMBER_DIGITS` digits, kept unconverted (int() of thousands of
+    digits raises or is slow; float() of 309 overflows): no check accepts it, messages show its length."""
+
+    def __init__(self, text: str):
+        self.digits = len(text.lstrip("-"))
+
+    def __repr__(self) -> str:
+        return f"<a {self.digits}-digit number>"
+
+
+def _parse_int(text: str) -> int | _LongNumber:
+    return _LongNumber(text) if len(text) > MAX_NUMBER_DIGITS + 1 else int(text)
+
+
+def load_json(text: str) -> Any:
+    """``json.loads`` for untrusted text: long integer literals stay :class:`_LongNumber`; a document nested
+    deeper than the reader recurses raises ``ValueError`` like any other bad JSON."""
+    try:
+        return json.loads(text, parse_int=_parse_int)
+    except RecursionError:
+        raise ValueError("nested too deeply to read") from None
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters (a message quotes user input, never all of it)."""
+    try:
+        text = repr(value)
+    except (RecursionError, ValueError):
+        text = f"<a {type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _json_lines(lines: Iterable[str], problems: "_Problems") -> Iterator[tuple[str, Any]]:
     """``("line N", value)`` for each non-blank JSONL line; a line that is not JSON is recorded as a problem."""
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
-            yield f"line {number}", json.loads(line)
+            yield f"line {number}", load_json(line)
         except ValueError as exc:
-            problems.add(f"line {number}", f"not valid JSON ({exc})")
+            problems.add(f"line {number}", f"not valid JSON ({str(exc)[:120]})")
 
 
 def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite int or float no larger than :data:`MAX_ABS_VALUE` (bools, long literals, inf and nan are not)."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and abs(value) <= MAX_ABS_VALUE)
+
+
+def _int_id(value: Any) -> bool:
+    """An id: an int that is not a bool (so lists, dicts, floats, strings and long literals are refused)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _size(raw: Mapping[str, Any], key: str) -> int | None:
@@ -227,19 +275,21 @@ def coco_to_records(
     names: dict[int, str] = {}
     for i, cat in enumerate(categories_raw):
         cid, name = (cat.get("id"), cat.get("name")) if isinstance(cat, Mapping) else (None, None)
-        if isinstance(cid, bool) or not isinstance(cid, int) or not isinstance(name, str) or not name.strip():
+        if not _int_id(cid) or not isinstance(name, str) or not name.strip():
             problems.add(f"categories[{i}]", "expected {\"id\": int, \"name\": non-empty string}")
         elif cid in names:
             problems.add(f"categories[{i}]", f"duplicate category id {cid}")
         else:
             names[cid] = name.strip()
     images: dict[int, dict[str, Any]] = {}
+    index: dict[int, int] = {}  # image id -> its position in "images" (where a record came from)
     broken_images: set[int] = set()  # listed already: their annotations add no second problem
     for i, img in enumerate(document["images"]):
         iid = img.get("id") if isinstance(img, Mapping) else None
         where = f"images[{i}] (id {iid})"
-        if isinstance(iid, bool) or not isinstance(iid, int):
-            problems.add(f"images[{i}]", "expected an integer \"id\"")
+        if not _int_id(iid):
+            problems.add(f"images[{i}]", "expected an object with an integer \"id\"" if isinstance(img, Mapping)
+                         else f"expected an image object, got {_short(img)}")
             continue
         if iid in images or iid in broken_images:
             problems.add(where, "duplicate image id")
@@ -247,13 +297,15 @@ def coco_to_records(
         width, height, name = _size(img, "width"), _size(img, "height"), _image_name(img)
         broken_images.add(iid)
         if width is None or height is None:
-            problems.add(where, f"missing image size: width={img.get('width')!r}, height={img.get('height')!r} "
-                                "(positive integer pixels are needed to turn pixels into norm1000 bins)")
+            problems.add(where, f"missing image size: width={_short(img.get('width'))}, "
+                                f"height={_short(img.get('height'))} (positive integer pixels are needed to turn "
+                                "pixels into norm1000 bins)")
             continue
         if name is None:
             problems.add(where, "no \"file_name\" (or LVIS \"coco_url\")")
             continue
         broken_images.discard(iid)
+        index[iid] = i
         images[iid] = {"images": [image_prefix + name], "width": width, "height": height, "objects": [],
                        "coco_image_id": iid}
     result = ConvertedDataset(records=[], categories=[names[k] for k in sorted(names)])
@@ -261,15 +313,15 @@ def coco_to_records(
         if not isinstance(ann, Mapping):
             problems.add(f"annotations[{i}]", "expected an object")
             continue
-        where = f"annotations[{i}] (id {ann.get('id')})"
-        image_id = ann.get("image_id")
-        record = images.get(image_id) if isinstance(image_id, int) else None
+        where = f"annotations[{i}] (id {_short(ann.get('id'), 30)})"
+        image_id, category_id = ann.get("image_id"), ann.get("category_id")
+        record = images.get(image_id) if _int_id(image_id) else None
         if record is None:
-            if image_id not in broken_images:
-                problems.add(where, f"image_id {image_id!r} is not in \"images\"")
+            if not (_int_id(image_id) and image_id in broken_images):
+                problems.add(where, f"image_id {_short(image_id)} is not in \"images\"")
             continue
-        if ann.get("category_id") not in names:
-            problems.add(where, f"unknown category_id {ann.get('category_id')!r} (not in \"categories\")")
+        if not _int_id(category_id) or category_id not in names:
+            problems.add(where, f"unknown category_id {_short(category_id)} (not in \"categories\")")
             continue
         segmentation = ann.get("segmentation")
         if ann.get("iscrowd"):
@@ -280,9 +332,10 @@ def coco_to_records(
             continue
         obj = _coco_object(ann, segmentation, record["width"], record["height"], geometry, result, problems, where)
         if obj is not None:
-            record["objects"].append({"desc": names[ann["category_id"]], **obj})
+            record["objects"].append({"desc": names[category_id], **obj})
     problems.raise_if_any()
     result.records = list(images.values())
+    result.origins = [f"images[{index[iid]}] (id {iid})" for iid in images]
     return result
 
 
@@ -302,7 +355,7 @@ def _coco_object(ann: Mapping[str, Any], segmentation: Any, width: int, height: 
         else:
             result.as_box["multipart_polygon"] += 1
     if not (isinstance(bbox, list) and len(bbox) == 4 and all(_number(v) for v in bbox)):
-        problems.add(where, f"expected \"bbox\": [x, y, w, h] in pixels, got {bbox!r}")
+        problems.add(where, f"expected \"bbox\": [x, y, w, h] in pixels, got {_short(bbox)}")
         return None
     x, y, w, h = bbox
     box, why = _box_bins(x, y, x + w, y + h, width, height)
@@ -326,7 +379,8 @@ def odvg_to_records(
             continue
         width, height, name = _size(raw, "width"), _size(raw, "height"), raw.get("filename")
         if width is None or height is None:
-            problems.add(where, f"missing image size: width={raw.get('width')!r}, height={raw.get('height')!r}")
+            problems.add(where, f"missing image size: width={_short(raw.get('width'))}, "
+                                f"height={_short(raw.get('height'))}")
             continue
         if not isinstance(name, str) or not name:
             problems.add(where, "no \"filename\"")
@@ -336,18 +390,28 @@ def odvg_to_records(
             result.skipped["no_detection_block"] += 1
             continue
         record = {"images": [image_prefix + name], "width": width, "height": height, "objects": []}
-        for k, inst in enumerate(detection.get("instances") or []):
+        instances = detection.get("instances")
+        if instances is None:
+            instances = []
+        if not isinstance(instances, list):
+            problems.add(where, f"\"detection.instances\" must be a list, got {_short(instances)}")
+            continue
+        for k, inst in enumerate(instances):
             iwhere = f"{where} instances[{k}]"
-            category = inst.get("category") if isinstance(inst, Mapping) else None
+            if not isinstance(inst, Mapping):
+                problems.add(iwhere, f"expected an object, got {_short(inst)}")
+                continue
+            category, label = inst.get("category"), inst.get("label")
             if not isinstance(category, str) or not category.strip():
-                category = (label_map or {}).get(inst.get("label")) if isinstance(inst, Mapping) else None
+                known = isinstance(label, (int, str)) and not isinstance(label, bool)
+                category = (label_map or {}).get(label) if known else None
             if not isinstance(category, str) or not category.strip():
-                problems.add(iwhere, f"unknown category (no \"category\" and label {inst.get('label')!r} is not in "
-                                     "the label map)" if isinstance(inst, Mapping) else "expected an object")
+                problems.add(iwhere, f"unknown category (no \"category\" and label {_short(label)} is not in the "
+                                     "label map)")
                 continue
             bbox = inst.get("bbox")
             if not (isinstance(bbox, list) and len(bbox) == 4 and all(_number(v) for v in bbox)):
-                problems.add(iwhere, f"expected \"bbox\": [x1, y1, x2, y2] in pixels, got {bbox!r}")
+                problems.add(iwhere, f"expected \"bbox\": [x1, y1, x2, y2] in pixels, got {_short(bbox)}")
                 continue
             box, why = _box_bins(*bbox, width, height)
             if box is None:
@@ -356,6 +420,7 @@ def odvg_to_records(
             seen.setdefault(category.strip(), None)
             record["objects"].append({"desc": category.strip(), "bbox_2d": box})
         result.records.append(record)
+        result.origins.append(where)
     problems.raise_if_any()
     result.categories = list(seen)
     return result
@@ -437,8 +502,37 @@ def _prediction_object(raw: Any) -> tuple[DetObject, float] | str:
         return f"{kind} has {len(coords)} values"
     score = raw.get("score", 1.0)
     if not _number(score):
-        return f"score {score!r} is not a number"
+        return f"score {_short(score)} is not a finite number"
     return DetObject(raw["desc"], kind, tuple(coords)), float(score)
+
+
+def _gt_index(coco_gt: Any, gt_source: str) -> tuple[dict[str, int], dict[int, tuple[int, int]], dict[str, int]]:
+    """File name -> image id, image id -> (width, height), category name -> id of a COCO instances document; a
+    document of the wrong shape, or an image or category without an integer id, is a :class:`ConversionError`."""
+    problems = _Problems(gt_source)
+    if not isinstance(coco_gt, Mapping):
+        raise ConversionError([f"{gt_source}: top level: expected a COCO instances object, got {_short(coco_gt)}"])
+    images, categories = coco_gt.get("images", []), coco_gt.get("categories", [])
+    if not isinstance(images, list) or not isinstance(categories, list):
+        raise ConversionError([f"{gt_source}: top level: expected \"images\" and \"categories\" lists"])
+    by_name: dict[str, int] = {}
+    sizes: dict[int, tuple[int, int]] = {}
+    for i, img in enumerate(images):
+        if not isinstance(img, Mapping) or not _int_id(img.get("id")):
+            problems.add(f"images[{i}]", f"expected an image object with an integer \"id\", got {_short(img)}")
+            continue
+        name, width, height = _image_name(img), _size(img, "width"), _size(img, "height")
+        if name is not None and width and height:
+            by_name[name] = img["id"]
+            sizes[img["id"]] = (width, height)
+    category_ids: dict[str, int] = {}
+    for i, cat in enumerate(categories):
+        if not isinstance(cat, Mapping) or not _int_id(cat.get("id")) or not isinstance(cat.get("name"), str):
+            problems.add(f"categories[{i}]", f"expected {{\"id\": int, \"name\": string}}, got {_short(cat)}")
+            continue
+        category_ids[cat["name"].strip()] = cat["id"]
+    problems.raise_if_any()
+    return by_name, sizes, category_ids
 
 
 def predictions_to_coco_results(
@@ -447,24 +541,25 @@ def predictions_to_coco_results(
     """A predictions JSONL (``coordexp eval`` writes one: ``{"image", "width", "height", "objects": [{"desc",
     geometry, "score"}]}``) -> COCO results with ``coco_gt``'s image and category ids. Images are matched by
     ``file_name`` (the longest path suffix that is one), descs by category name; an unknown desc is counted."""
+    by_name, sizes, category_ids = _gt_index(coco_gt, gt_source)
     problems = _Problems(source)
-    by_name: dict[str, int] = {}
-    sizes: dict[int, tuple[int, int]] = {}
-    for img in coco_gt.get("images", []):
-        name, width, height = _image_name(img), _size(img, "width"), _size(img, "height")
-        if name is not None and isinstance(img.get("id"), int) and width and height:
-            by_name[name] = img["id"]
-            sizes[img["id"]] = (width, height)
-    category_ids = {c["name"].strip(): c["id"] for c in coco_gt.get("categories", [])
-                    if isinstance(c, Mapping) and isinstance(c.get("name"), str)}
     scored: list[ScoredObject] = []
     for where, raw in _json_lines(lines, problems):
-        image = raw.get("image") if isinstance(raw, Mapping) else None
+        if not isinstance(raw, Mapping):
+            problems.add(where, f"expected a JSON object {{\"image\", \"objects\"}}, got {_short(raw)}")
+            continue
+        image = raw.get("image")
         image_id = next((by_name[s] for s in _suffixes(image) if s in by_name), None) if isinstance(image, str) else None
         if image_id is None:
-            problems.add(where, f"image {image!r} matches no file_name of {gt_source}")
+            problems.add(where, f"image {_short(image)} matches no file_name of {gt_source}")
             continue
-        for k, obj in enumerate(raw.get("objects") or []):
+        objects = raw.get("objects")
+        if objects is None:
+            objects = []
+        if not isinstance(objects, list):
+            problems.add(where, f"\"objects\" must be a list, got {_short(objects)}")
+            continue
+        for k, obj in enumerate(objects):
             parsed = _prediction_object(obj)
             if isinstance(parsed, str):
                 problems.add(f"{where} objects[{k}]", parsed)
