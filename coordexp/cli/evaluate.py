@@ -2,24 +2,33 @@
 per-category AP; masks too where polygon ground truth exists) next to the rollout counters.
 
 The work lives in :mod:`coordexp.runtime.train.evaluate`; this module is the command-line glue and the tables.
+Everything that can be checked before the model loads is checked first (exit 2): the checkpoint's files
+(:mod:`coordexp.runtime.model.checkpoint_files`) and the ``--out`` location, so a bad path never costs a rollout and
+no output can overwrite an input (the config, the data files, the checkpoint's files).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import stat
 import sys
+import tempfile
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, Iterable, Optional
 
 import typer
 
+from coordexp.cli.file_guard import check_output_dir, check_output_file, same_file
 from coordexp.cli.frame import EXIT_OK, err, guarded, load_run, out, safe
 from coordexp.errors import UserInputError
 
 __all__ = ["register", "evaluate", "resolve_checkpoint"]
 
 SCORES = ("logprob", "mean_logprob", "constant")
+# What runtime.train.evaluate.write_eval_files writes under --out (PNGs go to png/eval_NNNN.png).
+EVAL_FILES = ("coco_gt.json", "coco_results.json", "predictions.jsonl", "metrics.json")
 
 
 def _saved(directory: Path) -> bool:
@@ -39,6 +48,57 @@ def resolve_checkpoint(run: Any, checkpoint: Optional[Path]) -> Path:
         return checkpoint
     trained = Path(run.training.output_dir)
     return trained if _saved(trained) else Path(run.model.path)
+
+
+def check_checkpoint_files(model_dir: Path, adapter: Optional[Path]) -> None:
+    """The checkpoint (and the adapter's) files, before anything is loaded: exit 2 naming a broken file."""
+    from coordexp.runtime.model.checkpoint_files import check_adapter_dir, check_model_dir
+    from coordexp.runtime.model.policy import SUPPORTED_FAMILIES
+
+    if adapter is not None:
+        check_adapter_dir(adapter)
+    if model_dir.is_dir():
+        check_model_dir(model_dir, families=SUPPORTED_FAMILIES)
+
+
+def _input_files(run: Any, config: Path, model_dir: Path, adapter: Optional[Path]) -> list[Path]:
+    """Files eval reads: the config, the data files and every file of the checkpoint (and adapter) directory."""
+    files = [config] + [Path(p) for p in (run.data.train_jsonl, run.data.val_jsonl) if p]
+    for folder in (model_dir, adapter):
+        if folder is not None and folder.is_dir():
+            files.extend(p for p in folder.iterdir() if p.is_file())
+    return files
+
+
+def check_out_dir(target: Path, inputs: Iterable[Path], pngs: int) -> None:
+    """``--out`` before any rollout: a directory (new or existing) that can take files, whose result files are
+    not inputs, devices, FIFOs, directories or read-only; then a probe file is created and removed there."""
+    inputs = list(inputs)
+    real = check_output_dir(target)
+    names = [*EVAL_FILES, *(f"png/eval_{k:04d}.png" for k in range(min(pngs, 4096)))]
+    for name in names:
+        path = real / name
+        if os.path.lexists(path):
+            check_output_file(path, inputs, what="--out file")
+    png = real / "png"
+    if pngs and os.path.lexists(png) and not (png.is_dir() and not png.is_symlink()):
+        raise UserInputError(f"--out {target}: {png} exists and is not a directory",
+                             hint="remove it or choose another --out")
+    for source in inputs:
+        if same_file(source, real):
+            raise UserInputError(f"--out {target} is the input {source}", hint="choose another --out directory")
+    try:
+        (png if pngs else real).mkdir(parents=True, exist_ok=True)
+        for folder in ((real, png) if pngs else (real,)):
+            fd, probe = tempfile.mkstemp(dir=folder, prefix=".coordexp-probe-")
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as exc:
+        raise UserInputError(f"--out {target}: cannot write there ({exc.strerror or exc})",
+                             hint="choose a writable --out directory; no rollout was run") from None
+    mode = os.stat(real).st_mode
+    if not stat.S_ISDIR(mode):  # replaced while checking
+        raise UserInputError(f"--out {target} is not a directory")
 
 
 def _fmt(value: Optional[float]) -> str:
@@ -75,6 +135,8 @@ def evaluate(
         adapter, model_dir = model_dir, Path(adapter_base(model_dir, run.model.path))
     run = dataclasses.replace(run, model=run.model.model_copy(update={"path": str(model_dir)}))
     target = out_dir if out_dir is not None else Path(run.training.output_dir) / f"eval_{split}"
+    check_checkpoint_files(model_dir, adapter)
+    check_out_dir(target, _input_files(run, config, model_dir, adapter), pngs)
 
     from coordexp.runtime.train.evaluate import run_evaluation
 

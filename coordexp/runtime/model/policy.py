@@ -66,7 +66,12 @@ def load_policy(run: "RunContract", *, adapter: str | Path | None = None) -> tup
             f"model.path {base} does not exist; build the tiny model with `coordexp make-tiny-model {base}` "
             "or point model.path at a local checkpoint"
         )
+    from coordexp.runtime.model.checkpoint_files import check_adapter_dir, check_model_dir
+
+    if adapter is not None:
+        check_adapter_dir(adapter)  # broken files: a clear exit 2 here, not an exception inside transformers
     if path.is_dir():
+        check_model_dir(path, families=SUPPORTED_FAMILIES)
         checkpoint_family(path)
     processor = load_processor(base)
     try:
@@ -75,9 +80,16 @@ def load_policy(run: "RunContract", *, adapter: str | Path | None = None) -> tup
         raise LaunchError(
             f"{base}: {exc}. Add the coord tokens first: `coordexp expand-vocab {base} <new dir>`"
         ) from exc
-    model = AutoModelForImageTextToText.from_pretrained(
-        base, dtype=getattr(torch, _DTYPES[cfg.dtype]), attn_implementation=cfg.attn_implementation
-    )
+    try:
+        model = AutoModelForImageTextToText.from_pretrained(
+            base, dtype=getattr(torch, _DTYPES[cfg.dtype]), attn_implementation=cfg.attn_implementation
+        )
+    except RuntimeError as exc:  # transformers' only signal for config/weight shape mismatches is this text
+        if "ignore_mismatched_sizes" not in str(exc):
+            raise
+        raise LaunchError(f"{base}: the weights do not have the shapes config.json describes (transformers' "
+                          "report above lists them); config.json does not belong to these weights",
+                          hint="re-save or re-download the checkpoint") from None
     if adapter is not None and run.tuner.train_type == "lora":
         model = attach_adapter(model, adapter, trainable=True)  # the saved adapter trains on (its own targets)
     else:
