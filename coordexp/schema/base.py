@@ -7,6 +7,7 @@ per-field validators, so a new field picks a type from this vocabulary and is bo
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Optional
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
@@ -100,11 +101,47 @@ BatchSize = int_in(1, MAX_BATCH)
 Count = int_in(1, MAX_COUNT)
 
 
+MAX_NAME_BYTES, MAX_PATH_BYTES = 255, 4096
+"""Linux NAME_MAX / PATH_MAX: the limits used where the file system cannot be asked (``os.pathconf``)."""
+
+
+def _name_limits(value: str) -> tuple[int, int]:
+    """NAME_MAX / PATH_MAX of the file system holding the nearest existing ancestor of ``value``."""
+    probe = os.path.abspath(value)
+    for _ in range(MAX_PATH_BYTES):
+        try:
+            if os.path.isdir(probe):
+                return os.pathconf(probe, "PC_NAME_MAX"), os.pathconf(probe, "PC_PATH_MAX")
+        except (OSError, ValueError):
+            break
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    return MAX_NAME_BYTES, MAX_PATH_BYTES
+
+
 def _no_nul(value: str) -> str:
+    """No NUL byte, encodable for the file system, and no name or whole path longer than it allows (checked here
+    so ``validate`` says it, rather than ``train`` failing on the first system call)."""
     if "\x00" in value:
         raise ValueError("a path cannot contain a NUL byte (\\x00); the operating system refuses it")
+    try:
+        encoded = os.fsencode(value)
+    except UnicodeEncodeError:
+        raise ValueError("a path cannot hold a lone surrogate (a \\uD800-\\uDFFF escape); write the whole "
+                         "character") from None
+    name_max, path_max = _name_limits(value)
+    longest = max(len(part) for part in encoded.split(b"/"))
+    if longest > name_max:
+        raise ValueError(f"a path component is {longest} bytes long; the file system allows {name_max} bytes per "
+                         "file or folder name: shorten it")
+    if len(encoded) >= path_max:
+        raise ValueError(f"the path is {len(encoded)} bytes long; the file system allows {path_max - 1}: shorten "
+                         "it")
     return value
 
 
 PathStr = Annotated[str, Field(min_length=1), AfterValidator(_no_nul)]
-"""A filesystem path (or hub id) as written: non-empty, no NUL byte."""
+"""A filesystem path (or hub id) as written: non-empty, no NUL byte, each name within the file system's NAME_MAX
+(``os.pathconf``, 255 bytes where it cannot be asked) and the whole path within PATH_MAX."""

@@ -93,7 +93,9 @@ _BOUNDS: dict[str, Any] = {
     "ddp_bucket_cap_mb": int_in(1, 1 << 20),
     "torch_empty_cache_steps": int_in(1, MAX_COUNT),
     "data_seed": int_in(0, MAX_SEED),
-    "adam_epsilon": float_in(ge=0.0, le=1.0),
+    # Adam divides by sqrt(v) + eps: eps 0 makes every zero-gradient entry 0/0 = NaN (an unused embedding row
+    # is enough), and a subnormal eps can do the same in bf16 optimizer states.
+    "adam_epsilon": float_in(ge=1e-20, le=1.0),
 }
 _MAX_STR = 4096
 

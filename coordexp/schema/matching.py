@@ -9,6 +9,11 @@ from pydantic import Field
 from coordexp.schema.base import MAX_TOKENS, Probability, StrictModel, Weight, float_in, int_in
 
 
+MIN_OT_EPSILON = 1e-6
+"""Smallest Sinkhorn ``epsilon``: the kernel is ``cost / epsilon`` in float64 with costs up to ~2e6 (squared
+norm1000 distances); a subnormal epsilon makes it inf and the OT targets NaN, 1e-6 keeps it below 1e13."""
+
+
 class MatchingConfig(StrictModel):
     """Hungarian matching with AABB candidate reduction and maskIoU gating (docs/design.md, matching)."""
 
@@ -23,5 +28,6 @@ class OtConfig(StrictModel):
     """Sinkhorn OT with barycentric projection for pairs involving a polygon."""
 
     cost: Literal["l1", "l2"] = Field("l2", description="Ground cost in norm1000 space.")
-    epsilon: float_in(gt=0.0, le=1e6) = Field(10.0, description="Entropic regularisation, in cost units.")
+    epsilon: float_in(ge=MIN_OT_EPSILON, le=1e6) = Field(
+        10.0, description="Entropic regularisation, in cost units, in [1e-6, 1e6] (cost / epsilon must stay finite).")
     iters: int_in(1, 10_000) = Field(30, description="Sinkhorn iterations (log-domain).")

@@ -14,7 +14,11 @@ from coordexp.schema.base import StrictModel, Weight, float_in
 
 Channel = Literal["A", "B"]
 NonNegFloat = Weight  # every loss weight: finite, in [0, MAX_WEIGHT]
-Bins = float_in(gt=0.0, le=1000.0)  # a width on the 1000-bin coord axis
+MIN_TARGET_SIGMA = 1e-3
+"""Smallest ``target_sigma`` (bins). The soft target is ``softmax(-(k - c)^2 / (2 sigma^2))`` in float32: below
+about 3e-20 every bin's exponent overflows to -inf and the target (so the loss and every weight) turns NaN; at
+1e-3 the target is already a one-hot, so nothing smaller is useful."""
+Sigma = float_in(ge=MIN_TARGET_SIGMA, le=1000.0)  # a width on the 1000-bin coord axis
 
 
 class TokenCeConfig(StrictModel):
@@ -39,7 +43,8 @@ class CoordRegConfig(StrictModel):
     temperature: float_in(ge=1e-3, le=1e3) = Field(
         description="Softmax temperature for coord distributions and gates, in [1e-3, 1e3]."
     )
-    target_sigma: Bins = Field(description="Gaussian soft-target sigma, in bins (0, 1000].")
+    target_sigma: Sigma = Field(description="Gaussian soft-target sigma, in bins [1e-3, 1000] (1e-3 is a one-hot; "
+                                "smaller values make the target NaN in float32).")
     target_truncate: Optional[float_in(ge=0.0, le=1000.0)] = Field(
         description="Zero the target beyond this many bins from the centre; null keeps the full Gaussian."
     )
