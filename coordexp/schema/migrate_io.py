@@ -55,7 +55,15 @@ def _is_read_only(path: Path) -> bool:
 
 def _check_writable(target: Path) -> None:
     folder = target.parent
-    if target.exists() and _is_read_only(target):
+    try:
+        info = os.stat(target) if os.path.lexists(target) else None
+    except OSError as exc:  # a name over NAME_MAX, a symlink loop, a component that is a file
+        raise MigrationRefused(f"cannot write {target} ({exc.strerror or exc}); nothing was written",
+                               hint="Choose another output path (each name at most 255 bytes).") from None
+    if info is not None and not stat.S_ISREG(info.st_mode):
+        raise MigrationRefused(f"{target} is not a regular file (a directory, FIFO or device); nothing was written",
+                               hint="Write to a new file or a regular file with -o.")
+    if info is not None and _is_read_only(target):
         raise MigrationRefused(f"{target} is read-only; nothing was written",
                                hint="Make it writable (chmod u+w) or write elsewhere with -o NEW.yaml.")
     if not folder.is_dir():
