@@ -12,11 +12,13 @@ engine can run, and one huge request blocked every other for minutes (docs/desig
   never change inside a round (rounds run on the worker, between its other operations).
 - **A round is ONE ``engine.generate`` call.** It takes the oldest waiting job's :class:`GenerationParams`; every
   waiting job with the same params contributes items, one item per job in turn (round-robin), until the round
-  holds ``max_batch_seqs`` sequences (and ``max_batch_tokens`` sequences x ``max_tokens``). Jobs served in a round
-  move behind the others, so parameter sets take turns.
-- **Fairness bound**: a job that arrives while a round runs is in the next round (or, with other sampling
-  parameters, within one round per distinct parameter set waiting ahead of it), and each round gives every job of
-  its parameter set an equal share of the budget. No request waits behind the whole of another.
+  holds ``max_batch_seqs`` sequences (and ``max_batch_tokens`` sequences x ``max_tokens``). The least recently
+  served jobs come first (new ones before all), so parameter sets take turns.
+- **Fairness bound**: a job that arrives while a round runs gets items into the very next round (a round holds
+  at least one item of the least recently served job), and each round gives every job of its parameter set an
+  equal share of the budget: no request waits behind the whole of another, only behind the engine call in flight
+  (at most ``max_batch_seqs`` sequences of ``max_tokens``). Jobs of other parameters that are also new come in
+  arrival order, one round each.
 - The first round of a tick waits ``window_s`` (a few ms) so calls sent together land in one engine call; calls
   that arrive while the engine is busy are merged anyway. Each job gets exactly its own outputs, in order; seeds
   are per sequence, so a merged call samples what separate calls would.
@@ -89,6 +91,7 @@ class Job:
     epoch: int
     future: Future = field(default_factory=Future)
     next_item: int = 0
+    last_round: int = -1  # the round that last served it (-1: none yet); the least recently served go first
     results: list[list[Result] | None] = field(default_factory=list)
     done_items: int = 0
 
@@ -105,6 +108,7 @@ class Scheduler:
         self._jobs: list[Job] = []
         self._armed: int | None = None  # the epoch whose tick is queued or running and still takes jobs
         self._stopping = False
+        self._rounds = 0
         self.engine_calls = self.merged_calls = self.jobs_done = self.sequences = self.max_jobs_per_call = 0
         self.last_call_jobs = 0
 
@@ -165,6 +169,7 @@ class Scheduler:
                 if self._armed == epoch:
                     self._armed = None
                 return None
+            ready.sort(key=lambda j: j.last_round)  # stable: arrival order among equals
             key = ready[0].spec.params
             same = [j for j in ready if j.spec.params == key]
             picks: dict[Job, list[int]] = {}
@@ -187,9 +192,9 @@ class Scheduler:
                     seqs, tokens, progressed = seqs + width, tokens + cost, True
                 if not progressed:
                     break
+            self._rounds += 1
             for job in picks:  # served jobs queue behind the others: parameter sets take turns
-                self._jobs.remove(job)
-                self._jobs.append(job)
+                job.last_round = self._rounds
             return picks
 
     def _drop(self, job: Job) -> None:
