@@ -404,10 +404,13 @@ def test_cli_server_weight_push_changes_outputs_to_the_learners(server_config, t
         reply = httpx.post(f"{url}/init_communicator/", timeout=10,
                            json={"host": "127.0.0.1", "port": group_port, "world_size": 2, "backend": "gloo",
                                  "timeout_s": 30})
-        assert reply.json() == {"message": p.MESSAGE_INIT, "world_size": 2, "client_rank": 1, "backend": "gloo",
-                                "timeout_s": 30}  # within the server's cap (the config's 240 s): kept
+        answer = reply.json()
+        key = answer.pop("rendezvous_key")  # the per-init secret every store key lives under
+        assert len(key) == 32 and int(key, 16) >= 0
+        assert answer == {"message": p.MESSAGE_INIT, "world_size": 2, "client_rank": 1, "backend": "gloo",
+                          "timeout_s": 30}  # within the server's cap (the config's 240 s): kept
         sender = WeightSyncSender(timeout_s=30, backend="gloo")
-        sender.init("127.0.0.1", group_port, 2)
+        sender.init("127.0.0.1", group_port, 2, rendezvous_key=key)
 
         def announce(metadatas) -> None:
             answer = httpx.post(f"{url}/update_flattened_params/", timeout=10,

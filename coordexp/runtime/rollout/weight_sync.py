@@ -2,7 +2,9 @@
 
 The group is DEDICATED (never the learner's default/DDP group): ranks ``0..R-1`` are the server's receivers and the
 learner (its rank 0) is the LAST rank, ``world_size = R + 1`` (``coordexp serve-rollout`` has one receiver, R = 1).
-Server rank 0 hosts a ``TCPStore`` at ``(host, group_port)``; the sender connects to it. The collectives run on
+Server rank 0 hosts a ``TCPStore`` at ``(host, group_port)``; the sender connects to it. Every store key lives under
+the server's per-init secret and every peer record is checked before gloo parses it
+(:mod:`~coordexp.runtime.rollout.store_guard`). The collectives run on
 ``ProcessGroupGloo`` (CPU tensors, so the whole path runs in CI) or ``ProcessGroupNCCL`` (CUDA).
 
 One transfer (a "bucket") is, on every rank, in this order:
@@ -60,6 +62,7 @@ Backend = Literal["gloo", "nccl"]
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 Announce = Callable[[list[FlattenedTensorMetadata]], None]
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::")
+_MAX_ERROR_BYTES = 4000  # a receiver's apply error as stored for the sender
 
 
 class WeightSyncError(ExternalSystemError, RuntimeError):
@@ -262,7 +265,15 @@ class _GroupMember:
         return timedelta(seconds=self.timeout_s)
 
     def _connect(self, host: str, port: int, world_size: int, rank: int, *, local_address: str | None,
-                 listener: socket.socket | None = None) -> None:
+                 listener: socket.socket | None = None, rendezvous_key: str | None = None) -> None:
+        from coordexp.runtime.rollout.store_guard import StoreRecordError, store_prefix
+
+        try:
+            prefix = store_prefix(rendezvous_key)
+        except WeightSyncError:
+            if listener is not None:
+                listener.close()
+            raise
         if self._group is not None:
             if listener is not None:
                 listener.close()
@@ -303,9 +314,15 @@ class _GroupMember:
             if listener is not None and listener.fileno() != -1:
                 listener.close()
             raise failure
-        store = dist.PrefixStore("coordexp_weight_sync", store)
+        store = dist.PrefixStore(prefix, store)  # the per-init key: only the authorized learner knows these keys
         try:
             group = self._new_group(store, rank, world_size, local_address)
+        except StoreRecordError as exc:  # a checked store value (not the authorized peer's, or corrupt)
+            failure = WeightSyncError(f"weight-sync {self.role} (rank {rank} of {world_size}) refused the rendezvous "
+                                      f"at {host}:{port}: {exc}",
+                                      hint="something other than the authorized peer wrote to the rendezvous store, "
+                                           "or the two ends run different torch builds; re-initialise "
+                                           "(POST /init_communicator/)")
         except Exception as exc:  # noqa: BLE001
             waited = time.monotonic() - started
             failure = _transport_error(exc, f"weight-sync {self.role} (rank {rank} of {world_size}) could not form "
@@ -320,10 +337,13 @@ class _GroupMember:
 
     def _new_group(self, store: dist.Store, rank: int, world_size: int, local_address: str | None):
         if self.backend == "gloo":
+            from coordexp.runtime.rollout.store_guard import GlooRendezvousGuard
+
             options = dist.ProcessGroupGloo._Options()
             options._timeout = self._timeout
             options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address or "127.0.0.1")]
-            group = dist.ProcessGroupGloo(store, rank, world_size, options)
+            # gloo parses a peer's record unchecked (an empty one was a SIGSEGV): the guard checks it first
+            group = dist.ProcessGroupGloo(GlooRendezvousGuard(store, rank, world_size), rank, world_size, options)
         else:
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = self._timeout
@@ -367,13 +387,14 @@ class _GroupMember:
                 error = f"{type(exc).__name__}: {exc}"
         seq = self._seq
         if error is not None:
-            self._store.set(f"{seq}/error/{self.rank}", error)
+            self._store.set(f"{seq}/error/{self.rank}", error.encode("utf-8", "replace")[:_MAX_ERROR_BYTES])
         status = torch.zeros(self.world_size, dtype=torch.int32, device=self.device)
         status[self.rank] = 0 if error is None else 1
         self._wait(self._group.allreduce([status]), f"status exchange of transfer {seq}")
         self._seq += 1
         failed = [rank for rank, flag in enumerate(status.tolist()) if flag]
-        return {rank: self._store.get(f"{seq}/error/{rank}").decode("utf-8", "replace") for rank in failed}
+        return {rank: self._store.get(f"{seq}/error/{rank}")[:_MAX_ERROR_BYTES].decode("utf-8", "replace")
+                for rank in failed}
 
     def close(self) -> None:
         """Leave the group (idempotent); a later ``init`` builds a new one."""
@@ -455,10 +476,20 @@ class WeightSyncSender(_GroupMember, BucketPusher):
     """
 
     role = "sender"
+    rendezvous_key: str | None = None  # the server's per-init secret (its /init_communicator/ reply)
 
-    def init(self, host: str, port: int, world_size: int) -> None:
-        """Join the group at ``(host, port)`` as rank ``world_size - 1``; returns when every rank has joined."""
-        self._connect(host, port, world_size, world_size - 1, local_address=_route_address(host, port))
+    def use_init_reply(self, reply: Any) -> Any:
+        """Keep the ``rendezvous_key`` of a coordexp server's ``/init_communicator/`` reply for :meth:`init`
+        (returns ``reply``); without it the server's store keys stay unknown and the group never forms."""
+        key = reply.get("rendezvous_key") if isinstance(reply, dict) else None
+        self.rendezvous_key = key if isinstance(key, str) else None
+        return reply
+
+    def init(self, host: str, port: int, world_size: int, *, rendezvous_key: str | None = None) -> None:
+        """Join the group at ``(host, port)`` as rank ``world_size - 1``; returns when every rank has joined.
+        ``rendezvous_key``: the server's per-init secret (default: the one kept by :meth:`use_init_reply`)."""
+        self._connect(host, port, world_size, world_size - 1, local_address=_route_address(host, port),
+                      rendezvous_key=rendezvous_key if rendezvous_key is not None else self.rendezvous_key)
 
     def send_bucket(self, flat: torch.Tensor, metadatas: Sequence[FlattenedTensorMetadata]) -> None:
         """Broadcast one announced bucket and wait for every receiver's verdict (raises :class:`RemoteApplyError`)."""
@@ -483,18 +514,20 @@ class WeightSyncReceiver(_GroupMember):
     role = "receiver"
 
     def init(self, host: str, port: int, world_size: int, rank: int = 0, *, local_address: str | None = None,
-             listener: socket.socket | None = None) -> None:
+             listener: socket.socket | None = None, rendezvous_key: str | None = None) -> None:
         """Form the group; blocks until the sender joins or ``timeout_s`` passes (then the listener is closed).
         ``host``: the address the rendezvous store listens on (rank 0 binds exactly there, never every interface
         unless ``host`` is a wildcard), or ``listener``, a socket already bound (taken over, closed on failure).
         ``local_address``: the address the sender reaches this server at (default: ``host`` unless it is a
-        wildcard, else loopback)."""
+        wildcard, else loopback). ``rendezvous_key``: the per-init secret every store key is kept under (the server
+        draws one per authorized init and answers it to the learner only: :mod:`~coordexp.runtime.rollout.store_guard`)."""
         if rank >= world_size - 1:
             if listener is not None:
                 listener.close()
             raise ValueError(f"receiver rank {rank} must be < world_size - 1 ({world_size - 1} is the sender's)")
         address = local_address or (host if host not in _WILDCARD_HOSTS else None)
-        self._connect(host, port, world_size, rank, local_address=address, listener=listener)
+        self._connect(host, port, world_size, rank, local_address=address, listener=listener,
+                      rendezvous_key=rendezvous_key)
 
     def receive(self, metadatas: Sequence[FlattenedTensorMetadata],
                 apply: Callable[[list[tuple[str, torch.Tensor]]], None]) -> str | None:
