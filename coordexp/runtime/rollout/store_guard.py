@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from coordexp.runtime.rollout.weight_sync import WeightSyncError
+from coordexp.runtime.rollout.sync_errors import WeightSyncError
 
 __all__ = ["STORE_PREFIX", "KEY_PATTERN", "MAX_RECORD_BYTES", "StoreRecordError", "new_rendezvous_key",
            "store_prefix", "GlooRank", "parse_gloo_rank", "GlooRendezvousGuard"]

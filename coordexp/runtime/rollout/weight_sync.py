@@ -33,8 +33,9 @@ from typing import Any, Callable, Iterable, Iterator, Literal, Sequence
 import torch
 import torch.distributed as dist
 
-from coordexp.errors import ExternalSystemError
 from coordexp.runtime.rollout.protocol import FlattenedTensorMetadata
+from coordexp.runtime.rollout.store_guard import GlooRendezvousGuard, StoreRecordError, store_prefix
+from coordexp.runtime.rollout.sync_errors import RemoteApplyError, WeightSyncError, WeightSyncTimeout
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -63,25 +64,6 @@ NamedTensors = Iterable[tuple[str, torch.Tensor]]
 Announce = Callable[[list[FlattenedTensorMetadata]], None]
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::")
 _MAX_ERROR_BYTES = 4000  # a receiver's apply error as stored for the sender
-
-
-class WeightSyncError(ExternalSystemError, RuntimeError):
-    """Pushing learner weights to a rollout engine failed: the transport (rendezvous, a collective, a dead peer:
-    the group is no longer usable), or the push itself (no adapter to send, rank 0 failed under DDP). The ONE
-    weight-sync error: every module raises and catches this class."""
-
-
-class WeightSyncTimeout(WeightSyncError):
-    """A rendezvous or collective did not complete within ``timeout_s``."""
-
-
-class RemoteApplyError(WeightSyncError):
-    """The transfer arrived but a receiver could not apply it (e.g. an unknown parameter name); the group is
-    still usable. ``errors`` maps receiver rank to its error text."""
-
-    def __init__(self, message: str, errors: dict[int, str], *, hint: str = ""):
-        super().__init__(message, hint=hint)
-        self.errors = errors
 
 
 @dataclass(frozen=True)
@@ -266,8 +248,6 @@ class _GroupMember:
 
     def _connect(self, host: str, port: int, world_size: int, rank: int, *, local_address: str | None,
                  listener: socket.socket | None = None, rendezvous_key: str | None = None) -> None:
-        from coordexp.runtime.rollout.store_guard import StoreRecordError, store_prefix
-
         try:
             prefix = store_prefix(rendezvous_key)
         except WeightSyncError:
@@ -337,8 +317,6 @@ class _GroupMember:
 
     def _new_group(self, store: dist.Store, rank: int, world_size: int, local_address: str | None):
         if self.backend == "gloo":
-            from coordexp.runtime.rollout.store_guard import GlooRendezvousGuard
-
             options = dist.ProcessGroupGloo._Options()
             options._timeout = self._timeout
             options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address or "127.0.0.1")]
