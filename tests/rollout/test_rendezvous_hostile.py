@@ -160,7 +160,12 @@ class Server:
     def infer_ok(self, record) -> None:
         body = {"infer_requests": [{"messages": [{"role": "user", "content": [
             {"type": "image", "image": str(record.image_paths[0])}, {"type": "text", "text": "Detect."}]}]}]}
-        answer = httpx.post(f"{self.url}/infer/", json=body, timeout=120)
+        try:
+            answer = httpx.post(f"{self.url}/infer/", json=body, timeout=120)
+        except httpx.TransportError:
+            self.process.wait(timeout=30)  # a dead server: report how it ended
+            self.assert_alive()
+            raise
         assert answer.status_code == 200, answer.text
 
     def push(self, sender: WeightSyncSender) -> None:
@@ -249,10 +254,10 @@ def test_a_client_without_the_token_cannot_join_the_authorized_group(server):
     port = free_port()
     reply = server.init(port)
     wait_listening(port)
-    for guess in (None, "0" * 32):  # the key a client would use without the reply, and a guessed one
+    for guess in (None, "0" * 32):  # no key (what a client without the reply uses), a guessed one
         intruder = WeightSyncSender(timeout_s=3.0, backend="gloo")
         with pytest.raises(WeightSyncError):
-            intruder.init("127.0.0.1", port, 2, rendezvous_key=guess)
+            intruder.init("127.0.0.1", port, 2, **({} if guess is None else {"rendezvous_key": guess}))
         intruder.close()
     assert server.status()["communicator"] == "initializing"
     sender = learner(reply, port)
