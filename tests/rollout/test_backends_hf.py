@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from coordexp.runtime.core.distribution import rollout_seed
 from coordexp.runtime.rollout.registry import (
     BACKENDS,
     BackendEntry,
@@ -20,7 +21,6 @@ from coordexp.runtime.rollout.registry import (
     create_backend,
     finish_output,
     get_backend_class,
-    request_seed,
 )
 from coordexp.runtime.rollout.hf import HfRolloutBackend, PaddingAwareRepetitionPenalty, RepeatGuardProcessor
 from coordexp.runtime.model.data import load_records
@@ -298,11 +298,11 @@ def test_finish_output_trims_at_the_first_stop_and_names_the_reason():
     assert finish_output([1], [8, 8], stop_ids=frozenset({99}), decode=decode, guard=guard).finish_reason == "length"
 
 
-def test_request_seed_is_deterministic_positive_and_distinct():
-    seeds = {request_seed(42, step, index) for step in range(4) for index in range(64)}
+def test_rollout_seed_is_deterministic_positive_and_distinct():
+    seeds = {rollout_seed(42, step, index) for step in range(4) for index in range(64)}
     assert len(seeds) == 256 and all(1 <= s < 2 ** 31 for s in seeds)
-    assert request_seed(42, 3, 5) == request_seed(42, 3, 5) == 42 + 3 * 1_000_003 + 5
-    assert request_seed(0, 0, 0) == 2**31 - 1 and request_seed(0, 0, 1) == 1  # 0 is never a seed, no collision
+    assert rollout_seed(42, 3, 5) == rollout_seed(42, 3, 5) == 42 + 3 * 1_000_003 + 5
+    assert rollout_seed(0, 0, 0) == 2**31 - 1 and rollout_seed(0, 0, 1) == 1  # 0 is never a seed, no collision
 
 
 def test_registry_builds_hf_from_the_run_contract(model, tokenizer):

@@ -72,8 +72,7 @@ def global_request_index(micro_step: int, rank: int, world_size: int, per_rank: 
 
 def rollout_seed(training_seed: int, global_step: int, request_index: int) -> int:
     """The seed of one request, a pure function of (training seed, global step, index within the step; the index
-    encodes the micro-step within the step, rank and position, see :func:`global_request_index`). The one
-    implementation: ``rollout.base.request_seed`` calls it. Consecutive indices give consecutive seeds (a server
+    encodes the micro-step within the step, rank and position, see :func:`global_request_index`). Consecutive indices give consecutive seeds (a server
     call carries one base seed, request ``j`` gets ``seed + j``)."""
     return normalize_seed(int(training_seed) + int(global_step) * STEP_STRIDE + int(request_index))
 

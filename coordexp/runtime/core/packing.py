@@ -9,7 +9,7 @@ trains them all (:meth:`CarryBuffer.pop_rows`), so the carry never outgrows one 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Generic, Iterable, Sequence, TypeVar
+from typing import Callable, Generic, Iterable, Sequence, TypeVar
 
 from coordexp.errors import MissingDependencyError, UserInputError
 
@@ -160,6 +160,14 @@ class CarryBuffer(Generic[T]):
         checked = self._validate([length for _, length in entries])
         self._items.extend(item for item, _ in entries)
         self._lengths.extend(checked)
+
+    def drop_where(self, predicate: Callable[[T], bool]) -> list[T]:
+        """Remove and return every buffered segment ``predicate`` accepts (in order); the rest keep their order."""
+        keep = [not predicate(item) for item in self._items]
+        dropped = [item for item, k in zip(self._items, keep) if not k]
+        self._items = [item for item, k in zip(self._items, keep) if k]
+        self._lengths = [length for length, k in zip(self._lengths, keep) if k]
+        return dropped
 
     def pop_packed(self) -> PackedSelection[T]:
         """Remove and return the :func:`select_segments` choice, oldest first; the rest stays buffered."""

@@ -115,6 +115,13 @@ class RolloutCounters:
             # zero entries are dropped so equal counts compare equal however they were built
             object.__setattr__(self, name, MappingProxyType({r: counts[r] for r in sorted(counts) if counts[r]}))
 
+    def __reduce__(self):
+        """Pickle as plain dicts (a read-only mapping view cannot be pickled): counters cross ranks inside
+        ``all_gather_object`` payloads (evaluation under torchrun)."""
+        fields = {name: getattr(self, name) for name in _SCALAR_FIELDS}
+        fields.update({name: dict(getattr(self, name)) for name in _REASON_FIELDS})
+        return (_counters_from_fields, (fields,))
+
     # ---------------------------------------------------------------- construction and merging
 
     @classmethod
@@ -302,6 +309,10 @@ class RolloutCounters:
         dropped = dict(zip(drop_reasons, values[n : n + len(drop_reasons)], strict=True))
         fallbacks = dict(zip(fallback_reasons, values[n + len(drop_reasons) :], strict=True))
         return cls(**scalars, dropped_by_reason=dropped, prefix_fallbacks_by_reason=fallbacks)
+
+
+def _counters_from_fields(fields: dict) -> RolloutCounters:
+    return RolloutCounters(**fields)
 
 
 def sum_counters(counters: Iterable[RolloutCounters]) -> RolloutCounters:

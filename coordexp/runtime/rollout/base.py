@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
 
 from coordexp.errors import ExternalSystemError
-from coordexp.runtime.core.distribution import rollout_seed
 from coordexp.runtime.core.repeat import RepeatGuard, count_object_keys, should_terminate
 
 if TYPE_CHECKING:
@@ -29,7 +28,6 @@ __all__ = [
     "RolloutBackend",
     "BackendUnavailableError",
     "finish_output",
-    "request_seed",
 ]
 
 FinishReason = Literal["stop", "length", "repeat"]
@@ -84,6 +82,13 @@ class RolloutBackend(ABC):
     def generate(self, requests: Sequence[RolloutRequest]) -> list[RolloutOutput]:
         """Roll out every request (no gradients), batching at most ``decode_batch_size`` per decode call."""
 
+    def generate_with_metadata(self, requests: Sequence[RolloutRequest]) -> tuple[list[RolloutOutput], dict[str, Any]]:
+        """:meth:`generate` and the metadata of THAT call (what the run log records with it). The default reads
+        :meth:`run_metadata` right after, in the same thread: exact while one generation runs at a time; a backend
+        that generates on several threads overrides it."""
+        outputs = self.generate(requests)
+        return outputs, self.run_metadata()
+
     def begin_step(self, global_step: int) -> None:
         """The trainer's optimizer step before the next rollouts (backends name it in their errors)."""
 
@@ -135,10 +140,3 @@ def finish_output(
         text=decode(response),
         finish_reason=reason,
     )
-
-
-def request_seed(training_seed: int, global_step: int, request_index: int) -> int:
-    """The sampling seed of one request: a pure function of (seed, step, index), so a rerun (or a resume at the
-    same step) samples the same rollouts whatever the batching. Always in ``1..2**31-1``. The same function as
-    :func:`coordexp.runtime.core.distribution.rollout_seed` (it is the one implementation)."""
-    return rollout_seed(training_seed, global_step, request_index)

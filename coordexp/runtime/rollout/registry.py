@@ -18,7 +18,6 @@ from coordexp.runtime.rollout.base import (
     RolloutOutput,
     RolloutRequest,
     finish_output,
-    request_seed,
 )
 from coordexp.schema.contract import HfBackendContract, VllmColocateContract, VllmServerContract
 
@@ -35,7 +34,6 @@ __all__ = [
     "create_backend",
     "finish_output",
     "get_backend_class",
-    "request_seed",
 ]
 
 
