@@ -14,28 +14,60 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from coordexp.cli.frame import EXIT_OK, err, fail, guarded, is_rank_zero, load_run, out, safe
+from coordexp.cli.frame import EXIT_INTERRUPTED, EXIT_OK, err, fail, guarded, is_rank_zero, load_run, out, safe
 
 __all__ = ["register", "train", "show_rollouts", "resolve_resume"]
 
 
 def resolve_resume(resume: Optional[str], output_dir: str) -> Optional[str]:
-    """``None`` -> fresh start; ``auto`` -> the newest ``checkpoint-*`` in ``output_dir``; else an existing path."""
+    """``None`` -> fresh start; ``auto`` -> the newest complete ``checkpoint-*`` in ``output_dir`` (incomplete ones
+    are named on stderr and skipped); else an existing, complete checkpoint path."""
+    from coordexp.runtime.train.checkpoints import checkpoint_problem, choose_resume
+
     if resume is None:
         return None
     if resume == "auto":
-        from transformers.trainer_utils import get_last_checkpoint
-
-        last = get_last_checkpoint(output_dir) if Path(output_dir).is_dir() else None
-        if last is None:
+        choice = choose_resume(output_dir)
+        for path, problem in choice.skipped:
+            if is_rank_zero():
+                err.print(f"[yellow]![/yellow] skipped {safe(path)}: {safe(problem)}")
+        if choice.path is None:
+            found = f" ({len(choice.skipped)} incomplete)" if choice.skipped else ""
             raise FileNotFoundError(
-                f"--resume auto found no checkpoint-* directory in training.output_dir {output_dir}; "
+                f"--resume auto found no checkpoint to resume in training.output_dir {output_dir}{found}; "
                 "start without --resume or pass a checkpoint path"
             )
-        return last
-    if not Path(resume).is_dir():
-        raise FileNotFoundError(f"--resume {resume} is not a checkpoint directory; pass a checkpoint-* path or 'auto'")
+        return str(choice.path)
+    problem = checkpoint_problem(resume)
+    if problem is not None:
+        raise FileNotFoundError(f"--resume {resume} cannot be resumed from: {problem}; pass a complete checkpoint-* "
+                                "path or 'auto'")
     return resume
+
+
+def _finished(resume_from: Optional[str], max_steps: Optional[int]) -> Optional[int]:
+    """The checkpoint's step when it already reached ``training.max_steps`` (nothing left to train), else None."""
+    if resume_from is None or max_steps is None:
+        return None
+    from coordexp.runtime.train.checkpoints import finished_step
+
+    step = finished_step(resume_from)
+    return step if step >= max_steps else None
+
+
+def _exit_interrupted() -> None:
+    """Ctrl-C: end the process now with 130. A rollout thread blocked on a hung server (HTTP, up to its timeout)
+    would otherwise hold interpreter exit, which joins worker threads; checkpoints are atomic and the run log is
+    flushed per line, so nothing written is lost (docs/design.md, decision 14)."""
+    import os
+
+    err.print("interrupted")
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(EXIT_INTERRUPTED)
 
 
 def _summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
@@ -70,17 +102,31 @@ def train(
     except FileNotFoundError as exc:
         fail(str(exc))
 
+    done = _finished(resume_from, run.training.max_steps)
+    if done is not None:
+        message = (f"{resume_from} already reached training.max_steps ({run.training.max_steps}) at step {done}; "
+                   "nothing to train (raise max_steps to train on)")
+        if as_json:
+            sys.stdout.write(json.dumps({"ok": True, "already_finished": True, "global_step": done,
+                                         "checkpoint": resume_from}, indent=2) + "\n")
+        elif is_rank_zero():
+            out.print(f"[green]✓[/green] {safe(message)}")
+        raise typer.Exit(EXIT_OK)
+
     from coordexp.runtime.train.launch import run_training
     from coordexp.runtime.train.progress import ProgressCallback, summarize_history
 
     progress = ProgressCallback(err if as_json else None, title=f"{run.trainer_variant}: {safe(config.name)}")
-    outcome = run_training(
-        run,
-        resume_from=resume_from,
-        callbacks=[progress],
-        rollout_log_every=run.training.logging_steps,
-        print_logs=False,
-    )
+    try:
+        outcome = run_training(
+            run,
+            resume_from=resume_from,
+            callbacks=[progress],
+            rollout_log_every=run.training.logging_steps,
+            print_logs=False,
+        )
+    except KeyboardInterrupt:
+        _exit_interrupted()
     if not is_rank_zero():
         raise typer.Exit(EXIT_OK)
     summary = summarize_history(outcome.log_history)

@@ -1,4 +1,5 @@
-"""The actor-learner overlap key (issue 14 item 1): off by default, server mode only, staleness bounded."""
+"""The actor-learner overlap key: off by default, server mode only; the staleness bound takes the values the
+pipeline enforces (1..16, with or without overlap)."""
 
 from __future__ import annotations
 
@@ -31,9 +32,18 @@ def test_overlap_in_server_mode_resolves_into_the_contract(stage2_config, write_
     assert run.rollout_matching.overlap.enabled is True
 
 
-@pytest.mark.parametrize("staleness", [0, 2, -1])
+@pytest.mark.parametrize("staleness", [0, 17, -1, 1.5])
 def test_staleness_outside_its_bound_is_refused(stage2_config, write_yaml, staleness):
     stage2_config["rollout_matching"].update(server_rollout([("http://127.0.0.1:8000", 51216)]),
                                              overlap={"enabled": True, "staleness": staleness})
     with pytest.raises(ConfigError, match="staleness"):
         load_contract(write_yaml(stage2_config))
+
+
+@pytest.mark.parametrize("staleness", [1, 2, 16])
+def test_staleness_bound_is_accepted_with_and_without_overlap(stage2_config, write_yaml, staleness):
+    stage2_config["rollout_matching"]["overlap"] = {"staleness": staleness}  # hf backend, overlap off: bounds the carry
+    assert load_contract(write_yaml(stage2_config)).rollout_matching.overlap.staleness == staleness
+    stage2_config["rollout_matching"].update(server_rollout([("http://127.0.0.1:8000", 51216)]),
+                                             overlap={"enabled": True, "staleness": staleness})
+    assert load_contract(write_yaml(stage2_config)).rollout_matching.overlap.staleness == staleness

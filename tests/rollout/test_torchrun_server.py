@@ -66,11 +66,12 @@ def start_server(tmp_path, write_config):
 
 
 def learner_config(write_config, tmp_path: Path, server: ServeRolloutProcess, *, overlap: bool = False,
-                   max_steps: int = TRAINING["max_steps"]) -> Path:
+                   max_steps: int = TRAINING["max_steps"], **sections: dict) -> Path:
     rollout = server_rollout([(server.base_url, free_port())], server=SERVER_LIMITS, **ROLLOUT,
                              overlap={"enabled": overlap})
-    training = {**TRAINING, "max_steps": max_steps, "output_dir": str(tmp_path / "run")}
-    return write_config({"training": training, "global_max_length": 1024, "rollout_matching": rollout},
+    training = {**TRAINING, "max_steps": max_steps, "output_dir": str(tmp_path / "run"),
+                **sections.pop("training", {})}
+    return write_config({"training": training, "global_max_length": 1024, "rollout_matching": rollout, **sections},
                         name="learner.yaml")
 
 
@@ -106,6 +107,32 @@ def test_two_rank_learner_trains_three_steps_against_one_server(tmp_path, write_
     assert status["weights_version"] == 3
     assert [op["op"] for op in status["recent"]] == ["init_communicator"] + ["update_flattened_params"] * 3
     assert all(op["ok"] for op in status["recent"])
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_two_ranks_evaluate_an_odd_validation_set_every_step(tmp_path, write_config, start_server, dataset, overlap):
+    """Evaluation under torchrun: 5 validation images on 2 ranks (shards of 3 and 2, chunks of 2: 2 vs 1 backend
+    calls) with ``eval_steps: 1``. Each rank rolls out its own shard, the weights are pushed once per optimizer step
+    (never per evaluation chunk, so no rank issues a collective the other does not), and the scored rollouts are
+    gathered for AP over all 5 images (the gathered counters once crashed pickling a read-only mapping)."""
+    val = tmp_path / "val5.jsonl"  # 5 of the dataset's images (the server may read only under its image root)
+    val.write_text("".join(line + "\n" for line in dataset.train_jsonl.read_text().splitlines()[:5]))
+    steps = 2
+    server = start_server()
+    config = learner_config(write_config, tmp_path, server, overlap=overlap, max_steps=steps,
+                            training={"eval_steps": 1},
+                            data={"val_jsonl": str(val), "image_root": str(dataset.root)})
+    code, stderr, _ = run_torchrun(config, tmp_path)
+    assert code == 0, stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["global_step"] for r in ranks] == [steps, steps]
+    assert ranks[0]["params_sha256"] == ranks[1]["params_sha256"]
+    # one evaluation per step on both ranks, each over all 5 images (gathered from both shards)
+    assert [r["eval_images"] for r in ranks] == [[5.0] * steps] * 2
+    # one weight-sync point per optimizer step (0 for step 0's rollouts, then each evaluated step), the same on both
+    assert ranks[0]["sync_points"] == ranks[1]["sync_points"] == list(range(steps + 1))
+    status = server.sync_status()
+    assert status["failed"] == 0 and status["weights_version"] == steps + 1
 
 
 def test_two_ranks_stay_in_lockstep_with_overlap_on(tmp_path, write_config, start_server, dataset):

@@ -45,6 +45,8 @@ def main(config_path: str, out_dir: str) -> int:
         "rollout_samples": [h.get("rollout/samples") for h in trainer.state.log_history if "loss" in h],
         "staleness_max": [h.get("rollout/staleness_max") for h in trainer.state.log_history if "loss" in h],
         "params_sha256": digest.hexdigest(),
+        "eval_images": [h.get("eval/samples") for h in trainer.state.log_history if "eval/AP" in h],
+        "sync_points": list(trainer.pipeline.sync_points),
     }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w", encoding="utf-8") as handle:
         json.dump(payload, handle)

@@ -14,7 +14,7 @@ from coordexp.runtime.core.coco import predictions_to_coco_results
 from coordexp.runtime.core.objects import DetObject
 from coordexp.runtime.core.serialize import serialize_objects
 from coordexp.runtime.model.data import load_records
-from coordexp.runtime.rollout.base import RolloutOutput
+from coordexp.runtime.rollout.base import RolloutBackend, RolloutOutput
 from coordexp.runtime.train.evaluate import evaluate_detection, roll_out_and_score
 from coordexp.runtime.train.rollout_step import HostContext
 from coordexp.schema.contract import load_contract
@@ -22,9 +22,8 @@ from coordexp.schema.contract import load_contract
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "stage2_cpu_hf.yaml"
 
 
-class ScriptedBackend:
-    """Answers each request with the text ``script(record)`` (tokenized); records which model it was synced to.
-    (Duck-typed: evaluation uses only ``sync_weights`` and ``generate`` of a backend.)"""
+class ScriptedBackend(RolloutBackend):
+    """Answers each request with the text ``script(record)`` (tokenized); records which model it was synced to."""
 
     name = "scripted"
 
@@ -39,11 +38,12 @@ class ScriptedBackend:
             outputs.append(RolloutOutput(tuple(request.prompt.input_ids.tolist()), ids, text, "stop"))
         return outputs
 
+    @classmethod
+    def from_run(cls, run, model, processor):
+        raise NotImplementedError("built by the tests directly")
+
     def sync_weights(self, model):
         self.synced = model
-
-    def close(self):
-        pass
 
 
 @pytest.fixture(scope="module")

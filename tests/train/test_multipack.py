@@ -11,7 +11,7 @@ import torch
 
 from coordexp.runtime.core.packing import CarryBuffer
 from coordexp.runtime.train.launch import build_trainer
-from coordexp.runtime.train.trainer import RecordDataset
+from coordexp.runtime.train.dataset import RecordDataset
 from coordexp.schema.contract import load_contract
 
 N_RECORDS = 6
@@ -45,7 +45,7 @@ def _equal_segments(trainer) -> tuple[list, int]:
     records = list(trainer.train_dataset.records)
     records = [replace(r, objects=records[0].objects) for r in records]
     trainer.train_dataset = RecordDataset(records)
-    lengths = {s.length for s in trainer.build_samples(records)}
+    lengths = {s.length for s in trainer.pipeline.samples(records, 0)}
     assert len(lengths) == 1, f"expected equal segment lengths, got {lengths}"
     return records, 2 * lengths.pop()
 
@@ -145,7 +145,7 @@ def test_fifty_steps_at_batch_16_into_2048_token_rows_complete(tmp_path, write_c
         },
     }))
     trainer = build_trainer(run)
-    samples = trainer.build_samples(list(trainer.train_dataset.records))
+    samples = trainer.pipeline.samples(list(trainer.train_dataset.records), 0)
     assert sum(s.length for s in samples) > 2048 and max(s.length for s in samples) <= 2048  # > one row a step
     trainer.train()
     assert trainer.state.global_step == 50
@@ -153,3 +153,19 @@ def test_fifty_steps_at_batch_16_into_2048_token_rows_complete(tmp_path, write_c
     assert len(logs) == 50 and all(log["packing/buffered"] <= 16 for log in logs)
     assert all(log["packing/rows"] >= 2 for log in logs)
     assert sum(log["loss/rows"] for log in logs) == sum(log["packing/rows"] for log in logs)  # every row trained
+
+
+def test_packing_under_an_engine_that_steps_in_backward_is_refused_at_start(tmp_path, write_config, monkeypatch):
+    """The second guard behind validation's refusal of training.deepspeed with packing: whatever configured it,
+    accelerate's distributed type is checked when the trainer starts."""
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+
+    from coordexp.runtime.model.policy import LaunchError
+
+    run = _run(write_config, tmp_path, packing=True)
+    monkeypatch.setattr(Accelerator, "distributed_type", property(lambda self: DistributedType.DEEPSPEED))
+    with pytest.raises(LaunchError, match=r"training.packing: true under accelerate's DEEPSPEED is refused"):
+        build_trainer(run)
+    padded = _run(write_config, tmp_path, packing=False)
+    assert build_trainer(padded).buffer is None  # unpacked: one backward per micro-step, allowed

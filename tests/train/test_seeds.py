@@ -13,7 +13,6 @@ from coordexp.runtime.core.distribution import (
     rollout_seed,
     train_request_seeds,
 )
-from coordexp.runtime.rollout.base import request_seed
 from coordexp.runtime.train.launch import build_trainer
 from coordexp.runtime.train.run_log import read_run_log
 from coordexp.schema.contract import load_contract
@@ -35,10 +34,7 @@ def test_training_seeds_of_one_step_are_distinct_and_eval_never_reuses_them(seed
 
 @settings(max_examples=200, deadline=None)
 @given(seed=SEEDS, step=st.integers(0, 10**6), index=st.integers(0, 2**20))
-def test_one_seed_function(seed, step, index):
-    # rollout.base.request_seed and core.distribution.rollout_seed are the same function, and the eval stream is
-    # the same rule shifted by its offset
-    assert request_seed(seed, step, index) == rollout_seed(seed, step, index)
+def test_the_eval_stream_is_the_training_rule_shifted(seed, step, index):
     assert eval_rollout_seed(seed, step, index) == rollout_seed(seed, step, EVAL_STREAM_OFFSET + index)
 
 
@@ -101,7 +97,7 @@ def test_resume_draws_what_the_uninterrupted_run_drew(tmp_path, write_config):
 
     # evaluation draws from its own stream, not the next training micro-step's seeds
     records = list(resumed.train_dataset.records[:2])
-    resumed.eval_samples(records)
+    list(resumed.pipeline.eval_chunks(records, resumed.state.global_step))
     resumed.backend.close()
     eval_seeds = [s for r in read_run_log(tmp_path / "resumed", event="rollout") if r["tag"] == "eval"
                   for s in r["seeds"]]

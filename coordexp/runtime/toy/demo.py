@@ -2,9 +2,9 @@
 
 Everything is driven by two YAML files (``examples/demo_stage1.yaml``, ``examples/demo_stage2.yaml``); stage 2's
 ``model.path`` is stage 1's ``output_dir``. Assets are built where the stage-1 config points and reused when present.
-The before/after numbers come from rolling out the same validation records through the training parse/match path
-(:func:`coordexp.runtime.train.evaluate.roll_out_and_score`), not from training logs: the rollout counters and COCO
-box AP/AP50 (objects ranked by the log-probability of their tokens).
+The before/after numbers come from rolling out the same validation records once through the trainer's evaluation
+path (:meth:`coordexp.runtime.train.pipeline.MicroStepPipeline.eval_chunks`), not from training logs: the rollout
+counters, the stage-2 loss of their ``Y_train`` and COCO box AP/AP50 (objects ranked by the log-probability of their tokens).
 """
 
 from __future__ import annotations
@@ -200,43 +200,26 @@ def _val_records(trainer: "CoordExpTrainer", limit: int) -> list["DetectionRecor
 
 
 def evaluate(trainer: "CoordExpTrainer", records: Sequence["DetectionRecord"], *, with_loss: bool) -> RolloutEval:
-    """Roll out ``records``; with ``with_loss`` also the objective on their ``Y_train`` (no grad, no packing)."""
-    import torch
-
-    from coordexp.runtime.train.trainer import StepStats
-
-    from coordexp.runtime.train.evaluate import detection_metrics, roll_out_and_score
-    from coordexp.runtime.train.visualize import append_rollout_log
+    """Roll out ``records`` once through the trainer's evaluation path; score them for AP and, with ``with_loss``,
+    the objective on their ``Y_train`` (no grad, no packing)."""
+    from coordexp.runtime.train.evaluate import detection_metrics, score_samples
 
     was_training = trainer.model.training
     trainer.model.eval()
+    step = int(trainer.state.global_step)
+    chunk = trainer.run.rollout_matching.decode_batch_size
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    rollouts, losses = [], []
     try:
-        rollouts = roll_out_and_score(
-            trainer.model, trainer.host, trainer.backend, list(records),
-            decode_batch_size=trainer.run.rollout_matching.decode_batch_size, seed=trainer.args.seed,
-            step=trainer.state.global_step,
-        )
-        if trainer.rollout_log_every:
-            append_rollout_log(trainer.args.output_dir, [r.entry for r in rollouts])
-        detection, _, _ = detection_metrics(rollouts, image_root=trainer.run.data.image_root)
-        counters = detection.counters
-        loss = None
-        if with_loss:
-            saved = trainer.stats, trainer.buffer, trainer._micro_step
-            trainer.stats, trainer.buffer = StepStats(), None  # padded path; the training carry buffer is untouched
-            chunk = trainer.run.rollout_matching.decode_batch_size
-            losses = []
-            try:
-                with torch.no_grad():
-                    for start in range(0, len(records), chunk):
-                        part = list(records[start : start + chunk])
-                        losses.append((float(trainer.compute_loss(trainer.model, part)), len(part)))
-            finally:
-                trainer.stats, trainer.buffer, trainer._micro_step = saved
-            loss = sum(value * n for value, n in losses) / max(1, sum(n for _, n in losses))
+        for part in trainer.pipeline.eval_chunks(list(records), step):
+            rollouts += score_samples(model, trainer.host, part.records, part.samples, step=step, batch_size=chunk)
+            if with_loss:
+                losses.append((trainer.validation_loss(part.samples), len(part.records)))
     finally:
         trainer.model.train(was_training)
-    return RolloutEval(counters, loss, ap=detection.bbox["AP"], ap50=detection.bbox["AP50"])
+    detection, _, _ = detection_metrics(rollouts, image_root=trainer.run.data.image_root)
+    loss = sum(value * n for value, n in losses) / max(1, sum(n for _, n in losses)) if with_loss else None
+    return RolloutEval(detection.counters, loss, ap=detection.bbox["AP"], ap50=detection.bbox["AP50"])
 
 
 class Stage1TargetStop(TrainerCallback):

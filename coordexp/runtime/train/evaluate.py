@@ -25,11 +25,9 @@ from coordexp.runtime.core.coco import CocoImage, ScoredObject, build_coco_gt, c
 from coordexp.runtime.core.coco_metrics import CocoMetrics, evaluate_coco
 from coordexp.runtime.core.objects import DetObject
 from coordexp.runtime.core.telemetry import RolloutCounters, sum_counters
-from coordexp.runtime.model.encoding import encode_prompt
 from coordexp.runtime.model.scoring import response_token_logprobs
 from coordexp.runtime.core.distribution import eval_rollout_seed
-from coordexp.runtime.rollout.base import RolloutRequest
-from coordexp.runtime.train.rollout_step import build_rollout_sample
+from coordexp.runtime.train.pipeline import iter_rollout_samples
 from coordexp.runtime.train.visualize import RolloutLogEntry, render_rollout
 
 if TYPE_CHECKING:
@@ -184,26 +182,16 @@ def roll_out_and_score(
     step: int = 0,
     score: ScoreMode = "logprob",
 ) -> list[ImageRollout]:
-    """Roll out ``records`` in chunks (the backend's weights synced to ``model`` first), parse and match them with
-    the training code, and attach each valid object's token log-probability (unless ``score="constant"``)."""
+    """Roll out ``records`` in chunks (the backend's weights synced to ``model`` first) through the training
+    pipeline's roll-out path, and attach each valid object's token log-probability (unless ``score="constant"``)."""
     if score not in SCORE_MODES:
         raise ValueError(f"score must be one of {list(SCORE_MODES)}, got {score!r}")
-    was_training = getattr(model, "training", False)
-    model.eval()
     out: list[ImageRollout] = []
-    try:
-        backend.sync_weights(model)
-        chunk = max(1, int(decode_batch_size))
-        for start in range(0, len(records), chunk):
-            part = list(records[start : start + chunk])
-            prompts = [encode_prompt(host.processor, r, host.template) for r in part]
-            requests = [RolloutRequest(prompt=p, index=i, seed=eval_rollout_seed(seed, step, start + i), record=r)
-                        for i, (r, p) in enumerate(zip(part, prompts, strict=True))]
-            outputs = backend.generate(requests)
-            samples = [build_rollout_sample(r, p, o, host) for r, p, o in zip(part, prompts, outputs, strict=True)]
-            out += score_samples(model, host, part, samples, score=score, step=step, batch_size=chunk)
-    finally:
-        model.train(was_training)
+    backend.sync_weights(model)
+    seeds = [eval_rollout_seed(seed, step, i) for i in range(len(records))]
+    chunk = max(1, int(decode_batch_size))
+    for part in iter_rollout_samples(backend, host, records, seeds, chunk=chunk, policy_version=step):
+        out += score_samples(model, host, part.records, part.samples, score=score, step=step, batch_size=chunk)
     return out
 
 

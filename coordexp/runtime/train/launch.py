@@ -102,7 +102,8 @@ def build_trainer(
     args_overrides: dict[str, Any] | None = None,
 ) -> "CoordExpTrainer":
     """Everything wired: records, backend (stage 2), trainer. Pass ``model``/``processor`` to reuse loaded ones."""
-    from coordexp.runtime.train.trainer import CoordExpTrainer, RecordDataset
+    from coordexp.runtime.train.dataset import RecordDataset
+    from coordexp.runtime.train.trainer import CoordExpTrainer
 
     if model is None or processor is None:
         model, processor = load_policy(run)

@@ -1,23 +1,33 @@
-"""Actor-learner overlap (issue 14 item 1): the next micro-step's rollouts are generated while this one trains.
+"""Actor-learner overlap: the next micro-step's rollouts are generated while this one trains (docs/design.md,
+decision 14).
 
-One background thread calls ``backend.generate`` for the next micro-step's requests (plain HTTP in server mode: no
-collective runs off the main thread, so every DDP rank stays in lockstep). The weight push stays on the main thread
-and is ordered after the in-flight generation: a micro-step first waits for its own rollouts, then pushes the
-current weights (a no-op between optimizer steps), then requests the next micro-step's rollouts. So the server never
-switches weights mid-request, and a sample is at most one optimizer step behind the policy that trains on it.
+One background thread calls ``backend.generate_with_metadata`` for the next micro-step's requests (plain HTTP in
+server mode: no collective runs off the main thread, so every DDP rank stays in lockstep); the metadata logged with a
+rollout is the metadata of that rollout. The weight push stays on the
+main thread and never overlaps a generation (:class:`coordexp.runtime.train.pipeline.MicroStepPipeline` orders them).
+The thread is a daemon: a generation hung on a dead server never keeps the interpreter from exiting (Ctrl-C).
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:
     from coordexp.runtime.rollout.base import RolloutBackend, RolloutOutput, RolloutRequest
 
-__all__ = ["PlannedMicroStep", "PrefetchedRollouts", "RolloutPrefetcher"]
+__all__ = ["PlannedMicroStep", "PrefetchedRollouts", "RolloutPrefetcher", "generate_with_metadata"]
+
+
+def generate_with_metadata(backend: "RolloutBackend", requests: Sequence["RolloutRequest"]
+                           ) -> tuple[list["RolloutOutput"], dict[str, Any], float]:
+    """``(outputs, metadata, seconds)`` of one generation: the backend's own metadata of this call, timed."""
+    start = time.perf_counter()
+    outputs, metadata = backend.generate_with_metadata(list(requests))
+    return outputs, metadata, time.perf_counter() - start
 
 
 @dataclass(frozen=True)
@@ -36,6 +46,7 @@ class PrefetchedRollouts:
     policy_version: int
     requested_at: float
     seconds: float  # generation time on the background thread
+    metadata: dict[str, Any]  # the backend's metadata right after this generation
 
 
 @dataclass
@@ -45,7 +56,7 @@ class _InFlight:
     records: tuple[Any, ...]
     policy_version: int
     requested_at: float
-    future: "Future[tuple[list[RolloutOutput], float]]"
+    future: "Future[tuple[list[RolloutOutput], dict[str, Any], float]]"
 
 
 @dataclass
@@ -54,12 +65,14 @@ class RolloutPrefetcher:
     take as ``(kind, micro_step, policy_version, perf_counter)`` (tests and the benchmark read it)."""
 
     backend: "RolloutBackend"
-    staleness: int = 1
     events: list[tuple[str, Any, int, float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-prefetch")
         self._in_flight: _InFlight | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        return self._in_flight is not None
 
     def request(self, micro_step: Any, records: Sequence[Any], requests: Sequence["RolloutRequest"], policy_version: int) -> None:
         """Start generating ``micro_step``'s rollouts in the background with the weights the server has now."""
@@ -67,15 +80,20 @@ class RolloutPrefetcher:
             raise RuntimeError(f"a prefetch for micro-step {self._in_flight.micro_step} is still in flight; take it "
                                "before requesting another (the weight push must not overtake it)")
         requests = list(requests)
+        future: Future = Future()
 
-        def generate() -> tuple[list["RolloutOutput"], float]:
-            start = time.perf_counter()
-            outputs = self.backend.generate(requests)
-            return outputs, time.perf_counter() - start
+        def generate() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(generate_with_metadata(self.backend, requests))
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread by take()
+                future.set_exception(exc)
 
         now = time.perf_counter()
         seeds = tuple(int(r.seed) for r in requests)
-        self._in_flight = _InFlight(micro_step, seeds, tuple(records), policy_version, now, self._pool.submit(generate))
+        self._in_flight = _InFlight(micro_step, seeds, tuple(records), policy_version, now, future)
+        threading.Thread(target=generate, name="rollout-prefetch", daemon=True).start()
         self.events.append(("request", micro_step, policy_version, now))
 
     def wait(self) -> None:
@@ -90,18 +108,19 @@ class RolloutPrefetcher:
         pending, self._in_flight = self._in_flight, None
         if pending is None:
             return None
-        outputs, seconds = pending.future.result()
+        outputs, metadata, seconds = pending.future.result()
         if pending.micro_step != micro_step or pending.seeds != tuple(int(x) for x in seeds) or len(pending.records) != len(records) or any(
             a is not b for a, b in zip(pending.records, records)
         ):
             return None
         self.events.append(("take", micro_step, pending.policy_version, time.perf_counter()))
-        return PrefetchedRollouts(outputs, pending.policy_version, pending.requested_at, seconds)
+        return PrefetchedRollouts(outputs, pending.policy_version, pending.requested_at, seconds, metadata)
 
-    def close(self) -> None:
-        """Wait for the in-flight generation (the backend is closed after this) and stop the thread."""
+    def close(self, *, wait: bool = True) -> None:
+        """Forget the in-flight generation: waited for first unless ``wait`` is false (an interrupted run must not
+        wait on a hung server; the daemon thread dies with the process)."""
         try:
-            self.wait()
+            if wait:
+                self.wait()
         finally:
             self._in_flight = None
-            self._pool.shutdown(wait=True)

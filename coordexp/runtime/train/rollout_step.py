@@ -90,6 +90,7 @@ class SampleTarget:
     parse: RolloutParse | None = None
     match: MatchResult | None = None
     valid_positions: tuple[int, ...] = ()
+    policy_version: int | None = None  # optimizer steps of the policy that generated it (None: stage 1, no rollout)
 
     @property
     def supervision(self) -> TokenSupervision:

@@ -1,0 +1,129 @@
+"""Checkpoints that are visible only when complete, and the choice of which one to resume (docs/design.md, decision 14).
+
+HF writes ``checkpoint-N`` in place, so a process killed mid-save left a half-written directory that ``--resume auto``
+then picked (and crashed on). Here every checkpoint is written under a hidden staging directory
+(``.staging-checkpoint-N/checkpoint-N``) and renamed into place by rank 0 once every rank has written its part; a
+rename within one directory is atomic on POSIX filesystems. Leftover staging directories are incomplete by
+construction. ``--resume auto`` also checks what a complete checkpoint holds (checkpoints written by older versions
+or by other tools may be partial) and names every one it skips.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+__all__ = ["STAGING_PREFIX", "staging_dir", "publish_checkpoint", "clear_staging", "checkpoint_problem",
+           "ResumeChoice", "choose_resume", "finished_step"]
+
+STAGING_PREFIX = ".staging-"
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors", "pytorch_model.bin",
+            "pytorch_model.bin.index.json")
+_STATE = "trainer_state.json"
+
+
+def staging_dir(run_dir: str | Path, step: int) -> Path:
+    """Where HF writes checkpoint ``step`` before it is published (a sibling of the final directory)."""
+    return Path(run_dir) / f"{STAGING_PREFIX}checkpoint-{int(step)}"
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def publish_checkpoint(run_dir: str | Path, step: int) -> Path:
+    """Rename the staged ``checkpoint-step`` into ``run_dir`` (replacing a stale one of the same step) and return it."""
+    staged = staging_dir(run_dir, step) / f"checkpoint-{int(step)}"
+    final = Path(run_dir) / f"checkpoint-{int(step)}"
+    if not staged.is_dir():
+        raise FileNotFoundError(f"the staged checkpoint {staged} is missing; was it written by every rank?")
+    for path in staged.rglob("*"):
+        if path.is_file():
+            with path.open("rb") as handle:
+                os.fsync(handle.fileno())
+    if final.exists():  # a checkpoint of this step from an earlier attempt: the new one replaces it
+        old = staging_dir(run_dir, step) / "replaced"
+        final.rename(old)
+    staged.rename(final)
+    _fsync_dir(Path(run_dir))
+    shutil.rmtree(staging_dir(run_dir, step), ignore_errors=True)
+    return final
+
+
+def clear_staging(run_dir: str | Path) -> list[Path]:
+    """Delete leftover staging directories (saves that never completed) and return what was removed."""
+    root = Path(run_dir)
+    if not root.is_dir():
+        return []
+    removed = [p for p in root.iterdir() if p.name.startswith(STAGING_PREFIX) and p.is_dir()]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
+
+
+def checkpoint_problem(path: str | Path) -> str | None:
+    """Why ``path`` cannot be resumed from (``None`` when it holds a trainer state and weights)."""
+    root = Path(path)
+    if not root.is_dir():
+        return "not a directory"
+    state = root / _STATE
+    if not state.is_file():
+        return f"no {_STATE} (the save did not finish)"
+    try:
+        step = json.loads(state.read_text(encoding="utf-8")).get("global_step")
+    except (OSError, ValueError, AttributeError) as exc:
+        return f"{_STATE} is unreadable ({type(exc).__name__})"
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        return f"{_STATE} has no valid global_step"
+    if not any((root / name).is_file() and (root / name).stat().st_size > 0 for name in _WEIGHTS):
+        return "no model weights"
+    return None
+
+
+def finished_step(path: str | Path) -> int:
+    """The optimizer steps a (complete) checkpoint had taken."""
+    return int(json.loads((Path(path) / _STATE).read_text(encoding="utf-8"))["global_step"])
+
+
+@dataclass(frozen=True)
+class ResumeChoice:
+    """The newest complete checkpoint (None when there is none) and every newer one skipped, with the reason."""
+
+    path: Path | None
+    skipped: tuple[tuple[Path, str], ...]
+
+
+def _numbered(run_dir: Path) -> Iterable[tuple[int, Path]]:
+    for child in run_dir.iterdir():
+        match = _CHECKPOINT.match(child.name)
+        if match and child.is_dir():
+            yield int(match.group(1)), child
+
+
+def choose_resume(run_dir: str | Path) -> ResumeChoice:
+    """``--resume auto``: the newest ``checkpoint-N`` that :func:`checkpoint_problem` accepts."""
+    root = Path(run_dir)
+    if not root.is_dir():
+        return ResumeChoice(None, ())
+    skipped: list[tuple[Path, str]] = []
+    for _, path in sorted(_numbered(root), reverse=True):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return ResumeChoice(path, tuple(skipped))
+        skipped.append((path, problem))
+    return ResumeChoice(None, tuple(skipped))

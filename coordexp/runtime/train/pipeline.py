@@ -1,0 +1,287 @@
+"""The stage-2 micro-step pipeline: one owner for the plan, seeds, rollouts, the weight-sync point, the carry buffer
+and sample age (docs/design.md, decision 14). It needs no HF ``Trainer``: the trainer hands it records and the global
+step, and gets back the forward rows of the micro-step.
+
+Invariants it keeps:
+- **One weight-sync point per optimizer step**, decided from the global step: the first rollout of step ``k``
+  (training or evaluation, whichever comes first) pushes the weights; later rollouts of ``k`` never do. Every rank
+  reaches it at the same call, so the backend's collectives pair up however the ranks' evaluation shards divide.
+- **Every sample knows its age**: outputs and samples carry the policy version (optimizer steps applied) that
+  generated them; staleness is measured when a sample trains, and carried segments older than
+  ``overlap.staleness`` optimizer steps are dropped (counted in ``rollout/stale_dropped``).
+- **Prompts are encoded once** per sample, also when the rollouts were prefetched; evaluation goes through the same
+  roll-out path (:func:`iter_rollout_samples`) as ``coordexp eval``.
+- **No tail prefetch**: the lookahead stops at ``max_steps``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+
+from coordexp.runtime.core.distribution import eval_rollout_seed, train_request_seeds
+from coordexp.runtime.core.packing import CarryBuffer
+from coordexp.runtime.model.encoding import encode_prompt
+from coordexp.runtime.rollout.base import RolloutRequest
+from coordexp.runtime.train.metrics import StepStats
+from coordexp.runtime.train.overlap import PlannedMicroStep, RolloutPrefetcher, generate_with_metadata
+from coordexp.runtime.train.rollout_step import HostContext, SampleTarget, build_gt_sample, build_rollout_sample
+from coordexp.runtime.train.visualize import append_rollout_log
+
+if TYPE_CHECKING:
+    from coordexp.runtime.model.data import DetectionRecord
+    from coordexp.runtime.model.encoding import EncodedPrompt
+    from coordexp.runtime.rollout.base import RolloutBackend, RolloutOutput
+    from coordexp.runtime.train.run_log import RunLog
+    from coordexp.schema.contract import RunContract
+
+__all__ = ["PipelineSettings", "RolloutChunk", "iter_rollout_samples", "MicroStepPipeline"]
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    """The run's shape as the pipeline needs it (from the contract and the resolved ``TrainingArguments``)."""
+
+    seed: int
+    rank: int = 0
+    world_size: int = 1
+    per_device_batch: int = 1
+    decode_batch_size: int = 1
+    stage2: bool = True
+    overlap: bool = False
+    staleness_bound: int = 1
+    packing_length: int | None = None  # None: packing off
+    packing_buffer: int = 0
+    min_fill_ratio: float = 0.0
+    max_steps: int = -1  # <= 0: not known (epochs)
+    rollout_log_dir: str | None = None  # where rank 0 appends rollouts.jsonl; None: not this rank
+    rollout_log_every: int = 0
+
+    @classmethod
+    def of(cls, run: "RunContract", args: Any) -> "PipelineSettings":
+        rm = run.rollout_matching
+        stage2 = run.trainer_variant == "stage2_rollout_aligned"
+        return cls(
+            seed=int(args.seed), rank=int(args.process_index), world_size=max(1, int(args.world_size)),
+            per_device_batch=int(args.per_device_train_batch_size), decode_batch_size=int(rm.decode_batch_size),
+            stage2=stage2, overlap=stage2 and rm.overlap.enabled, staleness_bound=int(rm.overlap.staleness),
+            packing_length=rm.packing.packing_length if rm.packing.enabled else None,
+            packing_buffer=int(rm.packing.buffer), min_fill_ratio=float(rm.packing.min_fill_ratio),
+            max_steps=int(args.max_steps), rollout_log_dir=str(args.output_dir) if args.process_index == 0 else None,
+        )
+
+
+@dataclass(frozen=True)
+class RolloutChunk:
+    """One backend call's worth of rolled-out records: prompts, outputs, built samples and the call's metadata."""
+
+    records: list["DetectionRecord"]
+    seeds: list[int]
+    outputs: list["RolloutOutput"]
+    samples: list[SampleTarget]
+    metadata: dict[str, Any]
+    seconds: float
+
+
+def _requests(records: Sequence["DetectionRecord"], prompts: Sequence["EncodedPrompt"], seeds: Sequence[int]
+              ) -> list[RolloutRequest]:
+    return [RolloutRequest(prompt=p, index=i, seed=int(s), record=r)
+            for i, (r, p, s) in enumerate(zip(records, prompts, seeds, strict=True))]
+
+
+def _samples(records, prompts, outputs, host: HostContext, version: int | None) -> list[SampleTarget]:
+    return [replace(build_rollout_sample(r, p, o, host), policy_version=version)
+            for r, p, o in zip(records, prompts, outputs, strict=True)]
+
+
+def iter_rollout_samples(backend: "RolloutBackend", host: HostContext, records: Sequence["DetectionRecord"],
+                         seeds: Sequence[int], *, chunk: int, policy_version: int | None = None
+                         ) -> Iterator[RolloutChunk]:
+    """Roll ``records`` out ``chunk`` at a time with one seed each (the weights are whatever the backend holds) and
+    build every sample as training does; chunks are yielded so a caller can score and drop them (bounded memory)."""
+    if len(seeds) != len(records):
+        raise ValueError(f"{len(records)} records but {len(seeds)} seeds")
+    step = max(1, int(chunk))
+    for start in range(0, len(records), step):
+        part, part_seeds = list(records[start:start + step]), [int(s) for s in seeds[start:start + step]]
+        prompts = [encode_prompt(host.processor, r, host.template) for r in part]
+        outputs, metadata, seconds = generate_with_metadata(backend, _requests(part, prompts, part_seeds))
+        outputs = [replace(o, policy_version=policy_version) for o in outputs]
+        yield RolloutChunk(part, part_seeds, outputs, _samples(part, prompts, outputs, host, policy_version),
+                           metadata, seconds)
+
+
+class MicroStepPipeline:
+    """Per micro-step: seeds -> (prefetched or fresh) rollouts after the step's one weight-sync point -> samples ->
+    carry buffer and staleness -> forward rows. ``policy()`` returns the unwrapped model to push."""
+
+    def __init__(self, host: HostContext, backend: "RolloutBackend | None", settings: PipelineSettings, *,
+                 stats: StepStats, run_log: "RunLog", policy: Callable[[], Any]):
+        if settings.stage2 and backend is None:
+            raise ValueError("stage2_rollout_aligned needs a rollout backend (rollout_matching.rollout_backend)")
+        self.host = host
+        self.settings = settings
+        self.stats = stats
+        self.run_log = run_log
+        self.policy = policy
+        self.buffer: CarryBuffer | None = (CarryBuffer(settings.packing_length, settings.packing_buffer)
+                                           if settings.packing_length is not None else None)
+        self.backend = backend
+        # (global step, training micro-steps rolled out in it): seeds depend on the micro-step WITHIN the optimizer
+        # step, so a run resumed at step k draws what the uninterrupted run drew
+        self.micro_step: tuple[int, int] = (-1, 0)
+        self.synced_step: int | None = None
+        self.sync_points: list[int] = []  # the global steps whose weights were pushed, in order (tests read it)
+        self._planned: list[PlannedMicroStep] = []
+        self._prompts: dict[tuple[int, int], tuple[tuple[Any, ...], list["EncodedPrompt"]]] = {}
+
+    @property
+    def backend(self) -> "RolloutBackend | None":
+        return self._backend
+
+    @backend.setter
+    def backend(self, backend: "RolloutBackend | None") -> None:
+        self._backend = backend
+        self.prefetcher = RolloutPrefetcher(backend) if self.settings.overlap and backend is not None else None
+
+    # -- plan --------------------------------------------------------------------------------------------------
+    def wants_lookahead(self, step: int) -> bool:
+        """Whether to read the next optimizer step's first micro-batch now (overlap only, never past ``max_steps``)."""
+        return self.prefetcher is not None and (self.settings.max_steps <= 0 or step + 1 < self.settings.max_steps)
+
+    def plan(self, step: int, batches: Sequence[Sequence[Any]], following: Sequence[Any] | None) -> None:
+        """The micro-steps of optimizer step ``step`` (and the next step's first, when looked ahead)."""
+        self._planned = [PlannedMicroStep((step, i), tuple(b)) for i, b in enumerate(batches)]
+        if following is not None:
+            self._planned.append(PlannedMicroStep((step + 1, 0), tuple(following)))
+
+    # -- seeds -------------------------------------------------------------------------------------------------
+    def request_seeds(self, step: int, micro: int, count: int) -> list[int]:
+        """This rank's ``count`` seeds for micro-step ``micro`` of optimizer step ``step`` (:func:`train_request_seeds`)."""
+        s = self.settings
+        stride = max(s.per_device_batch, count)
+        return train_request_seeds(s.seed, step, micro, s.rank, s.world_size, stride, count)
+
+    def next_micro_step(self, step: int) -> int:
+        owner, drawn = self.micro_step
+        micro = drawn if owner == step else 0
+        self.micro_step = (step, micro + 1)
+        return micro
+
+    # -- the weight-sync point ---------------------------------------------------------------------------------
+    def sync_point(self, step: int) -> None:
+        """Push the policy's weights once per optimizer step (the first rollout of ``step``); nothing may be
+        generating meanwhile, so an in-flight prefetch is waited for (its result stays available)."""
+        if self.synced_step == step or self.backend is None:
+            return
+        if self.prefetcher is not None:
+            self.prefetcher.wait()
+        self.backend.begin_step(step)
+        self.backend.sync_weights(self.policy())
+        self.synced_step = step
+        self.sync_points.append(step)
+
+    # -- training ----------------------------------------------------------------------------------------------
+    def samples(self, records: Sequence["DetectionRecord"], step: int) -> list[SampleTarget]:
+        """This micro-step's per-sample targets: rollouts (stage 2) or the GT serialization (stage 1)."""
+        records = list(records)
+        if not self.settings.stage2:
+            prompts = [encode_prompt(self.host.processor, r, self.host.template) for r in records]
+            return [build_gt_sample(r, p, self.host) for r, p in zip(records, prompts, strict=True)]
+        micro = self.next_micro_step(step)
+        seeds = self.request_seeds(step, micro, len(records))
+        key = (step, micro)
+        prompts = self._cached_prompts(key, records)
+        start = time.perf_counter()
+        got = self.prefetcher.take(key, records, seeds) if self.prefetcher is not None else None
+        self.sync_point(step)
+        if got is None:
+            outputs, metadata, _ = generate_with_metadata(self.backend, _requests(records, prompts, seeds))
+            version = step
+        else:
+            outputs, metadata, version = got.outputs, got.metadata, got.policy_version
+            self.stats.timed("rollout_generate", got.seconds)  # background generation time (overlapped)
+        self._prefetch_after(key, step)
+        generated = time.perf_counter()
+        outputs = [replace(o, policy_version=version) for o in outputs]
+        samples = _samples(records, prompts, outputs, self.host, version)
+        self.stats.timed("rollout", generated - start)
+        self.stats.seeds.extend(seeds)
+        self._log_rollouts("train", step, micro, records, seeds, outputs, samples, metadata)
+        self.stats.timed("host", time.perf_counter() - generated)
+        return samples
+
+    def _cached_prompts(self, key: tuple[int, int], records: Sequence[Any]) -> list["EncodedPrompt"]:
+        cached = self._prompts.pop(key, None)
+        if cached is not None and len(cached[0]) == len(records) and all(a is b for a, b in zip(cached[0], records)):
+            return cached[1]
+        return [encode_prompt(self.host.processor, r, self.host.template) for r in records]
+
+    def _prefetch_after(self, key: tuple[int, int], step: int) -> None:
+        """Request the next planned micro-step's rollouts with the weights the server holds now (overlap)."""
+        if self.prefetcher is None:
+            return
+        following = [plan for plan in self._planned if plan.key > key]
+        if not following:
+            return
+        plan = following[0]
+        prompts = [encode_prompt(self.host.processor, r, self.host.template) for r in plan.records]
+        self._prompts = {plan.key: (plan.records, prompts)}
+        seeds = self.request_seeds(*plan.key, len(plan.records))
+        self.prefetcher.request(plan.key, plan.records, _requests(plan.records, prompts, seeds), policy_version=step)
+
+    def rows(self, samples: list[SampleTarget], step: int) -> list[list[SampleTarget]]:
+        """Unpacked: one padded row of all samples. Packed: carried segments older than the staleness bound are
+        dropped, the new ones added, and every row the step needs taken (:meth:`CarryBuffer.pop_rows`). The age of
+        every trained sample is recorded here, when it trains."""
+        if self.buffer is None:
+            rows = [samples]
+        else:
+            bound = self.settings.staleness_bound
+            dropped = self.buffer.drop_where(
+                lambda s: s.policy_version is not None and step - s.policy_version > bound)
+            self.stats.stale_dropped += len(dropped)
+            self.buffer.add_many([(s, s.length) for s in samples])
+            selections = self.buffer.pop_rows(keep_at_most=len(samples))
+            self.stats.underfilled_rows += sum(row.fill_ratio < self.settings.min_fill_ratio for row in selections)
+            rows = [list(row.items) for row in selections]
+        self.stats.staleness.extend(step - s.policy_version for row in rows for s in row
+                                    if s.policy_version is not None)
+        return rows
+
+    # -- evaluation --------------------------------------------------------------------------------------------
+    def eval_chunks(self, records: Sequence["DetectionRecord"], step: int,
+                    positions: Sequence[int] | None = None) -> Iterator[RolloutChunk]:
+        """``records`` rolled out with the step's weights, chunk by chunk, seeds from the evaluation stream at each
+        record's position in the evaluation set (``positions``; default ``0..n-1``). The sync point comes before
+        the first chunk on every rank, so shards of different sizes issue no collective."""
+        if self.backend is None:
+            raise ValueError("rollout evaluation needs a rollout backend")
+        records = list(records)
+        positions = list(range(len(records))) if positions is None else [int(i) for i in positions]
+        if len(positions) != len(records):
+            raise ValueError(f"{len(records)} records but {len(positions)} evaluation indices")
+        self.sync_point(step)
+        seeds = [eval_rollout_seed(self.settings.seed, step, i) for i in positions]
+        for chunk in iter_rollout_samples(self.backend, self.host, records, seeds,
+                                          chunk=self.settings.decode_batch_size, policy_version=step):
+            self._log_rollouts("eval", step, None, chunk.records, chunk.seeds, chunk.outputs, chunk.samples,
+                               chunk.metadata)
+            yield chunk
+
+    def _log_rollouts(self, tag: str, step: int, micro: int | None, records, seeds, outputs, samples,
+                      metadata: dict[str, Any]) -> None:
+        self.run_log.write("rollout", tag=tag, global_step=int(step), micro_step=micro,
+                           seeds=[int(s) for s in seeds], sources=[r.source for r in records],
+                           response_tokens=[len(o.response_token_ids) for o in outputs],
+                           policy_versions=[o.policy_version for o in outputs], backend=metadata)
+        s = self.settings
+        if s.rollout_log_every and s.rollout_log_dir is not None and step % s.rollout_log_every == 0:
+            append_rollout_log(s.rollout_log_dir, [x.log_entry(r, step, tag) for r, x in zip(records, samples)])
+
+    def close(self, *, interrupted: bool = False) -> None:
+        """Forget the in-flight prefetch (waited for unless the run was interrupted: a hung server must not hold
+        Ctrl-C) before the backend is closed."""
+        if self.prefetcher is not None:
+            self.prefetcher.close(wait=not interrupted)

@@ -1,0 +1,182 @@
+"""The stage-2 micro-step pipeline without an HF Trainer (docs/design.md, decision 14): one weight-sync point per
+optimizer step whatever the evaluation chunking, sample age measured when a sample trains and bounded, prompts
+encoded once with prefetch, no prefetch past ``max_steps``, and an interrupted run that does not wait on a hung
+generation."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import pytest
+
+from coordexp.runtime.core.serialize import serialize_objects
+from coordexp.runtime.model.data import load_records
+from coordexp.runtime.rollout.base import RolloutBackend, RolloutOutput
+from coordexp.runtime.train import pipeline as pipeline_module
+from coordexp.runtime.train.metrics import StepStats
+from coordexp.runtime.train.pipeline import MicroStepPipeline, PipelineSettings
+from coordexp.runtime.train.rollout_step import HostContext
+from coordexp.runtime.train.run_log import RunLog
+from coordexp.schema.contract import load_contract
+from testkit import REPO
+
+EXAMPLE = REPO / "examples" / "stage2_cpu_hf.yaml"
+
+
+class GroundTruthBackend(RolloutBackend):
+    """Answers every request with its record's ground truth; records syncs and generations, and whether a sync ever
+    happened while a generation was running."""
+
+    def __init__(self, tokenizer, gate: threading.Event | None = None):
+        self.tokenizer = tokenizer
+        self.gate = gate
+        self.syncs: list[object] = []
+        self.calls: list[int] = []
+        self.generating = 0
+        self.sync_during_generation = False
+        self.steps: list[int] = []
+
+    @classmethod
+    def from_run(cls, run, model, processor):
+        raise NotImplementedError("built by the tests directly")
+
+    def begin_step(self, global_step: int) -> None:
+        self.steps.append(global_step)
+
+    def sync_weights(self, model) -> None:
+        self.sync_during_generation |= self.generating > 0
+        self.syncs.append(model)
+
+    def generate(self, requests):
+        self.generating += 1
+        try:
+            if self.gate is not None:
+                self.gate.wait()
+            self.calls.append(len(requests))
+            outputs = []
+            for request in requests:
+                text = serialize_objects(request.record.objects)
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                outputs.append(RolloutOutput(tuple(request.prompt.input_ids.tolist()), ids, text, "stop"))
+            return outputs
+        finally:
+            self.generating -= 1
+
+    def run_metadata(self):
+        return {"calls": len(self.calls)}
+
+
+@pytest.fixture(scope="module")
+def host(tiny_processor):
+    contract = load_contract(EXAMPLE)
+    return HostContext.create(tiny_processor, contract.rollout_matching, contract.template)
+
+
+@pytest.fixture(scope="module")
+def records(synthetic_dataset):
+    return [r for r in load_records(synthetic_dataset.train_jsonl) if r.objects][:8]
+
+
+def make(host, tmp_path, backend, **settings) -> MicroStepPipeline:
+    return MicroStepPipeline(host, backend, PipelineSettings(seed=3, **settings), stats=StepStats(),
+                             run_log=RunLog(tmp_path, settings.get("rank", 0)), policy=lambda: "policy")
+
+
+def test_one_weight_sync_point_per_optimizer_step(host, records, tmp_path):
+    backend = GroundTruthBackend(host.tokenizer)
+    pipe = make(host, tmp_path, backend, per_device_batch=2, decode_batch_size=2)
+    for step in range(3):
+        for micro in range(3):  # gradient accumulation: 3 micro-steps per optimizer step
+            pipe.samples(records[2 * micro:2 * micro + 2], step)
+        list(pipe.eval_chunks(records[:5], step + 1))  # evaluation after the step: 3 chunks, one sync
+    assert pipe.sync_points == [0, 1, 2, 3]
+    assert len(backend.syncs) == 4 and set(backend.syncs) == {"policy"}
+    assert backend.calls == ([2, 2, 2] + [2, 2, 1]) * 3  # every micro-step and evaluation chunk still generated
+
+
+def test_ranks_with_uneven_eval_shards_take_the_same_sync_points(host, records, tmp_path):
+    """5 records on 2 ranks: shards of 3 and 2 (2 and 1 calls of 2): the sync, a collective in server mode, is taken
+    once by each rank, before the first chunk."""
+    pipes = [make(host, tmp_path / str(rank), GroundTruthBackend(host.tokenizer), rank=rank, world_size=2,
+                  decode_batch_size=2) for rank in (0, 1)]
+    for rank, pipe in enumerate(pipes):
+        positions = list(range(rank, 5, 2))
+        chunks = list(pipe.eval_chunks([records[i] for i in positions], 4, positions))
+        assert [len(c.records) for c in chunks] == ([2, 1] if rank == 0 else [2])
+        assert all(s.policy_version == 4 for c in chunks for s in c.samples)
+    assert [p.sync_points for p in pipes] == [[4], [4]]
+    # the seeds follow the record's position in the evaluation set, not the shard
+    seeds = [list(pipes[0].eval_chunks([records[0]], 4, [2]))[0].seeds, list(pipes[1].eval_chunks([records[0]], 4, [2]))[0].seeds]
+    assert seeds[0] == seeds[1]
+
+
+@dataclass(frozen=True)
+class Segment:
+    length: int
+    policy_version: int | None
+
+
+def test_carried_segments_older_than_the_bound_are_dropped_and_counted(host, tmp_path):
+    pipe = make(host, tmp_path, GroundTruthBackend(host.tokenizer), packing_length=150, packing_buffer=16)
+    first = pipe.rows([Segment(100, 0), Segment(100, 0)], step=0)  # one fits a row, the other is carried
+    assert sum(len(row) for row in first) == 1 and len(pipe.buffer) == 1
+    rows = pipe.rows([Segment(100, 2), Segment(100, 2)], step=2)  # the carried one would be 2 steps old
+    assert pipe.stats.stale_dropped == 1
+    trained = [s for row in rows for s in row]
+    assert all(s.policy_version == 2 for s in trained)
+    assert pipe.stats.staleness == [0] * (1 + len(trained))  # measured when trained: step minus version
+
+
+def test_a_looser_bound_keeps_the_carry_and_reports_its_age(host, tmp_path):
+    pipe = make(host, tmp_path, GroundTruthBackend(host.tokenizer), packing_length=150, packing_buffer=16,
+                staleness_bound=2)
+    pipe.rows([Segment(100, 0), Segment(100, 0)], step=0)
+    rows = pipe.rows([Segment(100, 2), Segment(100, 2)], step=2)
+    assert pipe.stats.stale_dropped == 0
+    assert 2 in [2 - s.policy_version for row in rows for s in row]  # the carried segment trained, 2 steps old
+    assert max(pipe.stats.staleness) == 2
+
+
+def test_prefetch_encodes_each_prompt_once_and_never_syncs_under_a_generation(host, records, tmp_path, monkeypatch):
+    encoded: list[str] = []
+    real = pipeline_module.encode_prompt
+
+    def counting(processor, record, template):
+        encoded.append(record.source)
+        return real(processor, record, template)
+
+    monkeypatch.setattr(pipeline_module, "encode_prompt", counting)
+    backend = GroundTruthBackend(host.tokenizer)
+    pipe = make(host, tmp_path, backend, per_device_batch=2, decode_batch_size=2, overlap=True, max_steps=2)
+    batches = [tuple(records[i:i + 2]) for i in range(0, 8, 2)]
+    pipe.plan(0, batches[:2], batches[2] if pipe.wants_lookahead(0) else None)
+    versions = []
+    for micro in range(2):
+        versions += [s.policy_version for s in pipe.samples(batches[micro], 0)]
+    assert not pipe.wants_lookahead(1)  # step 1 is the last (max_steps 2): nothing is read past it
+    pipe.plan(1, batches[2:], None)
+    for micro in range(2):
+        versions += [s.policy_version for s in pipe.samples(batches[2 + micro], 1)]
+    pipe.close()
+    assert sorted(encoded) == sorted(r.source for r in records)  # every prompt encoded exactly once
+    assert not backend.sync_during_generation
+    assert pipe.sync_points == [0, 1]
+    # micro-step (0,0) on demand; (0,1) and (1,0) prefetched during step 0; (1,1) prefetched after step 1's push
+    assert versions == [0, 0, 0, 0, 0, 0, 1, 1]
+    events = [(kind, key) for kind, key, _, _ in pipe.prefetcher.events]
+    assert events == [("request", (0, 1)), ("take", (0, 1)), ("request", (1, 0)), ("take", (1, 0)),
+                      ("request", (1, 1)), ("take", (1, 1))]
+
+
+def test_an_interrupted_run_does_not_wait_for_a_hung_generation(host, records, tmp_path):
+    gate = threading.Event()  # never set before close: the "server" hangs
+    backend = GroundTruthBackend(host.tokenizer, gate=gate)
+    pipe = make(host, tmp_path, backend, per_device_batch=2, decode_batch_size=2, overlap=True)
+    pipe.plan(0, [tuple(records[:2]), tuple(records[2:4])], None)
+    pipe.prefetcher.request((0, 1), records[2:4], [], policy_version=0)
+    threads = [t for t in threading.enumerate() if t.name == "rollout-prefetch"]
+    assert threads and all(t.daemon for t in threads)  # a hung generation never holds interpreter exit
+    pipe.close(interrupted=True)  # returns although the generation is still blocked
+    assert not pipe.prefetcher.in_flight and backend.generating == 1
+    gate.set()
