@@ -177,3 +177,50 @@ def test_serving_beyond_loopback_without_a_token_refuses_to_start(server_config,
     message = " ".join(done.stderr.split())
     assert "--sync-token" in message and "COORDEXP_SYNC_TOKEN" in message and "'0.0.0.0'" in message
     assert "loading" not in message and time.monotonic() - started < 60  # refused before the model loads
+
+
+def test_sigint_during_a_long_real_generation_exits_cleanly(server_config, tmp_path):
+    """Regression (issue 23): SIGINT while the engine generated ended the server by SIGABRT. A real HF engine on the
+    tiny model runs one long call (64 sequences x 400 tokens, no repeat guard); SIGINT lands while it is in the
+    engine (the scheduler's readiness counter says so): the exit is 0, never an abort."""
+    import yaml
+
+    config = yaml.safe_load(server_config.read_text(encoding="utf-8"))
+    config.setdefault("rollout_matching", {})["repeat_terminate"] = {"enabled": False}
+    path = tmp_path / "long.yaml"
+    path.write_text(yaml.safe_dump(config), encoding="utf-8")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen([sys.executable, "-m", "coordexp.cli.app", "serve-rollout", str(path), "--port", "0",
+                                "--engine", "hf", "--max-batch-seqs", "64", "--log-level", "warning"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines: list[str] = []
+    try:
+        url = None
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and url is None:
+            line = process.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if line.startswith(READY_PREFIX):
+                url = line[len(READY_PREFIX):].strip()
+        assert url, "".join(lines)
+        threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True).start()
+        body = {"infer_requests": [{"messages": [{"role": "user", "content": f"Tell story {k}."}]} for k in range(64)],
+                "request_config": {"max_tokens": 400, "temperature": 1.0, "seed": 3}}
+        replies: list = []
+        threading.Thread(target=lambda: replies.append(httpx.post(f"{url}/infer/", json=body, timeout=600)),
+                         daemon=True).start()
+        status: dict = {}
+        deadline = time.monotonic() + 120  # a readiness wait: the call is accepted and being generated
+        while time.monotonic() < deadline and not status.get("waiting_jobs") and not replies:
+            status = httpx.get(f"{url}/coordexp/batch_status/", timeout=10).json()
+            time.sleep(0.05)
+        assert status.get("waiting_jobs") == 1 and status["jobs_done"] == 0, (status, replies and replies[0].text)
+        time.sleep(0.5)  # well inside the engine call (64 x 400 tokens takes tens of seconds on CPU)
+        process.send_signal(signal.SIGINT)
+        code = process.wait(timeout=60)
+        assert code in (0, -signal.SIGINT, 128 + signal.SIGINT), (code, "".join(lines)[-3000:])
+    finally:
+        if process.poll() is None:
+            process.kill()
