@@ -225,3 +225,23 @@ def test_importing_swift_leaves_transformers_training_classes_alone():
     import_swift("swift.trainers.callback", "swift.trainers.rlhf_trainer.vllm_client")
     callbacks = [hf_trainer.PrinterCallback, hf_trainer.DEFAULT_PROGRESS_CALLBACK, *hf_trainer.DEFAULT_CALLBACKS]
     assert all(c.__module__ == "transformers.trainer_callback" for c in callbacks), callbacks
+
+
+def test_no_system_message_and_custom_stop_strings_as_swifts_server(client, records, run_contract):
+    """Parity with ``swift rollout`` (issue 22): a chat without a system message gets the chat template's own
+    default (coordexp used to insert the config's detector prompt), and a custom ``stop`` string is honoured (it was
+    a 400): the choice ends with the token that completes it."""
+    tokenizer = load_processor(run_contract.model.path).tokenizer
+    messages = [{"role": "user", "content": "Name one shape."}]
+    free = client.infer([RolloutInferRequest(messages=messages)], greedy())[0]
+    prompt = tokenizer.decode(free.response.prompt_token_ids, skip_special_tokens=False)
+    assert prompt == tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert run_contract.template.system_prompt not in prompt
+    ids = list(free.response.choices[0].token_ids)
+    decode = lambda part: tokenizer.decode(part, skip_special_tokens=False)  # noqa: E731
+    stop = next(c for t in range(2, len(ids) + 1) for c in decode(ids[:t])[-1:] if c.strip() and c != "\ufffd")
+    first = next(t for t in range(1, len(ids) + 1) if stop in decode(ids[:t]))
+    cut = client.infer([RolloutInferRequest(messages=messages)], greedy(stop=[stop]))[0]
+    choice = cut.response.choices[0]
+    assert list(choice.token_ids) == ids[:first] and choice.finish_reason == "stop"
+    assert stop in choice.message.content
