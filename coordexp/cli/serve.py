@@ -52,10 +52,10 @@ def serve_rollout(
         "--max-batch-seqs", show_default=False, help="Sequences per merged engine call (concurrent /infer/ calls "
         "share it round-robin; default: vLLM's max_num_seqs or 256, HF: 4 x decode_batch_size).")] = None,
     batch_window_ms: Annotated[float, typer.Option(
-        "--batch-window-ms", help="How long an idle engine waits for more /infer/ calls to merge (ms).")] = 3.0,
+        "--batch-window-ms", help="How long an idle engine waits for more /infer/ calls to merge (ms).")] = 5.0,
     max_request_tokens: Annotated[int, typer.Option(
         "--max-request-tokens", help="Most sequences x max_tokens one /infer/ may ask for (larger is 400).")
-    ] = 1 << 20,
+    ] = 1 << 22,
 ) -> None:
     """Serve rollouts of the config's model over HTTP (ms-swift `swift rollout` compatible endpoints)."""
     if engine not in (None, "vllm", "hf"):

@@ -40,7 +40,7 @@ from coordexp.runtime.server.worker import FifoWorker
 __all__ = ["BatchPolicy", "JobSpec", "Job", "Scheduler", "DEFAULT_WINDOW_S", "DEFAULT_MAX_BATCH_SEQS"]
 
 log = logging.getLogger("coordexp.serve")
-DEFAULT_WINDOW_S = 0.003
+DEFAULT_WINDOW_S = 0.005
 DEFAULT_MAX_BATCH_SEQS = 256  # an engine that states no batch size (vLLM's own default max_num_seqs on GPU)
 Result = tuple[RolloutOutput, Any]  # one sequence's output and its logprobs (None when not asked)
 

@@ -36,8 +36,9 @@ DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024  # base64 images of a few large pages;
 MAX_CHOICES = 64  # n per request (GRPO-style groups are far smaller)
 MAX_SEQUENCES = 4096  # requests x n of one /infer/ call: one call's sequences fit in the worker's memory
 MAX_INT_DIGITS = 30  # far above any count, size or seed the server takes (2**64 has 20 digits)
-# sequences x max_tokens of one /infer/ call (--max-request-tokens): 4,096 x 256; larger calls are split by the client
-MAX_REQUEST_TOKENS = 1 << 20
+# sequences x max_tokens of one /infer/ call (--max-request-tokens): 4,096 x 1,024 (a learner rank's share of a
+# step fits; the scheduler interleaves big calls with others, so this bounds memory and one call's length only)
+MAX_REQUEST_TOKENS = 1 << 22
 MAX_STOPS = 16  # stop strings per call (swift's clients send one or two)
 MAX_STOP_CHARS = 256
 _SUSPECT = re.compile(rb"NaN|Infinity|\d[eE]\+?\d{3}|\d{%d}" % (MAX_INT_DIGITS + 1))
