@@ -62,11 +62,12 @@ def check_checkpoint_files(model_dir: Path, adapter: Optional[Path]) -> None:
 
 
 def _input_files(run: Any, config: Path, model_dir: Path, adapter: Optional[Path]) -> list[Path]:
-    """Files eval reads: the config, the data files and every file of the checkpoint (and adapter) directory."""
+    """Files eval reads: the config, the data files and every file of the checkpoint (and adapter) directory but
+    eval's own result names (results written there by an earlier eval may be replaced by this one)."""
     files = [config] + [Path(p) for p in (run.data.train_jsonl, run.data.val_jsonl) if p]
     for folder in (model_dir, adapter):
         if folder is not None and folder.is_dir():
-            files.extend(p for p in folder.iterdir() if p.is_file())
+            files.extend(p for p in folder.iterdir() if p.is_file() and p.name not in EVAL_FILES)
     return files
 
 
