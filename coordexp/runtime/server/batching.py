@@ -1,7 +1,7 @@
 """Request coalescing and fair scheduling of ``/infer/`` calls on the rollout server's ONE engine worker.
 
 Why: with one engine call per HTTP request, the learner's concurrent ranks each got a fraction of the batch the
-engine can run, and one huge request blocked every other for minutes (docs/design.md, rollout server batching).
+engine can run, and one huge request blocked every other for minutes (docs/design.md, server mode).
 
 - Every ``/infer/`` is a :class:`Job`; its items (request ``j`` gives ``n`` sequences) are encoded lazily, when a
   round takes them, so a big request never encodes everything before others get a turn.
@@ -114,17 +114,17 @@ class Scheduler:
 
     # -------------------------------------------------------------------------------------------- submit
 
-    def submit(self, spec: Any) -> Future:
-        """Queue one job; its future holds ``spec.reply(...)`` or the exception that ended it."""
+    def submit(self, job_spec: Any) -> Future:
+        """Queue one job; its future holds ``job_spec.reply(...)`` or the exception that ended it."""
         with self.worker.lock:
             if self._stopping:
                 from coordexp.runtime.server.worker import WorkerStopped
 
                 raise WorkerStopped("the server is shutting down and takes no more work")
-            job = Job(spec, self.worker.epoch)
-            if spec.count == 0:
-                job.future.set_result(spec.reply([]))
-                spec.close()
+            job = Job(job_spec, self.worker.epoch)
+            if job_spec.count == 0:
+                job.future.set_result(job_spec.reply([]))
+                job_spec.close()
                 return job.future
             self._jobs.append(job)
             if self._armed != job.epoch:

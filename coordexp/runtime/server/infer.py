@@ -2,9 +2,9 @@
 encoding, stop strings and swift's reply shape (the rest of the server lives in ``app.py``; merging in
 ``batching.py``).
 
-- Seeds: request ``j``, choice ``k`` samples with ``normalize_seed(seed + j*n + k)`` (MS310's per-request
-  ``seed + j`` when n = 1; the one seed rule of ``coordexp.runtime.core.distribution``); an unset seed (None or 0,
-  as in MS310) draws from the server's own seeded RNG.
+- Seeds (docs/design.md#ms310): request ``j``, choice ``k`` samples with ``normalize_seed(seed + j*n + k)``
+  (MS310's per-request ``seed + j`` when n = 1; the one seed rule of ``coordexp.runtime.core.distribution``); an
+  unset seed (None or 0, as in MS310) draws from the server's own seeded RNG.
 - Custom ``stop`` strings (swift honours them): generation ends at the engine's stop tokens, then each choice is cut
   after the first token whose text completes a stop string; that token stays (vLLM keeps it in ``token_ids`` and
   swift decodes the content from them), ``finish_reason`` is ``stop``, logprobs are cut with it.
