@@ -9,6 +9,8 @@ import base64
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from coordexp.runtime.rollout import protocol as p
@@ -170,3 +172,35 @@ def test_a_large_body_is_scanned_off_the_event_loop(monkeypatch):
 
     asyncio.run(guard({"type": "http", "method": "POST", "headers": [], "path": "/infer/"}, receive, send))
     assert seen == [False] and answered == [True]  # scanned on a worker thread, then passed on untouched
+
+
+_TRICKY_TEXT = st.lists(st.sampled_from(["NaN", "Infinity", "-Infinity", "1e999", "9" * 31, '"', "\\", "\\\"", "x",
+                                         " ", "\u00e9", ":", ",", "[", "{"]), max_size=6).map("".join)
+_TRICKY = st.recursive(st.none() | st.integers(-5, 5) | st.floats(allow_nan=True, allow_infinity=True) | _TRICKY_TEXT,
+                       lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_TRICKY_TEXT, inner, max_size=3),
+                       max_leaves=10)
+
+
+@settings(max_examples=200, deadline=None)
+@given(document=_TRICKY, ascii_only=st.booleans())
+def test_the_outside_strings_scan_agrees_with_a_full_parse(document, ascii_only):
+    """Skipping string literals never hides a non-finite number and never invents one, whatever the strings hold
+    (quotes, backslashes, NaN/Infinity text, keys included)."""
+    text = json.dumps({"root": document}, ensure_ascii=ascii_only).encode()
+    expected = []
+    if limits._SUSPECT.search(text):
+        full = json.loads(text, parse_constant=limits._NonFinite, parse_float=limits._parse_float,
+                          parse_int=limits._parse_int)
+        expected = ["x" for v in _leaves(full) if isinstance(v, limits._NonFinite)]
+    assert len(limits.non_finite_paths(text)) == min(len(expected), 8)
+
+
+def _leaves(value):
+    if isinstance(value, dict):
+        for item in value.values():
+            yield from _leaves(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _leaves(item)
+    else:
+        yield value

@@ -10,6 +10,9 @@ encoding, stop strings and swift's reply shape (the rest of the server lives in 
   swift decodes the content from them), ``finish_reason`` is ``stop``, logprobs are cut with it.
 - System prompt: a request without a system message gets the chat template's own default (as ``swift rollout``
   gives it) unless the server was started with an explicit one (``serve-rollout --system``).
+- Items are encoded when the scheduler's round takes them: an item that cannot be encoded (a bad image, a prompt
+  too long for ``max_model_len``) fails its whole call with a 400 when its turn comes, and the work already done for
+  that call is dropped; refusals that need no encoding come before anything is queued.
 """
 
 from __future__ import annotations
