@@ -19,8 +19,9 @@ engine can run, and one huge request blocked every other for minutes (docs/desig
   equal share of the budget: no request waits behind the whole of another, only behind the engine call in flight
   (at most ``max_batch_seqs`` sequences of ``max_tokens``). Jobs of other parameters that are also new come in
   arrival order, one round each.
-- The first round of a tick waits ``window_s`` (a few ms) so calls sent together land in one engine call; calls
-  that arrive while the engine is busy are merged anyway. Each job gets exactly its own outputs, in order; seeds
+- The first round of a tick waits ``window_s`` (a few ms), and again while calls keep arriving (at most
+  ``MAX_WINDOWS`` windows), so calls sent together land in one engine call; calls that arrive while the engine is
+  busy are merged anyway. Each job gets exactly its own outputs, in order; seeds
   are per sequence, so a merged call samples what separate calls would.
 - A failing engine call with several jobs is retried job by job, so one bad request fails only its own caller.
 """
@@ -41,6 +42,7 @@ __all__ = ["BatchPolicy", "JobSpec", "Job", "Scheduler", "DEFAULT_WINDOW_S", "DE
 
 log = logging.getLogger("coordexp.serve")
 DEFAULT_WINDOW_S = 0.005
+MAX_WINDOWS = 8  # an idle engine waits at most this many windows while calls keep arriving
 DEFAULT_MAX_BATCH_SEQS = 256  # an engine that states no batch size (vLLM's own default max_num_seqs on GPU)
 Result = tuple[RolloutOutput, Any]  # one sequence's output and its logprobs (None when not asked)
 
@@ -109,6 +111,7 @@ class Scheduler:
         self._armed: int | None = None  # the epoch whose tick is queued or running and still takes jobs
         self._stopping = False
         self._rounds = 0
+        self._arrivals = 0
         self.engine_calls = self.merged_calls = self.jobs_done = self.sequences = self.max_jobs_per_call = 0
         self.last_call_jobs = 0
 
@@ -127,6 +130,7 @@ class Scheduler:
                 job_spec.close()
                 return job.future
             self._jobs.append(job)
+            self._arrivals += 1
             if self._armed != job.epoch:
                 self._armed = job.epoch
                 epoch = job.epoch
@@ -154,7 +158,11 @@ class Scheduler:
     # -------------------------------------------------------------------------------------------- rounds
 
     def _tick(self, epoch: int) -> None:
-        if self.policy.window_s:
+        seen = -1
+        for _ in range(MAX_WINDOWS if self.policy.window_s else 0):
+            if self._arrivals == seen:  # a quiet window: the burst is in
+                break
+            seen = self._arrivals
             time.sleep(self.policy.window_s)  # calls sent together arrive within a few ms: one engine call
         while self._round(epoch):
             pass
