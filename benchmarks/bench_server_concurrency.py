@@ -12,7 +12,9 @@ Run: ``.venv/bin/python benchmarks/bench_server_concurrency.py [--prompts 32] [-
    call), and whether every W returned the same tokens as W = 1.
 2. Weight push: the tiny policy's full weights pushed by the learner's real path (``VllmServerBackend.sync_weights``
    -> :class:`~coordexp.runtime.rollout.vllm_server.ServerWeightChannel`, gloo over loopback) to 1 and to 3 such
-   servers; median seconds per push after a warm-up push that opens the groups, and the 3/1 ratio (goal <= 1.5).
+   servers; median seconds per push after a warm-up push that opens the groups, and the 3/1 ratio (goal <= 1.5);
+   the 3 servers also pushed one after another (``max_parallel_pushes = 1``, each server its own export, as before
+   parallel pushes) for comparison.
 
 The last line is ``concurrency ratio W=4: X``. On a small CPU box the server and the clients share the cores, so
 the figures say how the server schedules concurrent calls, not what a GPU server reaches.
@@ -143,7 +145,8 @@ def run_concurrency(url: str, bodies: list[dict], *, new_tokens: int, repeats: i
 
 
 def run_push(servers: list[VllmServer], model_dir: Path, *, repeats: int) -> dict:
-    """Median seconds of a full-weight push to 1 and to 3 servers (after a warm-up push that opens each group)."""
+    """Median seconds of a full-weight push to 1 and to 3 servers (after a warm-up push that opens each group),
+    and to the 3 one after another."""
     import torch
     from transformers import AutoModelForImageTextToText
 
@@ -159,6 +162,9 @@ def run_push(servers: list[VllmServer], model_dir: Path, *, repeats: int) -> dic
     backends = {count: VllmServerBackend(clients[:count], decode_batch_size=1, max_new_tokens=8,
                                          decoding=DecodingConfig(**GREEDY), weight_pusher=channel,
                                          topology=lambda: (0, 1)) for count in (1, len(clients))}
+    backends[-1] = VllmServerBackend(clients, decode_batch_size=1, max_new_tokens=8, decoding=DecodingConfig(**GREEDY),
+                                     weight_pusher=channel, topology=lambda: (0, 1))
+    backends[-1].max_parallel_pushes = 1  # key -1: the same servers, one after another
     first = next(policy.parameters())
 
     def push(count: int) -> float:
@@ -173,10 +179,13 @@ def run_push(servers: list[VllmServer], model_dir: Path, *, repeats: int) -> dic
     for _ in range(repeats):
         for count in backends:
             times[count].append(push(count))
-    channel.close()
-    medians = {str(count): statistics.median(values) for count, values in times.items()}
-    return {"megabytes": size / 1e6, "seconds": medians, "warmup_seconds": {str(c): s for c, s in warmup.items()},
-            "ratio": medians[str(len(clients))] / medians["1"]}
+    for backend in backends.values():
+        backend.close()
+    medians = {str(count): statistics.median(values) for count, values in times.items() if count > 0}
+    sequential = statistics.median(times[-1])
+    return {"megabytes": size / 1e6, "seconds": medians, "sequential_seconds": sequential,
+            "warmup_seconds": {str(c): s for c, s in warmup.items() if c > 0},
+            "ratio": medians[str(len(clients))] / medians["1"], "sequential_ratio": sequential / medians["1"]}
 
 
 def main() -> None:
@@ -241,7 +250,8 @@ def main() -> None:
     many = str(args.push_servers)
     print(f"\nFull weight push ({push['megabytes']:.1f} MB, gloo over loopback, median of {args.repeats}): "
           f"1 server {push['seconds']['1']:.3f} s, {many} servers {push['seconds'][many]:.3f} s, "
-          f"ratio {push['ratio']:.2f} (goal <= 1.5)")
+          f"ratio {push['ratio']:.2f} (goal <= 1.5); one after another {push['sequential_seconds']:.3f} s, ratio "
+          f"{push['sequential_ratio']:.2f}")
     print("\nJSON " + json.dumps(summary))
     print(f"concurrency ratio W=4: {concurrency['4']['ratio']:.2f}")
 

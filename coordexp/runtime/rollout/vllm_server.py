@@ -39,7 +39,7 @@ from coordexp.runtime.model.encoding import build_messages
 from coordexp.runtime.rollout.client import RolloutServerClient, ServerError, is_not_found
 from coordexp.runtime.rollout.protocol import ProtocolError, item_to_rollout_output, parse_infer_response
 from coordexp.runtime.rollout.repeat_guard_check import check_repeat_guards
-from coordexp.runtime.rollout.server_push import SharedExport, push_in_parallel
+from coordexp.runtime.rollout.server_push import MAX_PARALLEL_PUSHES, SharedExport, push_in_parallel
 from coordexp.runtime.rollout.weight_export import adapter_state, named_tensors, policy_version
 from coordexp.runtime.rollout.weight_sync import DEFAULT_BUCKET_MB, WeightSyncError
 from coordexp.schema.contract import VllmServerContract
@@ -49,7 +49,8 @@ from coordexp.schema.template import TemplateConfig
 if TYPE_CHECKING:
     from coordexp.schema.contract import RunContract
 
-__all__ = ["VllmServerBackend", "ServerWeightChannel", "RolloutServerError", "WeightSyncError", "learner_topology"]
+__all__ = ["VllmServerBackend", "ServerWeightChannel", "RolloutServerError", "WeightSyncError", "learner_topology",
+           "clients_for"]
 
 logger = logging.getLogger("coordexp.rollout.server")
 ADAPTER_LORA_ID = 1  # the server holds one adapter; every adapter push replaces it under this id
@@ -143,6 +144,7 @@ class VllmServerBackend(RolloutBackend):
         self.global_step: int | None = None
         self.fallback_events: list[str] = []
         self._pushed_version: tuple | None = None
+        self.max_parallel_pushes = MAX_PARALLEL_PUSHES  # servers pushed at once (1: one after another)
         self._closed = False
         self.last_calls: list[dict[str, Any]] = []
         self._state_lock = threading.Lock()  # rollout_step and last_calls: a background rollout updates them
@@ -286,7 +288,7 @@ class VllmServerBackend(RolloutBackend):
             return
         if self._pusher is None:
             self._pusher = ServerWeightChannel(timeout_s=self.timeout_s)
-        push_in_parallel(self.clients, lambda wave: self._wave_tasks(wave, model))
+        push_in_parallel(self.clients, lambda wave: self._wave_tasks(wave, model), max_workers=self.max_parallel_pushes)
         self._pushed_version = version
 
     def _wave_tasks(self, wave: Sequence[RolloutServerClient], model: Any) -> list[Callable[[], None]]:
