@@ -200,6 +200,12 @@ class RunContract:
     rollout_matching: RolloutMatchingContract
     tuner: TunerConfig = field(default_factory=TunerConfig)
 
+    @property
+    def sample_max_length(self) -> int:
+        """The token cap of one encoded training sample: ``template.max_length``, else ``global_max_length``
+        (packing refuses a longer segment; the unpacked paths pass it to ``encode_teacher_forced``)."""
+        return self.template.max_length or self.global_max_length
+
     def to_dict(self) -> dict:
         """Plain JSON-ready data (for ``coordexp validate --print-contract`` and run metadata)."""
         return _plain(self)

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 __all__ = [
     "IMAGE_PAD_TOKEN",
     "EncodingError",
+    "SampleLengthError",
+    "check_sample_length",
     "ImageTextProcessor",
     "EncodedPrompt",
     "EncodedSample",
@@ -43,6 +45,22 @@ _VISION_PLACEHOLDERS = (IMAGE_PAD_TOKEN, "<|video_pad|>")
 
 class EncodingError(UserInputError, ValueError):
     """A prompt or teacher-forced encoding is inconsistent; training on it would silently misalign labels."""
+
+
+class SampleLengthError(EncodingError):
+    """A teacher-forced sample is longer than the run's token cap (``template.max_length`` or
+    ``global_max_length``); the message names the record, both lengths and the mitigations."""
+
+
+def check_sample_length(source: str, length: int, max_length: int) -> None:
+    """Refuse a sample over the cap, as post-rollout packing refuses a segment over ``packing_length``: a sample
+    the cap does not hold is never trained silently (stage 1 without packing read 2,501 tokens under a 1,024 cap)."""
+    if length > max_length:
+        raise SampleLengthError(
+            f"{source}: the encoded sample has {length} tokens (prompt, image and target), over the cap of "
+            f"{max_length} (template.max_length, else global_max_length)",
+            hint="raise global_max_length (or template.max_length), lower template.max_pixels, or shorten this "
+                 "record (fewer objects, shorter descs)")
 
 
 @dataclass(frozen=True)
@@ -234,10 +252,13 @@ def encode_teacher_forced(
     assistant_ids: Sequence[int],
     *,
     prompt: EncodedPrompt | None = None,
+    max_length: int | None = None,
 ) -> EncodedSample:
     """Prompt ids (``prompt`` if given, e.g. the rollout's own, else :func:`encode_prompt`) + ``assistant_ids``.
 
     ``assistant_ids`` are appended as ids (``Y_train`` ids, EOS included); they are never decoded and re-encoded.
+    ``max_length`` (the run's cap, ``RunContract.sample_max_length``): a longer sample is a
+    :class:`SampleLengthError` (:func:`check_sample_length`).
     """
     import torch
 
@@ -262,6 +283,8 @@ def encode_teacher_forced(
             f"{record.source}: the assistant response holds an image/video placeholder id ({response[placeholder]}) "
             f"at position {placeholder}; the vision features would be misaligned. Forbid these ids in generation"
         )
+    if max_length is not None:
+        check_sample_length(record.source, int(prompt.input_ids.numel()) + len(response), max_length)
     response_ids = torch.tensor(response, dtype=torch.long)
     input_ids = torch.cat([prompt.input_ids, response_ids])
     return EncodedSample(
