@@ -7,7 +7,6 @@ nodes per document with every alias expanded (a 334-byte alias bomb expands to 1
 
 from __future__ import annotations
 
-import os
 import re
 import stat
 from pathlib import Path
@@ -182,17 +181,17 @@ def parse_yaml_text(text: str) -> Any:
 def read_yaml_file(path: Path) -> Any:
     """Read and parse ``path``; every failure (missing, directory, binary, syntax) is a :class:`YamlReadError`."""
     try:
-        info = os.stat(path)
-    except FileNotFoundError:
-        raise YamlReadError("file not found", "Check the path (relative paths are from the current directory).") from None
+        info = path.stat() if path.exists() else None
     except (OSError, ValueError) as exc:  # a name over NAME_MAX, a NUL byte, a loop of symlinks, no permission
         reason = getattr(exc, "strerror", None) or str(exc)
         raise YamlReadError(f"cannot use this path ({reason})", "Check the path; each file or folder name may have "
                                                                 "at most 255 bytes.") from None
+    if info is None:
+        raise YamlReadError("file not found", "Check the path (relative paths are from the current directory).")
     if stat.S_ISDIR(info.st_mode):
         raise YamlReadError("is a directory, not a YAML file", "Pass a .yaml file.")
-    if not stat.S_ISREG(info.st_mode):
-        raise YamlReadError("is not a regular file (a FIFO or device?)", "Pass a .yaml file.")
+    if stat.S_ISFIFO(info.st_mode) or stat.S_ISSOCK(info.st_mode):  # opening one would wait for a writer
+        raise YamlReadError("is a FIFO or socket, not a file", "Pass a .yaml file.")
     try:
         with path.open("rb") as handle:
             raw = handle.read(MAX_CONFIG_BYTES + 1)  # never more than the cap, whatever the file claims
