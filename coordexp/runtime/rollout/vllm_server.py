@@ -457,15 +457,23 @@ class ServerWeightChannel:
         return adapter_state(model) if mode == "adapter" else named_tensors(model)
 
     def __call__(self, client: RolloutServerClient, model: Any, mode: str) -> None:
+        if mode == "adapter":
+            self._ready_for(client, mode)  # a server that cannot take an adapter fails before any export
         self.push(client, self.export(model, mode), mode)
 
-    def push(self, client: RolloutServerClient, exported: Any, mode: str) -> None:
-        """Send ``exported`` (from :meth:`export`) to one server; the transports only read it."""
+    def _ready_for(self, client: RolloutServerClient, mode: str) -> Any:
+        """The server's open sender; raises when ``mode`` is adapter and a swift server has LoRA disabled."""
         sender = self._sender(client)
         swift = getattr(sender, "wire", "coordexp") == "swift"
         if mode == "adapter" and swift and not client.engine_type().get("enable_lora", False):
             raise WeightSyncError(f"rollout server {client.base_url} (swift rollout) has LoRA disabled "
                                   "(enable_lora: false); start it with --vllm_enable_lora true, or sync full weights")
+        return sender
+
+    def push(self, client: RolloutServerClient, exported: Any, mode: str) -> None:
+        """Send ``exported`` (from :meth:`export`) to one server; the transports only read it."""
+        sender = self._ready_for(client, mode)
+        swift = getattr(sender, "wire", "coordexp") == "swift"
         if mode == "adapter":
             adapter = exported
             lora_id = _fresh_lora_id() if swift else ADAPTER_LORA_ID  # swift's vLLM keeps an id's first load
