@@ -139,6 +139,7 @@ print("RESULT", code, heavy, round(time.perf_counter() - t, 3))
 """
 
 
+@pytest.mark.slow  # starts a process
 @pytest.mark.parametrize("args", [["validate", *EXAMPLES], ["schema"], ["validate", "--print-contract", EXAMPLES[0]]])
 def test_light_commands_import_no_heavy_module(args):
     """validate/schema stay fast by construction: they never import torch/transformers/vllm (a timing bound would
@@ -151,6 +152,7 @@ def test_light_commands_import_no_heavy_module(args):
     assert (code, heavy) == ("0", "[]"), (line, proc.stderr)
 
 
+@pytest.mark.slow  # starts a process
 def test_console_script_entry_point_exists():
     proc = subprocess.run([sys.executable, "-m", "coordexp.cli.app", "--help"], capture_output=True, text=True,
                           timeout=60)

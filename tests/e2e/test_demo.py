@@ -50,6 +50,7 @@ def quick_demo(tmp_path_factory):
     return root, result
 
 
+@pytest.mark.slow  # trains both stages
 def test_quick_demo_runs_both_stages_and_reports_before_and_after(quick_demo):
     from coordexp.cli.demo import QUICK_STEPS
 
@@ -74,6 +75,7 @@ def test_quick_demo_runs_both_stages_and_reports_before_and_after(quick_demo):
     assert json.loads((root / "runs" / "s2" / "demo_summary.json").read_text())["pngs"] == summary["pngs"]
 
 
+@pytest.mark.slow  # trains both stages
 def test_quick_demo_writes_pngs_of_the_final_evaluation(quick_demo):
     from PIL import Image
 

@@ -121,6 +121,7 @@ def _load_by_path(env: dict, *unimportable: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=900)
 
 
+@pytest.mark.slow  # starts a process
 def test_loading_by_path_without_swift_fails_loudly_naming_what_is_missing():
     """ms-swift imports the file by path (module name != the package path): an enabled guard that cannot be
     installed must stop the server with the reason, never run silently without it."""
@@ -136,6 +137,7 @@ def test_loading_by_path_without_swift_fails_loudly_naming_what_is_missing():
     assert quiet.returncode == 0 and "PATCHED False" in quiet.stdout, quiet.stderr
 
 
+@pytest.mark.slow  # starts a process
 def test_loading_by_path_patches_ms_swifts_own_vllm_engine():
     """With ms-swift's real package installed (scripts/install_swift_client.sh), loading the plugin by path, as
     ``swift rollout --external_plugins`` does, patches swift's own ``VllmEngine``; with no config it patches nothing."""

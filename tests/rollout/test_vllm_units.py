@@ -29,6 +29,7 @@ def test_missing_vllm_fails_fast_with_install_and_fallback_guidance(monkeypatch)
     assert isinstance(info.value, BackendUnavailableError)  # the registry's error type
 
 
+@pytest.mark.slow  # starts a process
 def test_the_colocate_backend_module_does_not_import_vllm():
     code = ("import sys; from coordexp.runtime.rollout.registry import get_backend_class; "
             "from coordexp.schema.contract import VllmColocateContract; "

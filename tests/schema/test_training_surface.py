@@ -160,6 +160,7 @@ def test_part_rates_are_bounded(part, value):
     assert (_errors({part: value}) == []) == (low_ok and value <= 10.0)
 
 
+@pytest.mark.slow  # starts a process
 def test_schema_import_stays_light():
     code = "import sys, coordexp.schema; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)

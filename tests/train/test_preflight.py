@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 
+import pytest
 from typer.testing import CliRunner
 
 from coordexp.cli.app import app
@@ -140,6 +141,7 @@ def test_device_split_suggestions():
     assert suggest_device_split(1, 1)["server_devices"] == []
 
 
+@pytest.mark.slow  # starts a process
 def test_preflight_does_not_import_torch(write_config):
     cfg = write_config({})
     code = ("import sys; from coordexp.runtime.train.preflight import run_preflight; r = run_preflight(sys.argv[1]); "
