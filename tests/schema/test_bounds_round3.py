@@ -163,3 +163,33 @@ def test_migrate_output_onto_a_fifo_is_refused(tmp_path):
     result = runner.invoke(app, ["migrate", str(source), "-o", str(fifo)])
     assert result.exit_code == 2 and "not a regular file" in " ".join(result.output.split())
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
+@pytest.mark.slow
+def test_stage1_trains_to_finite_weights_at_the_smallest_sigma_and_temperature(tmp_path, tiny_model_dir,
+                                                                                synthetic_dataset):
+    """End to end at the bounds: 2 stage-1 steps with target_sigma 1e-3 and temperature 1e-3 (the old schema let
+    sigma reach 1e-160: exit 0 with all 46 weight tensors non-finite)."""
+    from safetensors.torch import load_file
+
+    from testkit import REPO
+
+    coord_reg = {"coord_ce_weight": 1.0, "soft_ce_weight": 1.0, "w1_weight": 1.0, "coord_gate_weight": 1.0,
+                 "text_gate_weight": 1.0, "temperature": 1e-3, "target_sigma": MIN_TARGET_SIGMA, "target_truncate": None}
+    config = {
+        "extends": str(REPO / "examples" / "demo_stage1.yaml"),
+        "model": {"path": str(tiny_model_dir)},
+        "data": {"train_jsonl": str(synthetic_dataset.train_jsonl), "val_jsonl": None},
+        "training": {"output_dir": str(tmp_path / "run"), "max_steps": 2, "per_device_train_batch_size": 2,
+                     "learning_rate": 1e-2, "save_steps": 2},
+        "rollout_matching": {"pipeline": {"objective": [
+            {"name": "token_ce", "enabled": True, "weight": 1.0, "channels": ["B"],
+             "config": {"rollout_fn_desc_weight": 0.0, "rollout_matched_prefix_struct_weight": 0.0}},
+            {"name": "coord_reg", "enabled": True, "weight": 1.0, "channels": ["B"], "config": coord_reg}]}},
+    }
+    path = tmp_path / "stage1.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+    result = runner.invoke(app, ["train", str(path)])
+    assert result.exit_code == 0, result.output
+    weights = load_file(str(tmp_path / "run" / "model.safetensors"))
+    assert weights and all(torch.isfinite(t.float()).all() for t in weights.values())
