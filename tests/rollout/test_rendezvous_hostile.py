@@ -104,6 +104,122 @@ def test_the_guard_refuses_ranks_outside_the_group_and_passes_other_keys():
     assert guard.get("3/error/0") == b""
 
 
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="socket filters are Linux's")
+
+
+def connects(port: int, source: str) -> bool:
+    """Whether a TCP connection from ``source`` (a loopback alias) to the listener at 127.0.0.1:``port`` completes
+    (a filtered attempt is dropped, so it times out)."""
+    with socket.socket() as sock:
+        sock.bind((source, 0))
+        sock.settimeout(2.0)
+        try:
+            sock.connect(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+@linux_only
+def test_the_gate_admits_only_the_authorized_address_then_nobody_and_keeps_accepted_connections():
+    from coordexp.runtime.server.rendezvous import ListenerGate
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        port = listener.getsockname()[1]
+        gate = ListenerGate(listener)
+        gate.admit({"127.0.0.2"})
+        assert gate.enforced
+        assert connects(port, "127.0.0.3") is False  # another address: dropped
+        member = socket.create_connection(("127.0.0.1", port), timeout=5, source_address=("127.0.0.2", 0))
+        accepted, _ = listener.accept()
+        gate.seal()
+        assert connects(port, "127.0.0.2") is False  # the group has formed: nobody new, not even the peer's address
+        member.sendall(b"still here")
+        accepted.settimeout(5)
+        assert accepted.recv(16) == b"still here"  # ... while the member's connection keeps working
+        gate.close()
+        member.close()
+        accepted.close()
+
+
+def test_swifts_wire_admits_the_callers_address_unless_it_is_loopback_or_ipv6():
+    from coordexp.runtime.server.rendezvous import RendezvousPolicy
+
+    policy = RendezvousPolicy.resolve(http_host="127.0.0.1")
+    assert policy.admitted("10.1.2.3") == {"10.1.2.3", "127.0.0.1"}  # the caller, and the store's own client
+    assert policy.admitted("::ffff:10.1.2.3") == {"10.1.2.3", "127.0.0.1"}
+    for peer in ("127.0.0.1", "::1", "fe80::1", "testclient", None):
+        assert policy.admitted(peer) is None
+
+
+class CollectivePlanes:
+    """A data plane factory whose init, like PyNccl's, returns on rank 0 only once the learner has read the id."""
+
+    collective_init = True
+
+    def __init__(self):
+        self.read = threading.Event()
+
+    def unavailable_reason(self, device):
+        return None
+
+    def __call__(self, group, device):
+        from types import SimpleNamespace
+
+        uid = group.broadcast_obj("the-unique-id" if group.rank == 0 else None, src=0)
+        if group.rank == 0:
+            assert self.read.wait(30), "the learner never read the unique id"
+        else:
+            assert uid == "the-unique-id"
+            self.read.set()
+        return SimpleNamespace(device=torch.device("cpu"), close=lambda: None)
+
+
+def test_swifts_unique_id_leaves_the_store_once_the_group_has_formed():
+    from coordexp.runtime.rollout.swift_sync import UNIQUE_ID_KEY, SwiftWireReceiver, SwiftWireSender
+    from coordexp.runtime.rollout.weight_sync import listening_socket
+
+    listener = listening_socket("127.0.0.1", 0)
+    port = listener.getsockname()[1]
+    planes = CollectivePlanes()
+    sender = SwiftWireSender(planes, device="cpu", timeout_s=30)
+    joined = threading.Thread(target=lambda: sender.init("127.0.0.1", port, 2), daemon=True)
+    joined.start()
+    receiver = SwiftWireReceiver(planes, torch.device("cpu"), 30)
+    receiver.init(listener, port, 2)
+    joined.join(30)
+    try:
+        assert sender.is_open and receiver.is_open
+        assert not receiver.group.store.check([UNIQUE_ID_KEY])  # a stranger can no longer read it and join NCCL
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_without_a_collective_init_the_unique_id_leaves_the_store_at_the_first_barrier():
+    from coordexp.runtime.rollout.swift_sync import UNIQUE_ID_KEY, SwiftStoreGroup
+    from coordexp.runtime.rollout.weight_sync import listening_socket
+
+    listener = listening_socket("127.0.0.1", 0)
+    port = listener.getsockname()[1]
+    box: dict = {}
+
+    def learner_side():
+        group = SwiftStoreGroup.join("127.0.0.1", port, 1, 2, 30)
+        box["uid"] = group.broadcast_obj(None, src=0)
+        group.barrier(10)
+
+    thread = threading.Thread(target=learner_side, daemon=True)
+    thread.start()
+    host = SwiftStoreGroup.host(listener, port, 2, 30)
+    host.broadcast_obj("the-unique-id", src=0)
+    host.barrier(10)
+    thread.join(30)
+    assert box["uid"] == "the-unique-id" and not host.store.check([UNIQUE_ID_KEY])
+
+
 # --------------------------------------------------------------------------------------------------- a real server
 
 
@@ -264,6 +380,21 @@ def test_a_client_without_the_token_cannot_join_the_authorized_group(server):
     try:
         server.push(sender)
         assert server.status()["communicator"] == "ready"
+    finally:
+        sender.close()
+
+
+@pytest.mark.slow
+def test_once_the_group_has_formed_the_store_takes_no_new_connection(server):
+    port = free_port()
+    reply = server.init(port)
+    wait_listening(port)
+    sender = learner(reply, port)
+    try:
+        assert server.wait_status(lambda s: s["communicator"] != "initializing")["communicator"] == "ready"
+        with pytest.raises(OSError):  # dropped by the sealed listener: the attempt times out
+            socket.create_connection(("127.0.0.1", port), timeout=3).close()
+        server.push(sender)  # the members' own connections keep working
     finally:
         sender.close()
 

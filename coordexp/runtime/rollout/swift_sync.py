@@ -137,6 +137,7 @@ class SwiftStoreGroup:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, float(timeout_s)
         self._sent = 0  # this rank's object-broadcast counter
+        self._forgotten = 0  # this rank's objects below this counter are deleted from the store
         self._received = {src: 0 for src in range(world_size)}  # per-source counters of objects read
 
     @classmethod
@@ -210,7 +211,17 @@ class SwiftStoreGroup:
         if self.rank != 0:
             return
         self._wait([departure_key(barrier_id, r) for r in ranks], timeout_s, "the barrier's departures")
-        for key in [id_key] + [k(barrier_id, r) for r in ranks for k in (arrival_key, departure_key)]:
+        self._delete([id_key] + [k(barrier_id, r) for r in ranks for k in (arrival_key, departure_key)])
+        self.forget_published()  # every rank has read them: they were published before this barrier
+
+    def forget_published(self) -> None:
+        """Delete every object this rank has published (every peer must have read them): the store is reachable
+        by anyone who can connect to it, and the first object is the NCCL unique id a stranger could join with."""
+        self._delete([broadcast_key(self.rank, n) for n in range(self._forgotten, self._sent)])
+        self._forgotten = self._sent
+
+    def _delete(self, keys: list[str]) -> None:
+        for key in keys:
             try:
                 self.store.delete_key(key)
             except Exception:  # noqa: BLE001 - cleanup only
@@ -285,6 +296,8 @@ class _NcclPlane:
 
 class NcclPlaneFactory:
     """The real data plane: vLLM's ``PyNcclCommunicator`` (CUDA and NCCL needed on both ends)."""
+
+    collective_init = True  # the communicator forms only once every rank has read the unique id
 
     def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S):
         self.timeout_s = float(timeout_s)
@@ -387,7 +400,11 @@ class SwiftWireReceiver(_WireEnd):
     swift's learner cannot be told."""
 
     def init(self, listener: socket.socket, port: int, world_size: int) -> None:
+        """Host the store and form the group; where the plane's init was collective (NCCL), every peer has read
+        the unique id, so it leaves the store now (otherwise at the first barrier)."""
         self._form(lambda: SwiftStoreGroup.host(listener, port, world_size, self.timeout_s))
+        if getattr(self.planes, "collective_init", False) and self.group is not None:
+            self.group.forget_published()
 
     def receive(self, metadatas: Sequence[FlattenedTensorMetadata],
                 apply: Callable[[list[tuple[str, torch.Tensor]]], None]) -> str | None:

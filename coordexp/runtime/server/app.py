@@ -24,7 +24,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from fastapi import FastAPI, HTTPException
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from fastapi.responses import JSONResponse
@@ -40,7 +40,8 @@ from coordexp.runtime.rollout.store_guard import new_rendezvous_key
 from coordexp.runtime.rollout.weight_sync import DEFAULT_TIMEOUT_S, WeightSyncError, WeightSyncReceiver
 from coordexp.runtime.server.limits import (DEFAULT_MAX_BODY_BYTES, MAX_REQUEST_TOKENS, BodyGuard, max_token_chars,
                                             request_limits, validation_error_detail)
-from coordexp.runtime.server.rendezvous import RendezvousBusy, RendezvousPolicy, RendezvousRunner, SyncTokenGuard
+from coordexp.runtime.server.rendezvous import (ListenerGate, RendezvousBusy, RendezvousPolicy, RendezvousRunner,
+                                                SyncTokenGuard)
 from coordexp.runtime.server.worker import FifoWorker, WorkerStopped
 from coordexp.schema.rollout import DecodingConfig
 from coordexp.schema.template import TemplateConfig
@@ -145,7 +146,10 @@ class RolloutService:
 
     # ------------------------------------------------------------------------------------------ weight sync
 
-    def init_communicator(self, body: p.InitCommunicatorRequest) -> p.InitCommunicatorResponse:
+    def init_communicator(self, body: p.InitCommunicatorRequest, peer: str | None = None
+                          ) -> p.InitCommunicatorResponse:
+        """Open the group ``body`` asks for; ``peer``: the authorized caller's address (swift's wire admits only it
+        while the group forms)."""
         world_size = RECEIVERS + 1
         if body.world_size != world_size:
             raise HTTPException(400, f"world_size {body.world_size} does not match this server's weight-sync group: "
@@ -153,7 +157,7 @@ class RolloutService:
                                      f"{world_size - 1}); send world_size: {world_size}")
         self._refuse_while_waiting()  # whatever the wire: one rendezvous at a time
         if swift_sync.wants_swift_wire(body.model_fields_set):
-            return self._init_swift(body, world_size)
+            return self._init_swift(body, world_size, peer)
         device = self.engine.device
         backend = body.backend or ("nccl" if getattr(device, "type", "cpu") == "cuda" else "gloo")
         if backend == "nccl" and getattr(device, "type", "cpu") != "cuda":
@@ -173,7 +177,8 @@ class RolloutService:
         return p.InitCommunicatorResponse(world_size=world_size, client_rank=world_size - 1, backend=backend,
                                           timeout_s=timeout_s, rendezvous_key=key)
 
-    def _init_swift(self, body: p.InitCommunicatorRequest, world_size: int) -> p.InitCommunicatorResponse:
+    def _init_swift(self, body: p.InitCommunicatorRequest, world_size: int, peer: str | None
+                    ) -> p.InitCommunicatorResponse:
         """ms-swift's wire (swift's ``VLLMClient``): a StatelessProcessGroup-compatible store at the requested
         port on the policy's interface, NCCL from the learner. Refused at once where it cannot work."""
         device = self.engine.device
@@ -186,8 +191,11 @@ class RolloutService:
                                      "or serve on a GPU the learner does not use")
         timeout_s = self.policy.timeout_s(None)
         receiver = swift_sync.SwiftWireReceiver(self.swift_planes, device, timeout_s)
+        # swift's client dictates the handshake (no secret can be added): only the caller's address may connect
+        # while the group forms (where it is not loopback), and nobody once it has formed
         self._open_group(receiver, body.port, timeout_s,
-                         lambda listener: receiver.init(listener, body.port, world_size))
+                         lambda listener: receiver.init(listener, body.port, world_size),
+                         admit=self.policy.admitted(peer))
         return p.InitCommunicatorResponse(world_size=world_size, client_rank=world_size - 1,
                                           backend=receiver.backend, timeout_s=timeout_s)
 
@@ -196,14 +204,18 @@ class RolloutService:
             raise HTTPException(409, "/init_communicator/: a weight-sync rendezvous is already waiting for its "
                                      "learner; join it, or retry after it ends")
 
-    def _open_group(self, receiver: Any, port: int, timeout_s: float, join: Callable[[Any], None]) -> None:
-        """Both wires: one rendezvous at a time, listening per the policy, replacing any previous group, the
-        wait (``join(listener)``) on the rendezvous runner; 409 when busy or the port cannot be had."""
+    def _open_group(self, receiver: Any, port: int, timeout_s: float, join: Callable[[Any], None], *,
+                    admit: set[str] | None = None) -> None:
+        """Both wires: one rendezvous at a time, listening per the policy (only ``admit`` addresses may connect
+        while it forms, where given; nobody after), replacing any previous group, the wait (``join(listener)``) on
+        the rendezvous runner; 409 when busy or the port cannot be had."""
         self._refuse_while_waiting()
         try:
             listener = self.policy.listen(port)
         except WeightSyncError as exc:
             raise HTTPException(409, f"/init_communicator/: {exc}") from None
+        gate = ListenerGate(listener)
+        gate.admit(admit)
         previous, self.receiver, self.communicator = self.receiver, receiver, "initializing"
         if previous is not None:  # a reconnecting learner replaces the old group (MS310 would hang instead)
             self.queue_sync_op("close_communicator", previous.close)
@@ -211,10 +223,13 @@ class RolloutService:
         def connect() -> None:
             try:
                 join(listener)
+                gate.seal()  # the group has formed: its members stay connected, nobody new gets in
             except Exception:
                 if self.receiver is receiver:
                     self.communicator = "broken"
                 raise
+            finally:
+                gate.close()
             if self.receiver is receiver:
                 self.communicator = "ready"
             else:  # closed or replaced while it waited
@@ -225,6 +240,7 @@ class RolloutService:
                                                   lambda task: self.rendezvous.start(task, timeout_s))
         except RendezvousBusy as exc:
             listener.close()
+            gate.close()
             self.receiver, self.communicator = previous, "closed" if previous is None else self.communicator
             raise HTTPException(409, f"/init_communicator/: {exc}") from None
 
@@ -395,8 +411,8 @@ def create_app(engine: RolloutEngine, processor: Any, template: TemplateConfig, 
                                      "the details") from None
 
     @app.post("/init_communicator/")
-    async def init_communicator(body: p.InitCommunicatorRequest) -> dict:
-        return service.init_communicator(body).model_dump()
+    async def init_communicator(body: p.InitCommunicatorRequest, request: Request) -> dict:
+        return service.init_communicator(body, peer=request.client.host if request.client else None).model_dump()
 
     def load_full(named: list) -> None:
         """Full merged weights replace the policy: an adapter pushed before (a learner that fell back from

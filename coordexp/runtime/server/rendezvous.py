@@ -11,27 +11,38 @@ port the caller chose, parked inference behind the wait, and took any timeout. T
   to start without one; a configured token is required on loopback too;
 - the client-supplied rendezvous timeout is clamped to the server's cap (:meth:`RendezvousPolicy.timeout_s`);
 - the wait runs on its own daemon thread (:class:`RendezvousRunner`), never on the FIFO engine worker, so
-  ``/infer/`` keeps answering; an abandoned rendezvous ends at the cap and its listener is closed.
+  ``/infer/`` keeps answering; an abandoned rendezvous ends at the cap and its listener is closed;
+- the listener admits newcomers only while the group forms (:class:`ListenerGate`, a Linux socket filter): on
+  ms-swift's wire, whose store carries no secret, only the authorized caller's address (and this server's own store
+  client) may connect meanwhile; on both wires nobody new may connect once the group has formed.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hmac
 import json
 import ipaddress
+import logging
 import math
+import os
 import socket
+import struct
+import sys
 import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 from coordexp.errors import ExternalSystemError, UserInputError
 from coordexp.runtime.rollout.weight_sync import WeightSyncError, listening_socket
 
 __all__ = ["TOKEN_ENV", "WILDCARD_HOSTS", "is_loopback", "RendezvousPolicy", "RendezvousPolicyError",
-           "SyncAuthError", "RendezvousBusy", "RendezvousRunner", "SYNC_PATHS", "SyncTokenGuard"]
+           "SyncAuthError", "RendezvousBusy", "RendezvousRunner", "SYNC_PATHS", "SyncTokenGuard", "ListenerGate",
+           "admission_program"]
+
+log = logging.getLogger("coordexp.serve")
 
 TOKEN_ENV = "COORDEXP_SYNC_TOKEN"
 WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
@@ -120,6 +131,21 @@ class RendezvousPolicy:
         naming the port when it is busy or not allowed)."""
         return listening_socket(self.bind_host, port)
 
+    def admitted(self, peer: str | None) -> set[str] | None:
+        """The addresses that may reach the rendezvous while ms-swift's group forms: the authorized caller's and
+        the store's own client's; None (no address rule) when the caller is on loopback (so is anyone local) or
+        is not an IPv4 address (swift's client joins the store over IPv4 whatever the HTTP call used)."""
+        try:
+            address = ipaddress.ip_address((peer or "").split("%")[0])
+        except ValueError:
+            return None
+        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+            address = address.ipv4_mapped
+        if address.is_loopback or address.version != 4:
+            return None
+        own = {"127.0.0.1", "::1"} if self.bind_host in WILDCARD_HOSTS else _addresses(self.bind_host)
+        return {str(address)} | own
+
     def local_address(self, peer_host: str) -> str:
         """The concrete address of this server for the collective transport: ``bind_host``, or (wildcard) the
         address the route to ``peer_host`` leaves from."""
@@ -131,6 +157,94 @@ class RendezvousPolicy:
                 return probe.getsockname()[0]
         except (OSError, UnicodeError):
             return "127.0.0.1"
+
+
+def _addresses(host: str) -> set[str]:
+    try:
+        return {info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+    except (socket.gaierror, UnicodeError):
+        return {host}
+
+
+# Classic BPF, as the kernel runs it on every packet a socket receives (a listener: the connection attempts).
+_SO_ATTACH_FILTER = getattr(socket, "SO_ATTACH_FILTER", 26)
+_NET = 0xFFF00000  # SKF_NET_OFF: offsets from the IP header
+_LDB, _LDW, _RSH, _JEQ, _RET = 0x30, 0x20, 0x74, 0x15, 0x06
+_ACCEPT, _DROP = 0xFFFFFFFF, 0
+
+
+def admission_program(allowed: Iterable[str]) -> list[tuple[int, int, int, int]]:
+    """A socket filter (``(code, jt, jf, k)`` instructions) that keeps packets from ``allowed`` source addresses
+    (IPv4, IPv6; an IPv4-mapped IPv6 address counts as IPv4) and drops every other; empty ``allowed``: drop all."""
+    v4, v6 = set(), set()
+    for text in allowed:
+        address = ipaddress.ip_address(text.split("%")[0])
+        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+            address = address.ipv4_mapped
+        (v4 if address.version == 4 else v6).add(address.packed)
+    code: list = [(_LDB, None, None, _NET), (_RSH, None, None, 4), (_JEQ, None, "v6", 4), (_LDW, None, None, _NET + 12)]
+    code += [(_JEQ, "accept", None, int.from_bytes(ip, "big")) for ip in sorted(v4)]
+    code += [(_RET, None, None, _DROP), "v6", (_JEQ, None, "drop", 6)]
+    for n, ip in enumerate(sorted(v6)):
+        for w in range(4):
+            code += [(_LDW, None, None, _NET + 8 + 4 * w),
+                     (_JEQ, "accept" if w == 3 else None, f"next{n}", int.from_bytes(ip[4 * w:4 * w + 4], "big"))]
+        code.append(f"next{n}")
+    code += ["drop", (_RET, None, None, _DROP), "accept", (_RET, None, None, _ACCEPT)]
+    labels: dict[str, int] = {}
+    program: list[tuple[int, str | None, str | None, int]] = []
+    for item in code:  # a label names the instruction that follows it
+        if isinstance(item, str):
+            labels[item] = len(program)
+        else:
+            program.append(item)
+
+    def offset(label: str | None, index: int) -> int:
+        return 0 if label is None else labels[label] - index - 1
+
+    return [(op, offset(jt, i), offset(jf, i), k) for i, (op, jt, jf, k) in enumerate(program)]
+
+
+class ListenerGate:
+    """Who may still connect to a rendezvous listener: :meth:`admit` restricts it to some source addresses while
+    the group forms, :meth:`seal` refuses every newcomer once it has formed (connections already accepted keep
+    their own filter and keep working). Linux socket filters, best effort: where the kernel refuses them,
+    ``enforced`` is False and the key and checked values stay the only guards (logged)."""
+
+    def __init__(self, listener: socket.socket):
+        self._socket: socket.socket | None = None
+        self.enforced = sys.platform.startswith("linux")  # SO_ATTACH_FILTER is Linux's
+        if self.enforced:
+            try:  # the store takes over the listener's descriptor; this duplicate reaches the same socket
+                self._socket = socket.socket(fileno=os.dup(listener.fileno()))
+            except OSError as exc:
+                self.enforced = False
+                log.warning("the weight-sync rendezvous listener cannot be gated (%s)", exc)
+
+    def _attach(self, program: list[tuple[int, int, int, int]], what: str) -> None:
+        if self._socket is None or not self.enforced:
+            return
+        raw = b"".join(struct.pack("HBBI", *instruction) for instruction in program)
+        buffer = ctypes.create_string_buffer(raw, len(raw))
+        try:
+            self._socket.setsockopt(socket.SOL_SOCKET, _SO_ATTACH_FILTER,
+                                    struct.pack("HP", len(program), ctypes.addressof(buffer)))
+        except OSError as exc:
+            self.enforced = False
+            log.warning("the weight-sync rendezvous listener cannot %s here (%s): the per-init key (coordexp's "
+                        "wire) and checked store values remain", what, exc)
+
+    def admit(self, allowed: set[str] | None) -> None:
+        if allowed:
+            self._attach(admission_program(allowed), "admit only the authorized peer")
+
+    def seal(self) -> None:
+        self._attach(admission_program(()), "refuse connections after the group formed")
+
+    def close(self) -> None:
+        sock, self._socket = self._socket, None
+        if sock is not None:
+            sock.close()
 
 
 @dataclass
