@@ -52,7 +52,8 @@ def serve_rollout(
         "--max-batch-seqs", show_default=False, help="Sequences per merged engine call (concurrent /infer/ calls "
         "share it round-robin; default: vLLM's max_num_seqs or 256, HF: 4 x decode_batch_size).")] = None,
     batch_window_ms: Annotated[float, typer.Option(
-        "--batch-window-ms", help="How long an idle engine waits for more /infer/ calls to merge (ms).")] = 5.0,
+        "--batch-window-ms", help="How long an idle engine waits for more /infer/ calls to merge (ms; again while "
+        "calls keep arriving, at most 8 times).")] = 10.0,
     max_request_tokens: Annotated[int, typer.Option(
         "--max-request-tokens", help="Most sequences x max_tokens one /infer/ may ask for (larger is 400).")
     ] = 1 << 22,

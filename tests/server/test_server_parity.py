@@ -204,3 +204,17 @@ def _leaves(value):
             yield from _leaves(item)
     else:
         yield value
+
+
+@pytest.mark.parametrize("args, named", [(["--system", "a", "--system-from-config"], "--system-from-config"),
+                                         (["--max-batch-seqs", "0"], "--max-batch-seqs"),
+                                         (["--batch-window-ms", "5000"], "--batch-window-ms"),
+                                         (["--max-request-tokens", "0"], "--max-request-tokens")])
+def test_scheduling_options_out_of_range_exit_2_before_loading(server_config, args, named):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "coordexp.cli.app", "serve-rollout", str(server_config), "--port", "0",
+                           "--engine", "hf", *args], capture_output=True, text=True, timeout=120)
+    message = " ".join(done.stderr.split())
+    assert done.returncode == 2 and named in message and "loading" not in message, done.stderr

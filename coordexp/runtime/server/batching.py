@@ -41,7 +41,7 @@ from coordexp.runtime.server.worker import FifoWorker
 __all__ = ["BatchPolicy", "JobSpec", "Job", "Scheduler", "DEFAULT_WINDOW_S", "DEFAULT_MAX_BATCH_SEQS"]
 
 log = logging.getLogger("coordexp.serve")
-DEFAULT_WINDOW_S = 0.005
+DEFAULT_WINDOW_S = 0.010
 MAX_WINDOWS = 8  # an idle engine waits at most this many windows while calls keep arriving
 DEFAULT_MAX_BATCH_SEQS = 256  # an engine that states no batch size (vLLM's own default max_num_seqs on GPU)
 Result = tuple[RolloutOutput, Any]  # one sequence's output and its logprobs (None when not asked)
