@@ -129,12 +129,12 @@ class Scheduler:
                 job.future.set_result(job_spec.reply([]))
                 job_spec.close()
                 return job.future
-            self._jobs.append(job)
-            self._arrivals += 1
-            if self._armed != job.epoch:
-                self._armed = job.epoch
-                epoch = job.epoch
+            epoch = job.epoch
+            if self._armed != epoch:  # the tick first: a stopped worker raises before anything changes
                 self.worker.submit(lambda: self._tick(epoch), barrier=False)
+                self._armed = epoch
+            self._jobs.append(job)  # the tick cannot look before this: it takes the same lock
+            self._arrivals += 1
         return job.future
 
     def stats(self) -> dict[str, int]:
@@ -172,7 +172,7 @@ class Scheduler:
         with self.worker.lock:
             for job in [j for j in self._jobs if j.future.cancelled()]:
                 self._drop(job)
-            ready = [j for j in self._jobs if j.epoch <= epoch]
+            ready = [j for j in self._jobs if j.epoch <= epoch and j.next_item < j.spec.count]
             if not ready or self._stopping:
                 if self._armed == epoch:
                     self._armed = None
@@ -217,7 +217,7 @@ class Scheduler:
 
     def _round(self, epoch: int) -> bool:
         picks = self._pick(epoch)
-        if picks is None:
+        if not picks:
             return False
         parts: list[tuple[Job, list[int], list[RolloutRequest]]] = []
         for job, items in picks.items():
