@@ -1,7 +1,9 @@
 """The engine a rollout server drives (:class:`RolloutEngine`), and :class:`HfEngine`, its transformers version.
 
 The server calls every engine method from ONE worker thread, in arrival order (FIFO), so an engine needs no locks
-and a weight update queued before an ``/infer/`` is applied before it. The vLLM engine
+and a weight update queued before an ``/infer/`` is applied before it. One ``generate`` call may hold the requests
+of several concurrent ``/infer/`` calls (``batching.py``): outputs must depend on each request and its own seed only,
+never on the other requests in the list. The vLLM engine
 (``coordexp.runtime.rollout.vllm_engine``) implements the same protocol.
 """
 
