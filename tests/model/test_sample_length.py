@@ -57,8 +57,6 @@ def test_the_contract_resolves_the_cap(template_max, expected):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="needs the stage-1 sample builder (runtime/train, the lead's refactor) to pass "
-                                        "max_length=run.sample_max_length to encode_teacher_forced")
 def test_stage1_without_packing_refuses_a_sample_over_global_max_length(tmp_path, tiny_model_dir, synthetic_dataset):
     records = [json.loads(line) for line in synthetic_dataset.train_jsonl.read_text().splitlines() if line.strip()]
     record = records[0]

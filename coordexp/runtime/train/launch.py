@@ -114,7 +114,7 @@ def build_trainer(
     val = None
     if data.val_jsonl is not None:
         val = RecordDataset(load_records(data.val_jsonl, data.image_root, max_samples=data.max_val_samples))
-    host = HostContext.create(processor, run.rollout_matching, run.template)
+    host = HostContext.create(processor, run.rollout_matching, run.template, max_length=run.sample_max_length)
     backend = None
     if run.trainer_variant == "stage2_rollout_aligned" or val is not None:  # stage 1 rolls out for evaluation only
         backend = create_backend(run, model, processor)

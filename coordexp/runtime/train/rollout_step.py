@@ -54,9 +54,11 @@ class HostContext:
     eos_id: int
     rollout: "RolloutMatchingContract"
     template: "TemplateConfig"
+    max_length: int | None = None  # stage-1 samples longer than this are refused (RunContract.sample_max_length)
 
     @classmethod
-    def create(cls, processor: Any, rollout: "RolloutMatchingContract", template: "TemplateConfig") -> "HostContext":
+    def create(cls, processor: Any, rollout: "RolloutMatchingContract", template: "TemplateConfig",
+               max_length: int | None = None) -> "HostContext":
         tokenizer = processor.tokenizer
         eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
         if eos_id is None or eos_id == getattr(tokenizer, "unk_token_id", None):
@@ -68,6 +70,7 @@ class HostContext:
             eos_id=int(eos_id),
             rollout=rollout,
             template=template,
+            max_length=max_length,
         )
 
     @property
@@ -195,6 +198,7 @@ def build_gt_sample(record: "DetectionRecord", prompt: EncodedPrompt, ctx: HostC
         ce_weights=np.concatenate([np.ones(len(prefix), np.float32), np.asarray(sup.ce_weights, np.float32)]),
     )
     target = replace(target, supervision=supervision)
-    encoded = encode_teacher_forced(ctx.processor, record, ctx.template, target.ids, prompt=prompt)
+    encoded = encode_teacher_forced(ctx.processor, record, ctx.template, target.ids, prompt=prompt,
+                                    max_length=ctx.max_length)
     _check_span(record.source, target, encoded)
     return SampleTarget(encoded, target, counters=None)
