@@ -145,7 +145,8 @@ class _OwnedTrainingFields(StrictModel):
         if self.packing and self.deepspeed is not None:
             violations.append(RuleViolation(
                 "deepspeed", "training.deepspeed with training.packing: true is refused: multi-row packing is not "
-                "correct under DeepSpeed yet (issue 21: one micro-step trains several packed rows)",
+                "correct under DeepSpeed (one micro-step backpropagates several packed rows, and DeepSpeed steps in "
+                "backward; docs/design.md, decision 14)",
                 "Set training.packing: false to use DeepSpeed, or remove training.deepspeed."))
         violations += self._batch_rules() + self._schedule_rules()
         if getattr(self, "bf16", False) and getattr(self, "fp16", False):

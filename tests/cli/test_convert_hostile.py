@@ -324,6 +324,7 @@ def _limited_memory():  # the old code read /dev/zero until the kernel killed it
     lambda d: Path("/dev/zero"),
     lambda d: d,
 ], ids=["fifo", "dev-zero", "directory"])
+@pytest.mark.slow  # starts a process
 def test_sources_that_never_end_are_refused_without_blocking(tmp_path, make_source):
     source = make_source(tmp_path)
     out = tmp_path / "out.jsonl"

@@ -27,6 +27,7 @@ def _run_benchmark(name: str, *args: str) -> dict:
     return json.loads(lines[0][len("JSON "):])
 
 
+@pytest.mark.slow  # starts a process
 def test_host_pipeline_benchmark_reports_ordered_stage_figures():
     summary = _run_benchmark("bench_host_pipeline.py", "--samples", "12", "--seq-len", "96", "--vocab", "3000",
                              "--coord-slots", "16")
@@ -41,6 +42,7 @@ def test_host_pipeline_benchmark_reports_ordered_stage_figures():
     assert memory["forward_ratio"] == pytest.approx(expected_ratio)
 
 
+@pytest.mark.slow  # starts a process
 def test_train_step_benchmark_counts_padding_only_in_the_padded_run():
     summary = _run_benchmark("bench_train_step.py", "--steps", "1", "--batch", "3", "--samples", "8", "--hidden", "64",
                              "--layers", "1")
@@ -54,6 +56,7 @@ def test_train_step_benchmark_counts_padding_only_in_the_padded_run():
     assert 0 < packed["fill_ratio"] <= 1 and padded["fill_ratio"] is None
 
 
+@pytest.mark.slow  # starts a process
 def test_rollout_overlap_benchmark_reports_consistent_step_splits_and_hf_modes():
     summary = _run_benchmark("bench_rollout_overlap.py", "--steps", "1", "--batch", "2", "--new-tokens", "8",
                              "--hidden", "64", "--layers", "1", "--repeats", "1", "--hf-modes", "off,static")

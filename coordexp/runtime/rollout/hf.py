@@ -13,7 +13,7 @@
   logit but EOS set to -inf; the other rows continue.
 - Ids the policy must never emit are suppressed: padded embedding rows (``>= len(tokenizer)``) and the
   image/video placeholders (they would misalign the vision features in the teacher-forced forward).
-- ``rollout_matching.hf_generate`` (issue 14): ``static_cache`` preallocates the KV cache
+- ``rollout_matching.hf_generate``: ``static_cache`` preallocates the KV cache
   (``cache_implementation="static"``, sized prompt width + ``max_new_tokens`` per chunk); ``compile`` lets
   transformers ``torch.compile`` the decode-step forward over it (its ``CompileConfig``, forced on for CPU too since
   the user asked). Greedy outputs are token-for-token those of the dynamic cache (tests/rollout/test_backends_hf.py).

@@ -8,7 +8,7 @@
   once, queued work is dropped, an engine call still running is abandoned after 2 s (the worker is a daemon
   thread), the weight-sync group is left and the engine released when it is idle. When an engine call was
   abandoned the process ends with ``os._exit`` after flushing its output: interpreter finalization under a
-  running torch/vLLM call ended in SIGABRT (issue 23); the exit code stays 0.
+  running torch/vLLM call ended in SIGABRT; the exit code stays 0.
 - The access log is on by default (``access_log=False`` / ``--no-access-log`` turns it off): every request and
   its status, so a client's 4xx leaves a trace; refusals also log their reason on ``coordexp.serve``.
 """

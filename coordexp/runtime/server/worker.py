@@ -1,7 +1,7 @@
 """The rollout server's ONE engine worker: a first-in-first-out queue served by a daemon thread.
 
 Why not a ``ThreadPoolExecutor``: its threads are joined at interpreter exit, so a generate call that runs for
-minutes would keep a stopped server alive (issue 12: SIGINT no longer stopped it). This worker's thread is a daemon
+minutes would keep a stopped server alive (SIGINT once did not stop it). This worker's thread is a daemon
 and :meth:`FifoWorker.stop` never waits longer than its bound: queued work is cancelled, a running engine call is
 abandoned (the process is about to exit), and the caller learns whether it was.
 
