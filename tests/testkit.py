@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -255,3 +257,33 @@ def perturb_(model, seed: int, scale: float = 0.1) -> None:
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.add_(torch.randn(parameter.shape, generator=generator) * scale)
+
+
+def json_leaves(value):
+    """Every non-container value of a decoded JSON document, depth first."""
+    if isinstance(value, dict):
+        for item in value.values():
+            yield from json_leaves(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from json_leaves(item)
+    else:
+        yield value
+
+
+def read_until_ready(process: subprocess.Popen, prefix: str, timeout_s: float) -> tuple[str, list[str]]:
+    """Read ``process``'s text stdout until a line starts with ``prefix`` (a readiness signal): the rest of that line
+    and every line so far, which keeps growing from a daemon thread. Kills the process and fails with its output when
+    it exits or stays silent past ``timeout_s``."""
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if line.startswith(prefix):
+            threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True).start()
+            return line[len(prefix):].strip(), lines
+    process.kill()
+    raise AssertionError("the server did not become ready:\n" + "".join(lines))

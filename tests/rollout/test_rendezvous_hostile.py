@@ -27,6 +27,7 @@ from coordexp.runtime.rollout.store_guard import (STORE_PREFIX, GlooRendezvousGu
 from coordexp.runtime.rollout.weight_sync import WeightSyncError, WeightSyncSender
 from coordexp.runtime.server.rendezvous import TOKEN_ENV
 from coordexp.runtime.server.serve import READY_PREFIX
+from testkit import read_until_ready
 
 HERE = Path(__file__).parent
 TOKEN = "hostile-test-token-0123456789"
@@ -234,19 +235,7 @@ class Server:
         self.process = subprocess.Popen([sys.executable, str(HERE / "_hostile_server.py"), str(model_dir),
                                          str(image_root)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         text=True, env=env)
-        self.lines: list[str] = []
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            line = self.process.stdout.readline()
-            if not line:
-                break
-            self.lines.append(line)
-            if line.startswith(READY_PREFIX):
-                self.url = line[len(READY_PREFIX):].strip()
-                threading.Thread(target=lambda: self.lines.extend(self.process.stdout), daemon=True).start()
-                return
-        self.process.kill()
-        raise AssertionError("the server did not become ready:\n" + "".join(self.lines))
+        self.url, self.lines = read_until_ready(self.process, READY_PREFIX, 300)
 
     def assert_alive(self) -> None:
         assert self.process.poll() is None, (f"serve-rollout died with return code {self.process.returncode}:\n"

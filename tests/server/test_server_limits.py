@@ -20,6 +20,7 @@ from coordexp.runtime.server.limits import (MAX_CHOICES, MAX_SEQUENCES, non_fini
 from coordexp.runtime.server.rendezvous import RendezvousPolicy, RendezvousPolicyError, is_loopback
 from coordexp.schema.base import MAX_BEAMS
 from coordexp.schema.template import TemplateConfig
+from testkit import json_leaves
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _slow_server import SlowEngine  # noqa: E402
@@ -182,20 +183,11 @@ def test_non_finite_paths_finds_exactly_the_non_finite_numbers(document):
     text = json.dumps({"root": document})  # json.dumps writes NaN/Infinity literals for non-finite floats
     found = non_finite_paths(text.encode())
     expected = sum((isinstance(v, float) and not math.isfinite(v))
-                   or (isinstance(v, int) and not isinstance(v, bool) and len(str(abs(v))) > 30) for v in _leaves(document))
+                   or (isinstance(v, int) and not isinstance(v, bool) and len(str(abs(v))) > 30) for v in json_leaves(document))
     assert len(found) == min(expected, 8)  # at most 8 are listed
     assert all(path.startswith("root") for path in found)
 
 
-def _leaves(value):
-    if isinstance(value, dict):
-        for item in value.values():
-            yield from _leaves(item)
-    elif isinstance(value, list):
-        for item in value:
-            yield from _leaves(item)
-    else:
-        yield value
 
 
 _FIELD_NAMES = ["host", "port", "world_size", "timeout_s", "backend", "name", "dtype", "shape", "metadatas",

@@ -16,6 +16,7 @@ import torch
 from coordexp.runtime.rollout import protocol as p
 from coordexp.runtime.server import limits
 from coordexp.schema.rollout import DecodingConfig
+from testkit import json_leaves
 
 MAX_TOKENS = 12
 
@@ -191,19 +192,10 @@ def test_the_outside_strings_scan_agrees_with_a_full_parse(document, ascii_only)
     if limits._SUSPECT.search(text):
         full = json.loads(text, parse_constant=limits._NonFinite, parse_float=limits._parse_float,
                           parse_int=limits._parse_int)
-        expected = ["x" for v in _leaves(full) if isinstance(v, limits._NonFinite)]
+        expected = ["x" for v in json_leaves(full) if isinstance(v, limits._NonFinite)]
     assert len(limits.non_finite_paths(text)) == min(len(expected), 8)
 
 
-def _leaves(value):
-    if isinstance(value, dict):
-        for item in value.values():
-            yield from _leaves(item)
-    elif isinstance(value, list):
-        for item in value:
-            yield from _leaves(item)
-    else:
-        yield value
 
 
 @pytest.mark.parametrize("args, named", [(["--system", "a", "--system-from-config"], "--system-from-config"),

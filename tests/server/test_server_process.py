@@ -19,6 +19,7 @@ import pytest
 
 from coordexp.runtime.rollout import protocol as p
 from coordexp.runtime.server.serve import READY_PREFIX
+from testkit import read_until_ready
 
 HERE = Path(__file__).parent
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
@@ -31,23 +32,7 @@ class Server:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.process = subprocess.Popen([sys.executable, str(HERE / "_slow_server.py"), *args], stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT, text=True, env=env)
-        self.lines: list[str] = []
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            line = self.process.stdout.readline()
-            if not line:
-                break
-            self.lines.append(line)
-            if line.startswith(READY_PREFIX):
-                self.url = line[len(READY_PREFIX):].strip()
-                threading.Thread(target=self._drain, daemon=True).start()
-                return
-        self.process.kill()
-        raise AssertionError("the server did not become ready:\n" + "".join(self.lines))
-
-    def _drain(self) -> None:
-        for line in self.process.stdout:
-            self.lines.append(line)
+        self.url, self.lines = read_until_ready(self.process, READY_PREFIX, 120)
 
     def kill(self) -> None:
         if self.process.poll() is None:

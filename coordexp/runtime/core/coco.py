@@ -9,14 +9,13 @@ Readers: COCO instances JSON (LVIS too: same layout, ``coco_url`` when there is 
 single-part polygon segmentation becomes ``poly``; anything else with a box becomes ``bbox_2d``; crowd and RLE
 annotations are skipped and counted. Bad input (missing image size, a box outside the image, an unknown category,
 ...) raises :class:`ConversionError` listing ``file: record: problem`` lines (exit 2); nothing is half-converted.
-Hostile input is a problem of its record too: integer literals over :data:`MAX_NUMBER_DIGITS` digits are never
+Hostile input is a problem of its record too: integer literals over :data:`~coordexp.runtime.core.untrusted_json.MAX_NUMBER_DIGITS` digits are never
 converted, numbers beyond :data:`MAX_ABS_VALUE` are refused, ids and labels must be integers (or strings), and
 JSON nested deeper than the reader recurses is a problem of its file or line.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections import Counter
@@ -28,6 +27,7 @@ import numpy as np
 from coordexp.errors import UserInputError
 from coordexp.runtime.core.objects import DetObject
 from coordexp.runtime.core.tokens import NUM_COORD_BINS
+from coordexp.runtime.core import untrusted_json
 
 __all__ = [
     "BOX_TOLERANCE_PX",
@@ -51,7 +51,6 @@ __all__ = [
 # COCO boxes are floats written by many tools; a coordinate this far past the image border is rounding, not an error.
 BOX_TOLERANCE_PX = 1.0
 MAX_REPORTED_PROBLEMS = 10
-MAX_NUMBER_DIGITS = 20  # longer integer literals are no id, size or coordinate: refused before int()
 MAX_ABS_VALUE = 2.0**53  # pixel values, sizes and scores beyond this are no image's (and float sums lose exactness)
 Geometry = Literal["poly", "bbox"]
 
@@ -164,26 +163,11 @@ class _Problems:
             raise ConversionError(self.lines, self.total, hint="fix the listed records; nothing was written")
 
 
-class _LongNumber:
-    """An integer literal of more than :data:`MAX_NUMBER_DIGITS` digits, kept unconverted (int() of thousands of
-    digits raises or is slow; float() of 309 overflows): no check accepts it, messages show its length."""
-
-    def __init__(self, text: str):
-        self.digits = len(text.lstrip("-"))
-
-    def __repr__(self) -> str:
-        return f"<a {self.digits}-digit number>"
-
-
-def _parse_int(text: str) -> int | _LongNumber:
-    return _LongNumber(text) if len(text) > MAX_NUMBER_DIGITS + 1 else int(text)
-
-
 def load_json(text: str) -> Any:
-    """``json.loads`` for untrusted text: long integer literals stay :class:`_LongNumber`; a document nested
+    """``json.loads`` for untrusted text: long integer literals stay :class:`LongNumber`; a document nested
     deeper than the reader recurses raises ``ValueError`` like any other bad JSON."""
     try:
-        return json.loads(text, parse_int=_parse_int)
+        return untrusted_json.loads(text)
     except RecursionError:
         raise ValueError("nested too deeply to read") from None
 

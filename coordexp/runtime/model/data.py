@@ -27,6 +27,8 @@ from typing import Any
 from coordexp.errors import UserInputError
 from coordexp.runtime.core.objects import DetObject
 from coordexp.runtime.core.tokens import NUM_COORD_BINS, parse_coord_token
+from coordexp.runtime.core import untrusted_json
+from coordexp.runtime.core.untrusted_json import MAX_NUMBER_DIGITS, LongNumber
 
 __all__ = [
     "DetectionRecord",
@@ -48,7 +50,6 @@ MAX_REPORTED_ERRORS = 10
 MAX_IMAGE_PIXELS = 64 * 2**20
 MAX_IMAGE_SIDE = 1_000_000  # record width/height bound (pixels)
 MAX_ASPECT_RATIO = 200  # Qwen-VL image processors refuse longer/shorter side ratios above this
-MAX_NUMBER_DIGITS = 20  # longer integer literals are never a valid value here; refused before int()
 _MAX_NAME_BYTES, _MAX_PATH_BYTES = 255, 4096  # Linux NAME_MAX / PATH_MAX
 _OBJECT_KEYS = frozenset({"desc", "bbox_2d", "poly"})
 _SPECIAL_TOKEN = re.compile(r"<\|.*?\|>", re.DOTALL)
@@ -86,23 +87,8 @@ class _RecordProblem(Exception):
         super().__init__(f"{field}: {message}" if field else message)
 
 
-class _LongNumber:
-    """An integer literal of more than :data:`MAX_NUMBER_DIGITS` digits, kept unconverted (int() of 5,000 digits
-    raises, of millions is slow) so that validation reports it with its field path."""
-
-    def __init__(self, text: str):
-        self.digits = len(text.lstrip("-"))
-
-    def __repr__(self) -> str:
-        return f"<a {self.digits}-digit number>"
-
-
-def _parse_int(text: str) -> int | _LongNumber:
-    return _LongNumber(text) if len(text) > MAX_NUMBER_DIGITS + 1 else int(text)
-
-
 def _coord(value: Any, field: str) -> int:
-    if isinstance(value, _LongNumber):
+    if isinstance(value, LongNumber):
         raise _RecordProblem(field, f"{value!r} is not an integer in 0..{NUM_COORD_BINS - 1}")
     if isinstance(value, str):
         bin_index = parse_coord_token(value.strip())
@@ -157,8 +143,8 @@ def _poly(value: Any, field: str) -> tuple[int, ...]:
 def _short(value: Any) -> str:
     try:
         text = json.dumps(value, ensure_ascii=True) if not isinstance(value, str) else ascii(value)
-    except (TypeError, ValueError, RecursionError):  # a _LongNumber inside, or nesting deeper than dumps recurses
-        text = repr(value) if isinstance(value, _LongNumber) else f"<a {type(value).__name__}>"
+    except (TypeError, ValueError, RecursionError):  # a LongNumber inside, or nesting deeper than dumps recurses
+        text = repr(value) if isinstance(value, LongNumber) else f"<a {type(value).__name__}>"
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -368,7 +354,7 @@ def _decode_line(line: bytes, file_offset: int) -> Any:
         raise _RecordProblem("", f"not valid UTF-8: byte 0x{line[exc.start]:02x} at byte {exc.start + 1} of the line "
                                  f"(file offset {file_offset + exc.start}); save the file as UTF-8") from None
     try:
-        return json.loads(text, parse_int=_parse_int)
+        return untrusted_json.loads(text)
     except json.JSONDecodeError as exc:
         raise _RecordProblem("", f"not valid JSON ({exc.msg} at column {exc.colno}); each line must hold one "
                                  "complete JSON object") from None
