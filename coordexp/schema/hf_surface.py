@@ -68,6 +68,10 @@ REFUSED: dict[str, tuple[str, str]] = {
     "optim_target_modules": ("it configures GaLore/APOLLO optimizers, which training.optim does not offer",
                              "Remove it."),
     "prediction_loss_only": (_EVAL, "Remove it."),
+    "load_best_model_at_end": ("HF reloads the best checkpoint with its own loader, which does not map a Qwen-VL "
+                               "checkpoint's saved names (docs/design.md, decision 14)",
+                               "Remove it; training.metric_for_best_model with save_total_limit keeps the best "
+                               "checkpoint, and coordexp eval --checkpoint scores any of them."),
     "eval_do_concat_batches": (_EVAL, "Remove it."),
     "eval_use_gather_object": (_EVAL, "Remove it."),
     "eval_accumulation_steps": (_EVAL, "Remove it."),

@@ -21,7 +21,7 @@ from coordexp.schema.legacy import find_legacy_keys
 from coordexp.schema.loader import _PATH_FIELDS
 from coordexp.schema.dotted import ABSENT as _ABSENT, get as _get, pop as _pop
 from coordexp.schema.root import CoordExpConfig
-from coordexp.schema.training import TrainingConfig
+from coordexp.schema.training import BEST_MODEL_METRICS, TrainingConfig, best_model_metric
 
 __all__ = ["UPSTREAM_MARKERS", "is_upstream", "upstream_pre", "upstream_post", "resolve_paths", "write_paths"]
 
@@ -148,11 +148,25 @@ def upstream_pre(rw: Any) -> None:
         rw.data["template"]["max_pixels"] = MAX_PIXELS
         rw.m.changes.append(f"template.max_pixels: {pixels} -> {MAX_PIXELS} (coordexp's cap; as before, images "
                             "up to that size are never resized)")
+    _best_model_metric(rw)
     for dotted, (value, why) in _REDUNDANT.items():
         found = _get(rw.data, dotted)
         if found is not _ABSENT and (value is None or found == value):
             _pop(rw.data, dotted)
             rw.m.changes.append(f"removed {dotted}: {_short(found)} ({why})")
+
+
+def _best_model_metric(rw: Any) -> None:
+    """Upstream names metrics its own evaluation logged (eval_token_acc, rollout/f1, ...); coordexp's rollout
+    evaluation reports others, so such a metric (and the direction that goes with it) is left out, naming the
+    figures that exist."""
+    metric = _get(rw.data, "training.metric_for_best_model")
+    if not isinstance(metric, str) or best_model_metric(metric) is not None:
+        return
+    why = (f"coordexp's evaluation reports no {metric!r}; set one of {', '.join(BEST_MODEL_METRICS)} to keep the best "
+           "checkpoint")
+    _leave_out(rw, "training.metric_for_best_model", why)
+    _leave_out(rw, "training.greater_is_better", "it ordered the left-out metric_for_best_model")
 
 
 def _deepspeed(rw: Any) -> None:

@@ -30,7 +30,8 @@ from coordexp.schema.errors import RuleViolation, raise_violations
 from coordexp.schema.hf_surface import passthrough_fields, refused_fields
 from coordexp.schema.hf_training_fields import HF_TRAINING_FIELDS, REPORT_TO_CHOICES
 
-__all__ = ["TrainingConfig", "SchedulerKwargs", "DEEPSPEED_PRESETS", "HF_PASSTHROUGH"]
+__all__ = ["TrainingConfig", "SchedulerKwargs", "DEEPSPEED_PRESETS", "HF_PASSTHROUGH", "BEST_MODEL_METRICS",
+           "best_model_metric"]
 
 DEEPSPEED_PRESETS = ("zero2", "zero3")
 """Shipped DeepSpeed configs (coordexp/runtime/train/deepspeed/<name>.json, "auto" values filled by transformers)."""
@@ -149,6 +150,12 @@ class _OwnedTrainingFields(StrictModel):
                 "backward; docs/design.md, decision 14)",
                 "Set training.packing: false to use DeepSpeed, or remove training.deepspeed."))
         violations += self._batch_rules() + self._schedule_rules()
+        metric = getattr(self, "metric_for_best_model", None)
+        if metric is not None and best_model_metric(metric) is None:
+            violations.append(RuleViolation(
+                "metric_for_best_model", f"training.metric_for_best_model {metric!r} is not a figure coordexp's "
+                "rollout evaluation reports, so the first evaluation could not compare it",
+                f"Use one of {', '.join(BEST_MODEL_METRICS)} (an eval_ prefix is optional), or remove it."))
         if getattr(self, "bf16", False) and getattr(self, "fp16", False):
             violations.append(RuleViolation("fp16", "bf16 and fp16 are both true", "Choose one mixed precision."))
         raise_violations(violations)
@@ -189,6 +196,24 @@ class _OwnedTrainingFields(StrictModel):
             out.append(RuleViolation("warmup_steps", "warmup_steps and warmup_ratio both set",
                                      "Keep one of them."))
         return out
+
+
+_AP_NAMES = ("AP", "AP50", "AP75", "AP_small", "AP_medium", "AP_large", "AR100")
+BEST_MODEL_METRICS: tuple[str, ...] = (
+    *_AP_NAMES, *(f"segm_{name}" for name in _AP_NAMES),
+    "match_rate", "parse_valid_rate", "parse_drop_rate", "truncation_rate", "eos_stop_rate", "fn_per_image",
+    "fp_per_image", "valid_pred_per_image",
+)
+"""What ``metric_for_best_model`` may name: figures coordexp's rollout evaluation returns (as ``eval_<name>``, next to
+the logged ``eval/<name>``); ``segm_*`` need polygon ground truth in the validation set."""
+
+
+def best_model_metric(name: str) -> str | None:
+    """``name`` without an ``eval_`` / ``eval/`` prefix when evaluation reports it, else None."""
+    for prefix in ("eval_", "eval/"):
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+    return name if name in BEST_MODEL_METRICS else None
 
 
 _OWNED = set(_OwnedTrainingFields.model_fields)

@@ -27,7 +27,8 @@ BASE = {
     "template": {"template": "qwen3_vl", "truncation_strategy": "right", "max_pixels": 1572864999},
     "data": {"dataset": ["dummy"], "val_dataset": ["dummy"], "dataloader_persistent_workers": True},
     "training": {"lr_scheduler_type": "cosine_warmup_with_min_lr", "max_grad_norm": 0.5, "gradient_checkpointing": True,
-                 "bf16": True, "seed": 17, "report_to": ["tensorboard"], "save_last_epoch": True},
+                 "bf16": True, "seed": 17, "report_to": ["tensorboard"], "save_last_epoch": True,
+                 "metric_for_best_model": "eval_token_acc", "greater_is_better": True},
     "deepspeed": {"enabled": True, "config": "zero2"},
     "custom": {"json_format": "standard", "dump_conversation_text": False,
                "dump_conversation_path": "output/conversation_text.txt"},
@@ -133,6 +134,11 @@ def test_a_stage1_dora_chain_becomes_one_valid_file_with_the_recipe(tmp_path):
     assert "left out training.deepspeed: coordexp refuses DeepSpeed together with training.packing" in " ".join(
         result.output.split())
     assert training["report_to"] == ["tensorboard"] and training["deepspeed"] is None and training["packing"]
+    # upstream's own eval metric does not exist in coordexp's rollout evaluation: left out with the valid names
+    text = " ".join(result.output.split())
+    assert "left out training.metric_for_best_model: coordexp's evaluation reports no 'eval_token_acc'" in text
+    assert "AP50" in text and "left out training.greater_is_better" in text
+    assert training["metric_for_best_model"] is None
     assert training["lr_scheduler_type"] == "cosine_with_min_lr" and training["effective_batch_size"] == 32
     assert contract["trainer_variant"] == "stage1_sft" and contract["model"]["gradient_checkpointing"] is True
     assert contract["data"]["max_val_samples"] == 1000

@@ -165,3 +165,21 @@ def test_schema_import_stays_light():
     code = "import sys, coordexp.schema; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("name", ["AP50", "eval_AP50", "eval/AP50", "match_rate", "eval_segm_AP"])
+def test_metric_for_best_model_names_a_figure_evaluation_reports(name):
+    assert _training({"metric_for_best_model": name}).training.metric_for_best_model == name
+
+
+@pytest.mark.parametrize("name", ["eval_token_acc", "loss", "eval_loss", "rollout/f1", "eval_AP51"])
+def test_a_metric_evaluation_never_reports_is_refused_naming_the_ones_it_does(name):
+    # HF's best-model tracking would end the run at the first evaluation with a KeyError (exit 1)
+    (path, text), = _errors({"metric_for_best_model": name})
+    assert path == "training.metric_for_best_model" and repr(name) in text
+    assert "AP50" in text and "match_rate" in text
+
+
+def test_load_best_model_at_end_is_refused_with_the_reason():
+    (path, text), = _errors({"load_best_model_at_end": True})
+    assert path == "training.load_best_model_at_end" and "own loader" in text

@@ -126,3 +126,30 @@ def test_resuming_a_finished_run_exits_0_without_training(tmp_path, write_config
     as_json = runner.invoke(app, ["train", str(config), "--resume", "auto", "--json"], catch_exceptions=False)
     assert as_json.exit_code == 0
     assert json.loads(as_json.stdout)["already_finished"] is True
+
+
+@pytest.mark.slow
+def test_best_model_tracking_points_at_published_checkpoints(tmp_path, write_config, dataset):
+    """metric_for_best_model with evaluation every step: HF's tracking reads eval_<name> (once a KeyError at the first
+    evaluation), and the best checkpoint it records is the published directory, never the staging one."""
+    config = write_config({
+        "custom": {"trainer_variant": "stage1_sft"}, "global_max_length": 1024,
+        "data": {"val_jsonl": str(dataset.val_jsonl)},
+        "rollout_matching": {"max_new_tokens": 16, "decode_batch_size": 2},
+        "training": {"output_dir": str(tmp_path / "run"), "per_device_train_batch_size": 2, "packing": False,
+                     "gradient_accumulation_steps": 1, "logging_steps": 1, "learning_rate": 1e-3, "max_steps": 3,
+                     "save_steps": 1, "eval_steps": 1, "save_total_limit": 2, "metric_for_best_model": "match_rate"},
+    }, name="best.yaml")
+    trainer = build_trainer(load_contract(config))
+    try:
+        trainer.train()
+    finally:
+        trainer.backend.close()
+    run = tmp_path / "run"
+    best = Path(trainer.state.best_model_checkpoint)
+    assert best.parent == run and best.is_dir() and checkpoints.checkpoint_problem(best) is None
+    assert trainer.state.best_metric is not None and not list(run.glob(".staging-*"))
+    saved = json.loads((run / f"checkpoint-{trainer.state.global_step}" / "trainer_state.json").read_text())
+    assert saved["best_model_checkpoint"] == str(best)
+    kept = sorted(p.name for p in run.glob("checkpoint-*"))
+    assert best.name in kept and f"checkpoint-{trainer.state.global_step}" in kept and len(kept) <= 2

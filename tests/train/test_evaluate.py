@@ -170,5 +170,13 @@ def test_trainer_evaluation_logs_the_same_ap_figures(write_config, dataset):
     finally:
         trainer.backend.close()
     assert {"eval/AP", "eval/AP50", "eval/AR100", "eval/match_rate"} <= set(metrics)
+    # every figure training.metric_for_best_model may name comes back as eval_<name> whenever it was computed
+    from coordexp.schema.training import BEST_MODEL_METRICS
+
+    for name in BEST_MODEL_METRICS:
+        assert (f"eval/{name}" in metrics) == (f"eval_{name}" in metrics), name
+        if f"eval/{name}" in metrics:
+            assert metrics[f"eval_{name}"] == metrics[f"eval/{name}"]
+    assert {"eval_AP", "eval_AP50", "eval_match_rate", "eval_fn_per_image"} <= set(metrics)
     assert 0.0 <= metrics["eval/AP50"] <= 1.0
     assert metrics["eval/samples"] == len(load_records(dataset.val_jsonl))

@@ -150,13 +150,15 @@ def test_passed_through_fields_reach_training_arguments(qwen3_run, tmp_path, mon
 
     monkeypatch.delenv("TENSORBOARD_LOGGING_DIR", raising=False)
     run = qwen3_run({"training": {"dataloader_drop_last": True, "logging_first_step": True, "run_name": "r1",
-                                  "save_only_model": True, "save_strategy": "epoch", "metric_for_best_model": "loss",
-                                  "greater_is_better": False, "dataloader_pin_memory": False, "warmup_steps": 3, "warmup_ratio": 0.0,
+                                  "save_only_model": True, "save_strategy": "epoch",
+                                  "metric_for_best_model": "eval/fp_per_image", "greater_is_better": False, "dataloader_pin_memory": False, "warmup_steps": 3, "warmup_ratio": 0.0,
                                   "logging_dir": "./tb", "report_to": ["tensorboard"]}})
     args = training_arguments(run)
     assert (args.dataloader_drop_last, args.logging_first_step, args.run_name, args.save_only_model) == (
         True, True, "r1", True)
-    assert (args.save_strategy, args.metric_for_best_model, args.greater_is_better) == ("epoch", "loss", False)
+    # HF reads eval_<name>: the evaluation's eval/<name> spelling is passed in that form
+    assert (args.save_strategy, args.metric_for_best_model, args.greater_is_better) == (
+        "epoch", "eval_fp_per_image", False)
     assert (args.dataloader_pin_memory, args.warmup_steps, args.report_to) == (False, 3, ["tensorboard"])
     assert (args.remove_unused_columns, args.disable_tqdm, args.ddp_find_unused_parameters) == (False, True, False)
     import os

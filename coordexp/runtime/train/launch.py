@@ -43,7 +43,7 @@ def training_arguments(run: "RunContract", **overrides: Any):
     from transformers import TrainingArguments
 
     from coordexp.runtime.train.deepspeed import resolve_deepspeed
-    from coordexp.schema.training import HF_PASSTHROUGH
+    from coordexp.schema.training import HF_PASSTHROUGH, best_model_metric
 
     t = run.training
     on_cpu = not torch.cuda.is_available()
@@ -52,6 +52,8 @@ def training_arguments(run: "RunContract", **overrides: Any):
     if t.logging_dir is not None:  # transformers 5 dropped TrainingArguments.logging_dir for this variable
         os.environ["TENSORBOARD_LOGGING_DIR"] = t.logging_dir
     passed = {name: getattr(t, name) for name in HF_PASSTHROUGH}
+    if passed.get("metric_for_best_model") is not None:  # HF reads eval_<name>; the schema accepted the name
+        passed["metric_for_best_model"] = "eval_" + best_model_metric(passed["metric_for_best_model"])
     if passed["ddp_find_unused_parameters"] is None:
         passed["ddp_find_unused_parameters"] = False  # every trainable parameter gets a gradient each step
     if "eval_strategy" in t.model_fields_set:

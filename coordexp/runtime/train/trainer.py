@@ -297,7 +297,14 @@ class CoordExpTrainer(Trainer):
         metrics = detection_metrics(ordered, image_root=self.run.data.image_root)[0].log_dict(metric_key_prefix)
         super().log(dict(metrics))
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
-        return metrics
+        # HF's best-model tracking reads eval_<name> (training.metric_for_best_model); the log keeps eval/<name>
+        returned = {**metrics, **{f"{metric_key_prefix}_{k.split('/', 1)[1]}": v for k, v in metrics.items()}}
+        wanted = self.args.metric_for_best_model
+        if wanted is not None and wanted not in returned:
+            raise LaunchError(f"training.metric_for_best_model {wanted!r} was not computed at step {step} (segm_* "
+                              "need polygon ground truth; AP by size needs objects of that size in the validation set)",
+                              hint="Choose a figure this validation set always has, such as AP50 or match_rate.")
+        return returned
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
@@ -322,7 +329,11 @@ class CoordExpTrainer(Trainer):
             del self._get_output_dir  # the class's method again
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
-            checkpoints.publish_checkpoint(run_dir, step)
+            final = checkpoints.publish_checkpoint(run_dir, step)
+            best = self.state.best_global_step
+            if best and (Path(run_dir) / f"checkpoint-{best}").is_dir():  # HF looked for it under the staging dir
+                self.state.best_model_checkpoint = str(Path(run_dir) / f"checkpoint-{best}")
+                self.state.save_to_json(str(final / "trainer_state.json"))
             from transformers.trainer_utils import rotate_checkpoints
 
             rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
