@@ -84,6 +84,10 @@ class CountingServer:
             def finish(self):
                 super().finish()
                 if self.close_connection:
+                    try:  # the FIN is on its way before the test hears of the close
+                        self.connection.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
                     server.closed.set()
 
             do_GET = do_POST = _handle
@@ -138,7 +142,8 @@ def test_sequential_calls_reuse_one_kept_alive_connection(server):
         assert client.infer([{"messages": []}] * 2, {"seed": 1}) == [{"n": 0}, {"n": 1}]
         client.reset_prefix_cache()
     assert len(server.calls) == 20
-    assert server.connections == 1 and client.connections_opened == 1
+    # the 15 idempotent calls share one kept-alive connection; each exactly-once call (the cache reset) takes its own
+    assert server.connections == 1 + 5 and client.connections_opened == 1 + 5
 
 
 def test_concurrent_callers_each_get_a_connection_and_reuse_it(server):
@@ -168,8 +173,24 @@ def test_a_connection_the_server_closed_while_idle_is_replaced_and_a_push_is_sen
     client = RolloutServerClient(server.base_url, timeout_s=10)
     client.request("GET", "health", timeout=10)
     assert server.closed.wait(30)  # the server closed the kept-alive connection without saying so
+    client.request("GET", "health", timeout=10)  # an idempotent call: the dead idle connection is detected, replaced
+    assert server.connections == 2 and client.connections_opened == 2 and sleeps == []
     client.update_flattened_params([])
-    assert server.count("update_flattened_params") == 1 and server.connections == 2 and sleeps == []
+    assert server.count("update_flattened_params") == 1 and sleeps == []
+
+
+def test_calls_sent_exactly_once_never_ride_a_kept_alive_connection(server):
+    """A weight push cannot be resent, so it never reuses an idle connection the server might be closing just then
+    (seen as a RemoteDisconnected push on a loaded box); idempotent calls keep reusing theirs."""
+    client = RolloutServerClient(server.base_url, timeout_s=10)
+    for _ in range(3):
+        client.request("GET", "health", timeout=10)
+    assert server.connections == 1
+    client.update_flattened_params([])
+    client.reset_prefix_cache()
+    assert server.connections == 3 and server.count("update_flattened_params") == 1
+    client.request("GET", "health", timeout=10)
+    assert server.connections == 3  # the kept-alive connection is still there for idempotent calls
 
 
 @pytest.mark.parametrize("call", [

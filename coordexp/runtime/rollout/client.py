@@ -86,10 +86,11 @@ class _ConnectionPool:
     def path(self, endpoint: str) -> str:
         return f"{self._prefix}/{endpoint.strip('/')}/"
 
-    def acquire(self, timeout: float | None) -> http.client.HTTPConnection:
-        """A connected connection whose timeout is ``timeout``; raises ``OSError`` when none can be opened."""
+    def acquire(self, timeout: float | None, *, fresh: bool = False) -> http.client.HTTPConnection:
+        """A connected connection whose timeout is ``timeout`` (a new one with ``fresh``); raises ``OSError`` when
+        none can be opened."""
         now = time.monotonic()
-        while True:
+        while not fresh:
             with self._lock:
                 conn, since = self._idle.pop() if self._idle else (None, 0.0)
             if conn is None:
@@ -219,7 +220,9 @@ class RolloutServerClient:
         attempts = 1 + (self.retries if retry else 0)
         for attempt in range(attempts):
             try:
-                return self._request_once(method, endpoint, payload, timeout=timeout)
+                # a call sent exactly once never rides a kept-alive connection: the server may close an idle one
+                # while the request is on its way, and such a call cannot be resent
+                return self._request_once(method, endpoint, payload, timeout=timeout, fresh=not retry)
             except (ServerUnreachableError, ServerResponseError) as exc:
                 retryable = isinstance(exc, ServerUnreachableError) or exc.status in RETRY_STATUSES
                 if not retryable or attempt + 1 >= attempts:
@@ -230,7 +233,8 @@ class RolloutServerClient:
                 time.sleep(delay)
         raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
 
-    def _request_once(self, method: str, endpoint: str, payload: Any, *, timeout: float | None) -> Any:
+    def _request_once(self, method: str, endpoint: str, payload: Any, *, timeout: float | None,
+                      fresh: bool = False) -> Any:
         url = self.url(endpoint)
         data = b"" if payload is None else json.dumps(payload).encode("utf-8")
         headers = {"Content-Type": "application/json"} if payload is not None else {}
@@ -238,7 +242,7 @@ class RolloutServerClient:
             headers["Authorization"] = f"Bearer {self._sync_token.get_secret_value()}"
         limit = "no timeout" if timeout is None else f"{timeout:g} s"
         try:
-            conn = self._pool.acquire(timeout)
+            conn = self._pool.acquire(timeout, fresh=fresh)
         except (socket.timeout, TimeoutError) as exc:
             raise ServerTimeoutError(
                 f"rollout server {url} did not accept a connection within {limit} ({exc}); the server may be hung "
