@@ -174,7 +174,7 @@ def test_an_interrupted_run_does_not_wait_for_a_hung_generation(host, records, t
     backend = GroundTruthBackend(host.tokenizer, gate=gate)
     pipe = make(host, tmp_path, backend, per_device_batch=2, decode_batch_size=2, overlap=True)
     pipe.plan(0, [tuple(records[:2]), tuple(records[2:4])], None)
-    pipe.prefetcher.request((0, 1), records[2:4], [], policy_version=0)
+    pipe.prefetcher.request((0, 1), [], policy_version=0)
     threads = [t for t in threading.enumerate() if t.name == "rollout-prefetch"]
     assert threads and all(t.daemon for t in threads)  # a hung generation never holds interpreter exit
     pipe.close(interrupted=True)  # returns although the generation is still blocked

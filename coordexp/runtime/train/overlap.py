@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:
+    from coordexp.runtime.model.encoding import EncodedPrompt
     from coordexp.runtime.rollout.base import RolloutBackend, RolloutOutput, RolloutRequest
 
 __all__ = ["PlannedMicroStep", "PrefetchedRollouts", "RolloutPrefetcher", "generate_with_metadata"]
@@ -44,7 +45,6 @@ class PrefetchedRollouts:
 
     outputs: list["RolloutOutput"]
     policy_version: int
-    requested_at: float
     seconds: float  # generation time on the background thread
     metadata: dict[str, Any]  # the backend's metadata right after this generation
 
@@ -52,11 +52,14 @@ class PrefetchedRollouts:
 @dataclass
 class _InFlight:
     micro_step: Any
-    seeds: tuple[int, ...]
-    records: tuple[Any, ...]
+    requests: tuple["RolloutRequest", ...]  # what was asked: records, prompts and seeds
     policy_version: int
-    requested_at: float
     future: "Future[tuple[list[RolloutOutput], dict[str, Any], float]]"
+
+    def is_for(self, micro_step: Any, records: Sequence[Any]) -> bool:
+        """Whether this prefetch is ``micro_step``'s for exactly these records (the plan did not diverge)."""
+        return self.micro_step == micro_step and len(self.requests) == len(records) and all(
+            r.record is record for r, record in zip(self.requests, records))
 
 
 @dataclass
@@ -74,12 +77,12 @@ class RolloutPrefetcher:
     def in_flight(self) -> bool:
         return self._in_flight is not None
 
-    def request(self, micro_step: Any, records: Sequence[Any], requests: Sequence["RolloutRequest"], policy_version: int) -> None:
+    def request(self, micro_step: Any, requests: Sequence["RolloutRequest"], policy_version: int) -> None:
         """Start generating ``micro_step``'s rollouts in the background with the weights the server has now."""
         if self._in_flight is not None:
             raise RuntimeError(f"a prefetch for micro-step {self._in_flight.micro_step} is still in flight; take it "
                                "before requesting another (the weight push must not overtake it)")
-        requests = list(requests)
+        requests = tuple(requests)
         future: Future = Future()
 
         def generate() -> None:
@@ -90,11 +93,16 @@ class RolloutPrefetcher:
             except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread by take()
                 future.set_exception(exc)
 
-        now = time.perf_counter()
-        seeds = tuple(int(r.seed) for r in requests)
-        self._in_flight = _InFlight(micro_step, seeds, tuple(records), policy_version, now, future)
+        self._in_flight = _InFlight(micro_step, requests, policy_version, future)
         threading.Thread(target=generate, name="rollout-prefetch", daemon=True).start()
-        self.events.append(("request", micro_step, policy_version, now))
+        self.events.append(("request", micro_step, policy_version, time.perf_counter()))
+
+    def prompts_for(self, micro_step: Any, records: Sequence[Any]) -> list["EncodedPrompt"] | None:
+        """The encoded prompts of the in-flight prefetch when it is ``micro_step``'s for these records (so a
+        prefetched micro-step encodes its prompts once), else None."""
+        pending = self._in_flight
+        return [r.prompt for r in pending.requests] if pending is not None and pending.is_for(micro_step, records) \
+            else None
 
     def wait(self) -> None:
         """Block until the in-flight generation (if any) has finished; its result stays available to :meth:`take`."""
@@ -109,12 +117,10 @@ class RolloutPrefetcher:
         if pending is None:
             return None
         outputs, metadata, seconds = pending.future.result()
-        if pending.micro_step != micro_step or pending.seeds != tuple(int(x) for x in seeds) or len(pending.records) != len(records) or any(
-            a is not b for a, b in zip(pending.records, records)
-        ):
+        if not pending.is_for(micro_step, records) or [r.seed for r in pending.requests] != [int(x) for x in seeds]:
             return None
         self.events.append(("take", micro_step, pending.policy_version, time.perf_counter()))
-        return PrefetchedRollouts(outputs, pending.policy_version, pending.requested_at, seconds, metadata)
+        return PrefetchedRollouts(outputs, pending.policy_version, seconds, metadata)
 
     def close(self, *, wait: bool = True) -> None:
         """Forget the in-flight generation: waited for first unless ``wait`` is false (an interrupted run must not

@@ -84,6 +84,10 @@ class RolloutChunk:
     seconds: float
 
 
+def encode_prompts(host: HostContext, records: Sequence["DetectionRecord"]) -> list["EncodedPrompt"]:
+    return [encode_prompt(host.processor, r, host.template) for r in records]
+
+
 def _requests(records: Sequence["DetectionRecord"], prompts: Sequence["EncodedPrompt"], seeds: Sequence[int]
               ) -> list[RolloutRequest]:
     return [RolloutRequest(prompt=p, index=i, seed=int(s), record=r)
@@ -105,7 +109,7 @@ def iter_rollout_samples(backend: "RolloutBackend", host: HostContext, records: 
     step = max(1, int(chunk))
     for start in range(0, len(records), step):
         part, part_seeds = list(records[start:start + step]), [int(s) for s in seeds[start:start + step]]
-        prompts = [encode_prompt(host.processor, r, host.template) for r in part]
+        prompts = encode_prompts(host, part)
         outputs, metadata, seconds = generate_with_metadata(backend, _requests(part, prompts, part_seeds))
         outputs = [replace(o, policy_version=policy_version) for o in outputs]
         yield RolloutChunk(part, part_seeds, outputs, _samples(part, prompts, outputs, host, policy_version),
@@ -131,10 +135,8 @@ class MicroStepPipeline:
         # (global step, training micro-steps rolled out in it): seeds depend on the micro-step WITHIN the optimizer
         # step, so a run resumed at step k draws what the uninterrupted run drew
         self.micro_step: tuple[int, int] = (-1, 0)
-        self.synced_step: int | None = None
-        self.sync_points: list[int] = []  # the global steps whose weights were pushed, in order (tests read it)
+        self.sync_points: list[int] = []  # the global steps whose weights were pushed, in order
         self._planned: list[PlannedMicroStep] = []
-        self._prompts: dict[tuple[int, int], tuple[tuple[Any, ...], list["EncodedPrompt"]]] = {}
 
     @property
     def backend(self) -> "RolloutBackend | None":
@@ -173,13 +175,12 @@ class MicroStepPipeline:
     def sync_point(self, step: int) -> None:
         """Push the policy's weights once per optimizer step (the first rollout of ``step``); nothing may be
         generating meanwhile, so an in-flight prefetch is waited for (its result stays available)."""
-        if self.synced_step == step or self.backend is None:
+        if self.backend is None or (self.sync_points and self.sync_points[-1] == step):
             return
         if self.prefetcher is not None:
             self.prefetcher.wait()
         self.backend.begin_step(step)
         self.backend.sync_weights(self.policy())
-        self.synced_step = step
         self.sync_points.append(step)
 
     # -- training ----------------------------------------------------------------------------------------------
@@ -187,12 +188,13 @@ class MicroStepPipeline:
         """This micro-step's per-sample targets: rollouts (stage 2) or the GT serialization (stage 1)."""
         records = list(records)
         if not self.settings.stage2:
-            prompts = [encode_prompt(self.host.processor, r, self.host.template) for r in records]
+            prompts = encode_prompts(self.host, records)
             return [build_gt_sample(r, p, self.host) for r, p in zip(records, prompts, strict=True)]
         micro = self.next_micro_step(step)
         seeds = self.request_seeds(step, micro, len(records))
         key = (step, micro)
-        prompts = self._cached_prompts(key, records)
+        prefetched = self.prefetcher.prompts_for(key, records) if self.prefetcher is not None else None
+        prompts = prefetched if prefetched is not None else encode_prompts(self.host, records)
         start = time.perf_counter()
         got = self.prefetcher.take(key, records, seeds) if self.prefetcher is not None else None
         self.sync_point(step)
@@ -212,12 +214,6 @@ class MicroStepPipeline:
         self.stats.timed("host", time.perf_counter() - generated)
         return samples
 
-    def _cached_prompts(self, key: tuple[int, int], records: Sequence[Any]) -> list["EncodedPrompt"]:
-        cached = self._prompts.pop(key, None)
-        if cached is not None and len(cached[0]) == len(records) and all(a is b for a, b in zip(cached[0], records)):
-            return cached[1]
-        return [encode_prompt(self.host.processor, r, self.host.template) for r in records]
-
     def _prefetch_after(self, key: tuple[int, int], step: int) -> None:
         """Request the next planned micro-step's rollouts with the weights the server holds now (overlap)."""
         if self.prefetcher is None:
@@ -226,10 +222,9 @@ class MicroStepPipeline:
         if not following:
             return
         plan = following[0]
-        prompts = [encode_prompt(self.host.processor, r, self.host.template) for r in plan.records]
-        self._prompts = {plan.key: (plan.records, prompts)}
         seeds = self.request_seeds(*plan.key, len(plan.records))
-        self.prefetcher.request(plan.key, plan.records, _requests(plan.records, prompts, seeds), policy_version=step)
+        requests = _requests(plan.records, encode_prompts(self.host, plan.records), seeds)
+        self.prefetcher.request(plan.key, requests, policy_version=step)
 
     def rows(self, samples: list[SampleTarget], step: int) -> list[list[SampleTarget]]:
         """Unpacked: one padded row of all samples. Packed: carried segments older than the staleness bound are

@@ -15,7 +15,7 @@ import logging
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 import torch
 from transformers import Trainer
@@ -47,6 +47,15 @@ logger = logging.getLogger("coordexp.train")
 # accelerate distributed types whose backward can step the optimizer or shard parameters: several backward calls
 # in one micro-step (multi-row packing) would take several optimizer steps there (docs/design.md, decision 14)
 _ONE_BACKWARD_ONLY = ("DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA")
+
+
+class RowLayout(NamedTuple):
+    """One forward row as collated: inputs, the logit positions the LM head keeps, their supervision."""
+
+    batch: Any
+    keep: torch.Tensor
+    supervision: SupervisionBatch
+    packed: bool
 
 
 class CoordExpTrainer(Trainer):
@@ -165,22 +174,21 @@ class CoordExpTrainer(Trainer):
         return optimizer
 
     # -- one micro-step ---------------------------------------------------------------------------------------
-    def _layout(self, selected: list[SampleTarget], rope: Any, *, packed: bool | None = None
-                ) -> tuple[Any, torch.Tensor, SupervisionBatch]:
-        """One forward row-set's collated inputs, kept logit positions and supervision (packed: the run's choice)."""
+    def _layout(self, selected: list[SampleTarget], rope: Any, *, packed: bool) -> RowLayout:
+        """One forward row's collated inputs, kept logit positions and supervision (one packed row, or padded)."""
         encoded = [s.encoded for s in selected]
-        collate = collate_packed if (self.buffer is not None if packed is None else packed) else collate_padded
+        collate = collate_packed if packed else collate_padded
         batch = collate(encoded, rope, pad_token_id=self._pad_id())
         segments = [
             SupervisionSegment(s.supervision, s.target.ids, *batch.placement(i)) for i, s in enumerate(selected)
         ]
         # The losses read assistant-span logits only: the LM head runs at those positions (logits_to_keep).
         keep, supervision = SupervisionBatch.from_segments(segments, batch.seq_len).at_kept_positions()
-        return batch, keep, supervision
+        return RowLayout(batch, keep, supervision, packed)
 
-    def _objective(self, model, unwrapped, layout, denominators: LossDenominators, *, packed: bool | None = None):
-        batch, keep, supervision = layout
-        if self.buffer is not None if packed is None else packed:
+    def _objective(self, model, unwrapped, layout: RowLayout, denominators: LossDenominators):
+        batch, keep, supervision, packed = layout
+        if packed:
             # Inputs are built from the unwrapped model (its config); the call goes through the wrapper (DDP hooks).
             logits = packed_forward(model, batch, logits_to_keep=keep, inputs_from=unwrapped)
         else:
@@ -199,8 +207,10 @@ class CoordExpTrainer(Trainer):
         started = time.perf_counter()
         unwrapped = self.accelerator.unwrap_model(model)
         rope = mrope_index_of(unwrapped)
-        layouts = [self._layout(row, rope) for row in self.pipeline.rows(samples, step)]
-        denominators = sum((LossDenominators.of(layout[2]) for layout in layouts[1:]), LossDenominators.of(layouts[0][2]))
+        packed = self.buffer is not None
+        layouts = [self._layout(row, rope, packed=packed) for row in self.pipeline.rows(samples, step)]
+        denominators = sum((LossDenominators.of(layout.supervision) for layout in layouts[1:]),
+                           LossDenominators.of(layouts[0].supervision))
         terms: dict[str, float] = {}
         earlier = 0.0  # the rows already backpropagated: their loss joins the reported value, not the graph
         row_backward = 0.0
@@ -221,8 +231,8 @@ class CoordExpTrainer(Trainer):
         self.stats.timed("forward", time.perf_counter() - started - row_backward)
         self.stats.add(
             terms,
-            trained=sum(layout[0].num_real_tokens for layout in layouts),
-            computed=sum(layout[0].num_token_slots for layout in layouts),
+            trained=sum(layout.batch.num_real_tokens for layout in layouts),
+            computed=sum(layout.batch.num_token_slots for layout in layouts),
             counters=[s.counters for s in samples],
             rows=len(layouts),
         )
@@ -235,7 +245,7 @@ class CoordExpTrainer(Trainer):
         model = self.model
         unwrapped = self.accelerator.unwrap_model(model)
         layout = self._layout(list(samples), mrope_index_of(unwrapped), packed=False)
-        _, result = self._objective(model, unwrapped, layout, LossDenominators.of(layout[2]), packed=False)
+        _, result = self._objective(model, unwrapped, layout, LossDenominators.of(layout.supervision))
         return float(result.total)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -281,14 +291,12 @@ class CoordExpTrainer(Trainer):
         positions = list(range(rank, len(records), world))  # seeds follow the record, not the shard
         step = int(self.state.global_step)
         model = self.accelerator.unwrap_model(self.model)
-        scored: list[tuple[int, Any]] = []
-        done = 0
+        rollouts: list[Any] = []
         # COCO AP (objects ranked by their tokens' log-probability) next to the counters, as `coordexp eval` reports
         for chunk in self.pipeline.eval_chunks([records[i] for i in positions], step, positions):
-            rollouts = score_samples(model, self.host, chunk.records, chunk.samples, step=step,
-                                     batch_size=self.run.rollout_matching.decode_batch_size)
-            scored += zip(positions[done:done + len(rollouts)], rollouts)
-            done += len(rollouts)
+            rollouts += score_samples(model, self.host, chunk.records, chunk.samples, step=step,
+                                      batch_size=self.run.rollout_matching.decode_batch_size)
+        scored = list(zip(positions, rollouts, strict=True))
         if world > 1 and torch.distributed.is_initialized():
             gathered: list[Any] = [None] * world
             torch.distributed.all_gather_object(gathered, scored)  # AP needs every rank's predictions
@@ -330,9 +338,9 @@ class CoordExpTrainer(Trainer):
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
             final = checkpoints.publish_checkpoint(run_dir, step)
-            best = self.state.best_global_step
-            if best and (Path(run_dir) / f"checkpoint-{best}").is_dir():  # HF looked for it under the staging dir
-                self.state.best_model_checkpoint = str(Path(run_dir) / f"checkpoint-{best}")
+            best = Path(run_dir) / f"checkpoint-{self.state.best_global_step}"
+            if self.state.best_global_step and best.is_dir():  # HF looked for it under the staging dir
+                self.state.best_model_checkpoint = str(best)
                 self.state.save_to_json(str(final / "trainer_state.json"))
             from transformers.trainer_utils import rotate_checkpoints
 
