@@ -202,17 +202,14 @@ def _val_records(trainer: "CoordExpTrainer", limit: int) -> list["DetectionRecor
 def evaluate(trainer: "CoordExpTrainer", records: Sequence["DetectionRecord"], *, with_loss: bool) -> RolloutEval:
     """Roll out ``records`` once through the trainer's evaluation path; score them for AP and, with ``with_loss``,
     the objective on their ``Y_train`` (no grad, no packing)."""
-    from coordexp.runtime.train.evaluate import detection_metrics, score_samples
+    from coordexp.runtime.train.evaluate import detection_metrics
 
     was_training = trainer.model.training
     trainer.model.eval()
-    step = int(trainer.state.global_step)
-    chunk = trainer.run.rollout_matching.decode_batch_size
-    model = trainer.accelerator.unwrap_model(trainer.model)
     rollouts, losses = [], []
     try:
-        for part in trainer.pipeline.eval_chunks(list(records), step):
-            rollouts += score_samples(model, trainer.host, part.records, part.samples, step=step, batch_size=chunk)
+        for part, scored in trainer.scored_chunks(list(records)):
+            rollouts += scored
             if with_loss:
                 losses.append((trainer.validation_loss(part.samples), len(part.records)))
     finally:

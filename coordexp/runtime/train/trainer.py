@@ -278,24 +278,31 @@ class CoordExpTrainer(Trainer):
         super().log(logs, start_time)
 
     # -- evaluation -------------------------------------------------------------------------------------------
+    def scored_chunks(self, records: Sequence[Any], positions: Sequence[int] | None = None):
+        """``(chunk, scored rollouts)`` per evaluation chunk of ``records`` at the current step
+        (:meth:`MicroStepPipeline.eval_chunks`): each valid object with its tokens' log-probability, the ranking COCO
+        AP uses, as `coordexp eval` reports."""
+        from coordexp.runtime.train.evaluate import score_samples
+
+        step = int(self.state.global_step)
+        model = self.accelerator.unwrap_model(self.model)
+        for chunk in self.pipeline.eval_chunks(records, step, positions):
+            yield chunk, score_samples(model, self.host, chunk.records, chunk.samples, step=step,
+                                       batch_size=self.run.rollout_matching.decode_batch_size)
+
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Rollout evaluation: each rank rolls out its shard (every ``world``-th record), scores it, and rank-ordered
         results are gathered for COCO AP. The shard sizes may differ: no collective runs per chunk."""
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             return {}
-        from coordexp.runtime.train.evaluate import detection_metrics, score_samples
+        from coordexp.runtime.train.evaluate import detection_metrics
 
         records = list(getattr(dataset, "records", dataset))
         world, rank = max(1, int(self.args.world_size)), int(self.args.process_index)
         positions = list(range(rank, len(records), world))  # seeds follow the record, not the shard
         step = int(self.state.global_step)
-        model = self.accelerator.unwrap_model(self.model)
-        rollouts: list[Any] = []
-        # COCO AP (objects ranked by their tokens' log-probability) next to the counters, as `coordexp eval` reports
-        for chunk in self.pipeline.eval_chunks([records[i] for i in positions], step, positions):
-            rollouts += score_samples(model, self.host, chunk.records, chunk.samples, step=step,
-                                      batch_size=self.run.rollout_matching.decode_batch_size)
+        rollouts = [r for _, scored in self.scored_chunks([records[i] for i in positions], positions) for r in scored]
         scored = list(zip(positions, rollouts, strict=True))
         if world > 1 and torch.distributed.is_initialized():
             gathered: list[Any] = [None] * world
