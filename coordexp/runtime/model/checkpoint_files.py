@@ -24,16 +24,17 @@ from typing import Any, Optional, Sequence
 
 from coordexp.errors import UserInputError
 
-__all__ = ["CheckpointFileError", "MAX_JSON_BYTES", "check_model_dir", "check_adapter_dir", "check_safetensors"]
+__all__ = ["CheckpointFileError", "MAX_JSON_BYTES", "WEIGHT_FILES", "ADAPTER_WEIGHT_FILES", "check_model_dir",
+           "check_adapter_dir", "check_safetensors"]
 
 MAX_JSON_BYTES = 64 * 2**20  # config, tokenizer and index JSON files (a tokenizer.json is a few MiB)
 _MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own reader refuses larger headers
 _SAFETENSORS_DTYPES = frozenset({"BOOL", "U8", "I8", "U16", "I16", "F16", "BF16", "U32", "I32", "F32", "U64",
                                  "I64", "F64", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2",
                                  "C64", "I4", "U4"})
-_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                 "pytorch_model.bin.index.json")
-_ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+ADAPTER_WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 _JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "processor_config.json", "preprocessor_config.json",
                "generation_config.json", "special_tokens_map.json")
 _HINT = "point at a complete checkpoint (saved with save_pretrained); re-save or re-download this one"
@@ -206,9 +207,9 @@ def check_model_dir(folder: str | Path, *, families: Optional[Sequence[str]] = N
     if families is not None and family not in families:
         raise CheckpointFileError(f"{folder}: model_type {family[:80]!r} is not a supported Qwen-VL family; coordexp "
                                   f"trains {', '.join(families)} (Qwen2-VL, Qwen2.5-VL, Qwen3-VL checkpoints)")
-    present = [name for name in _WEIGHT_FILES if os.path.lexists(folder / name)]
+    present = [name for name in WEIGHT_FILES if os.path.lexists(folder / name)]
     if not present:
-        raise CheckpointFileError(f"{folder}: no weights ({', '.join(_WEIGHT_FILES)})", hint=_HINT)
+        raise CheckpointFileError(f"{folder}: no weights ({', '.join(WEIGHT_FILES)})", hint=_HINT)
     name = present[0]
     shapes: dict[str, list[int]] | None = None
     if name.endswith(".index.json"):
@@ -228,9 +229,9 @@ def check_adapter_dir(folder: str | Path) -> None:
     """A saved LoRA adapter: ``adapter_config.json`` an object, adapter weights present and intact."""
     folder = Path(folder)
     _read_json_object(folder / "adapter_config.json")
-    present = [name for name in _ADAPTER_WEIGHTS if os.path.lexists(folder / name)]
+    present = [name for name in ADAPTER_WEIGHT_FILES if os.path.lexists(folder / name)]
     if not present:
-        raise CheckpointFileError(f"{folder}: no adapter weights ({', '.join(_ADAPTER_WEIGHTS)})", hint=_HINT)
+        raise CheckpointFileError(f"{folder}: no adapter weights ({', '.join(ADAPTER_WEIGHT_FILES)})", hint=_HINT)
     if present[0].endswith(".safetensors"):
         check_safetensors(folder / present[0])
     else:

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
+from coordexp.runtime.model.checkpoint_files import ADAPTER_WEIGHT_FILES, WEIGHT_FILES
+
 __all__ = ["STAGING_PREFIX", "staging_dir", "publish_checkpoint", "clear_staging", "checkpoint_problem",
            "ResumeChoice", "choose_resume", "finished_step"]
 
 STAGING_PREFIX = ".staging-"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
-_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors", "pytorch_model.bin",
-            "pytorch_model.bin.index.json")
 _STATE = "trainer_state.json"
 
 
@@ -90,7 +90,8 @@ def checkpoint_problem(path: str | Path) -> str | None:
         return f"{_STATE} is unreadable ({type(exc).__name__})"
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         return f"{_STATE} has no valid global_step"
-    if not any((root / name).is_file() and (root / name).stat().st_size > 0 for name in _WEIGHTS):
+    weights = (root / name for name in (*WEIGHT_FILES, *ADAPTER_WEIGHT_FILES))
+    if not any(path.is_file() and path.stat().st_size > 0 for path in weights):
         return "no model weights"
     return None
 
