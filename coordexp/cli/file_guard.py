@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import os
 import stat
-import tempfile
 from pathlib import Path
 from typing import Iterable, Optional
 
 from coordexp.errors import UserInputError
+from coordexp.schema.migrate_io import replace_atomically
 
 __all__ = ["MAX_SOURCE_BYTES", "read_source_bytes", "read_source_text", "check_path_names", "check_output_file",
            "check_output_dir", "write_atomic", "same_file"]
@@ -207,34 +207,13 @@ def check_output_dir(path: Path, what: str = "--out") -> Path:
     return real
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def write_atomic(path: Path, data: bytes, what: str = "--output") -> None:
     """Write ``data`` to a temp file beside ``path`` (the real path from :func:`check_output_file`) and rename it
-    over ``path``; parents are created now. An OS error is a :class:`UserInputError` and leaves no temp file."""
-    tmp: Optional[Path] = None
+    over ``path`` (:func:`coordexp.schema.migrate_io.replace_atomically`); parents are created now. An OS error is
+    a :class:`UserInputError` and leaves no temp file."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            mode = stat.S_IMODE(os.stat(path).st_mode)
-        except FileNotFoundError:
-            mode = 0o666 & ~_umask()
-        fd, name = tempfile.mkstemp(dir=path.parent, prefix=_TEMP_PREFIX, suffix=".tmp")
-        tmp = Path(name)
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-        tmp = None
+        replace_atomically(path, data, prefix=_TEMP_PREFIX, suffix=".tmp")
     except OSError as exc:
         raise UserInputError(f"{what} {path}: cannot write ({_reason(exc)}); nothing was written",
                              hint="check the folder's permissions and free space") from None
-    finally:
-        if tmp is not None:
-            tmp.unlink(missing_ok=True)

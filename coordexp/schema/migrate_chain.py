@@ -18,7 +18,7 @@ from typing import Optional
 from coordexp.schema.errors import ConfigError, ConfigIssue
 from coordexp.schema.loader import MAX_EXTENDS_DEPTH, MAX_EXTENDS_FILES, deep_merge
 from coordexp.schema.migrate import HEADER, Migration, migrate_mapping
-from coordexp.schema.migrate_io import (MigrationRefused, _check_writable, _read_original, _replace_atomically,
+from coordexp.schema.migrate_io import (MigrationRefused, _check_writable, _read_original, replace_atomically,
                                         _same_file, _write_backup)
 from coordexp.schema.migrate_upstream import is_upstream, resolve_paths, upstream_post, write_paths
 from coordexp.schema.yaml_io import dump_yaml, parse_yaml_text
@@ -173,7 +173,7 @@ def migrate_chain(leaf: Path, *, output: Optional[Path] = None, in_place: bool =
 
 def _write(target: Path, text: str) -> None:
     try:
-        _replace_atomically(target, text.encode("utf-8"))
+        replace_atomically(target, text.encode("utf-8"))
     except OSError as exc:
         raise MigrationRefused(f"cannot write {target}: {exc.strerror or exc} (nothing was changed)",
                                hint="Check the folder's permissions and free space.") from None

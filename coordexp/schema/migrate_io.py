@@ -20,7 +20,7 @@ from coordexp.errors import UserInputError
 from coordexp.schema.migrate import Migration, migrate_text
 from coordexp.schema.yaml_io import MAX_CONFIG_BYTES, YamlReadError, read_yaml_file
 
-__all__ = ["MigrationRefused", "MigratedFile", "migrate_file", "TEMP_SUFFIX"]
+__all__ = ["MigrationRefused", "MigratedFile", "migrate_file", "replace_atomically", "TEMP_SUFFIX"]
 
 TEMP_SUFFIX = ".migrate-tmp"
 _MAX_BACKUPS = 1000
@@ -120,10 +120,12 @@ def _current_umask() -> int:
     return mask
 
 
-def _replace_atomically(target: Path, data: bytes) -> None:
-    """Write ``data`` to a temp file beside ``target`` and rename it over ``target`` (the temp never survives)."""
+def replace_atomically(target: Path, data: bytes, *, prefix: Optional[str] = None, suffix: str = TEMP_SUFFIX) -> None:
+    """Write ``data`` to a temp file beside ``target`` (``prefix``, default ``.<name>.``) and rename it over
+    ``target``, keeping its mode (a new file gets the umask's); the temp never survives."""
     mode = stat.S_IMODE(target.stat().st_mode) if target.exists() else 0o666 & ~_current_umask()
-    fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=TEMP_SUFFIX)
+    fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}." if prefix is None else prefix,
+                                    suffix=suffix)
     tmp = Path(tmp_name)
     try:
         with os.fdopen(fd, "wb") as handle:
@@ -168,7 +170,7 @@ def migrate_file(source: Path, *, in_place: bool = False, output: Optional[Path]
             if not migration.changed:
                 return MigratedFile(new_text, migration, None, None)
             backup = _write_backup(target, original)
-        _replace_atomically(target, new_text.encode("utf-8"))
+        replace_atomically(target, new_text.encode("utf-8"))
     except OSError as exc:
         where = f" (the original is unchanged; backup: {backup})" if backup else " (nothing was changed)"
         raise MigrationRefused(f"cannot write {target}: {exc.strerror or exc}{where}",
