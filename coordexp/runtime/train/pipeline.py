@@ -59,7 +59,7 @@ class PipelineSettings:
     rollout_log_every: int = 0
 
     @classmethod
-    def of(cls, run: "RunContract", args: Any) -> "PipelineSettings":
+    def of(cls, run: "RunContract", args: Any, *, rollout_log_every: int = 0) -> "PipelineSettings":
         rm = run.rollout_matching
         stage2 = run.trainer_variant == "stage2_rollout_aligned"
         return cls(
@@ -69,6 +69,7 @@ class PipelineSettings:
             packing_length=rm.packing.packing_length if rm.packing.enabled else None,
             packing_buffer=int(rm.packing.buffer), min_fill_ratio=float(rm.packing.min_fill_ratio),
             max_steps=int(args.max_steps), rollout_log_dir=str(args.output_dir) if args.process_index == 0 else None,
+            rollout_log_every=int(rollout_log_every),
         )
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
@@ -86,9 +85,7 @@ class CoordExpTrainer(Trainer):
                 "steps", hint="Set training.packing: false, or train with plain DDP (torchrun without DeepSpeed/FSDP).")
         self.stats = StepStats()
         self.run_log = RunLog(self.args.output_dir, self.args.process_index)
-        settings = PipelineSettings.of(run, self.args)
-        if rollout_log_every:
-            settings = replace(settings, rollout_log_every=int(rollout_log_every))
+        settings = PipelineSettings.of(run, self.args, rollout_log_every=rollout_log_every)
         self.pipeline = MicroStepPipeline(host, backend, settings, stats=self.stats, run_log=self.run_log,
                                           policy=lambda: self.accelerator.unwrap_model(self.model))
         self._coord_ids = torch.tensor(host.vocab.ids, dtype=torch.long)
