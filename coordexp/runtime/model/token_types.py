@@ -1,0 +1,117 @@
+"""Teacher-forced token figures per token type: accuracy and cross-entropy of the supervised text and coord tokens.
+
+Monitors, never part of the objective. A supervised position's label is its text token (``ce_labels``) or, at a
+coord slot, the coord token of its target bin (``coord_targets`` rounded to the nearest bin: the ground-truth token
+itself in stage 1). Accuracy counts a position when the argmax over the FULL vocabulary (the first id on a tie) is
+the label; loss is the full-vocabulary cross-entropy ``logsumexp(logits) - logit[label]``, unweighted. Both read the
+logit rows through the objective's numeric fence (:func:`coordexp.runtime.model.coord_losses.sanitize_logits`), a
+chunk of rows at a time, so no ``(N, V)`` copy is ever held.
+
+:class:`TokenTypeSums` holds sums, not means: chunks, micro-steps and ranks add up first and the figures are taken
+once from the totals (docs/design.md, decision 8: means over the pooled positions).
+"""
+
+from __future__ import annotations
+
+from dataclasses import astuple, dataclass, fields
+
+import torch
+
+from coordexp.runtime.model.coord_losses import NUM_COORD_BINS, check_coord_ids, sanitize_logits
+from coordexp.runtime.model.losses import SupervisionBatch
+
+__all__ = ["TOKEN_FIGURES", "TokenTypeSums", "coord_labels", "token_type_sums"]
+
+# About 16 MiB of float32 rows per chunk, whatever the vocabulary size.
+_CHUNK_ELEMENTS = 1 << 22
+
+TOKEN_FIGURES: tuple[str, ...] = (
+    "token_acc", "text_token_acc", "coord_token_acc", "token_loss", "text_token_loss", "coord_token_loss",
+)
+"""The figure names :meth:`TokenTypeSums.figures` can report (a type without supervised tokens is left out)."""
+
+
+@dataclass(frozen=True)
+class TokenTypeSums:
+    """Per token type: supervised positions, argmax hits, and summed cross-entropy (nats)."""
+
+    text_tokens: float = 0.0
+    text_correct: float = 0.0
+    text_loss: float = 0.0
+    coord_tokens: float = 0.0
+    coord_correct: float = 0.0
+    coord_loss: float = 0.0
+
+    def __add__(self, other: "TokenTypeSums") -> "TokenTypeSums":
+        return TokenTypeSums(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+    def to_list(self) -> list[float]:
+        """The sums in field order (what a rank all-reduces)."""
+        return [float(v) for v in astuple(self)]
+
+    @classmethod
+    def from_list(cls, values: list[float]) -> "TokenTypeSums":
+        if len(values) != len(fields(cls)):
+            raise ValueError(f"expected {len(fields(cls))} sums, got {len(values)}")
+        return cls(*(float(v) for v in values))
+
+    def figures(self) -> dict[str, float]:
+        """Means over the pooled positions: ``token_acc`` / ``token_loss`` over every supervised token, and the
+        ``text_`` / ``coord_`` figures of each type that has tokens."""
+        out: dict[str, float] = {}
+        total = self.text_tokens + self.coord_tokens
+        if total:
+            out["token_acc"] = (self.text_correct + self.coord_correct) / total
+            out["token_loss"] = (self.text_loss + self.coord_loss) / total
+        for kind, count, correct, loss in (("text", self.text_tokens, self.text_correct, self.text_loss),
+                                           ("coord", self.coord_tokens, self.coord_correct, self.coord_loss)):
+            if count:
+                out[f"{kind}_token_acc"] = correct / count
+                out[f"{kind}_token_loss"] = loss / count
+        return out
+
+
+def coord_labels(batch: SupervisionBatch, coord_ids: torch.Tensor) -> torch.Tensor:
+    """The coord token id of each coord slot's target bin (rounded to the nearest bin)."""
+    bins = batch.coord_targets.round().clamp(0, NUM_COORD_BINS - 1).long()
+    return coord_ids.to(bins.device).index_select(0, bins)
+
+
+@torch.no_grad()
+def token_type_sums(
+    logits: torch.Tensor, batch: SupervisionBatch, coord_ids: torch.Tensor, *, chunk_rows: int | None = None
+) -> TokenTypeSums:
+    """Accuracy and cross-entropy sums of the supervised positions of ``batch`` (text rows, then coord slots).
+
+    Args:
+        logits: ``(R, T, V)`` logits the supervision batch was built for (any float dtype).
+        batch: supervision in flattened logit coordinates (:class:`SupervisionBatch`).
+        coord_ids: ``(1000,)`` LongTensor of the coord token ids in bin order.
+        chunk_rows: rows fenced at a time (default: about 16 MiB of float32 per chunk).
+    """
+    if logits.ndim != 3 or logits.shape[1] != batch.seq_len:
+        raise ValueError(f"logits shape {tuple(logits.shape)} does not match the supervision batch "
+                         f"(seq_len={batch.seq_len}); build the SupervisionBatch for the same layout")
+    vocab = logits.shape[-1]
+    check_coord_ids(coord_ids, vocab)
+    device = logits.device
+    num_text = int(batch.ce_logit_index.numel())
+    index = torch.cat([batch.ce_logit_index, batch.coord_logit_index]).to(device)
+    labels = torch.cat([batch.ce_labels.to(device), coord_labels(batch.to(device), coord_ids)])
+    flat = logits.reshape(-1, vocab)
+    step = max(1, chunk_rows if chunk_rows is not None else _CHUNK_ELEMENTS // max(vocab, 1))
+    correct = torch.zeros(index.numel(), dtype=torch.bool, device=device)
+    loss = torch.zeros(index.numel(), dtype=torch.float64, device=device)
+    for lo in range(0, index.numel(), step):
+        rows = sanitize_logits(flat.index_select(0, index[lo:lo + step]))
+        label = labels[lo:lo + step]
+        label_logit = rows.gather(1, label[:, None]).squeeze(1)
+        loss[lo:lo + step] = (torch.logsumexp(rows, dim=1) - label_logit).double()
+        correct[lo:lo + step] = rows.argmax(dim=1) == label
+        del rows
+    text, coord = slice(0, num_text), slice(num_text, None)
+    return TokenTypeSums(
+        text_tokens=float(num_text), text_correct=float(correct[text].sum()), text_loss=float(loss[text].sum()),
+        coord_tokens=float(index.numel() - num_text), coord_correct=float(correct[coord].sum()),
+        coord_loss=float(loss[coord].sum()),
+    )
