@@ -68,7 +68,6 @@ _LEFT_OUT = {
     "custom.augmentation_curriculum": _NO_AUG,
     "custom.dump_conversation_text": "no conversation-text dump (`coordexp show-rollouts` shows rollouts)",
     "custom.dump_conversation_path": "no conversation-text dump",
-    "custom.token_type_metrics": "per-token-type metrics are not computed",
     "custom.instability_monitor": "no instability monitor",
     "custom.log_file": "logs go to stdout/stderr (redirect them to a file)",
     "custom.coord_offset": "no coord-offset embedding/head training",
@@ -76,8 +75,10 @@ _LEFT_OUT = {
     "custom.fusion_config": "no dataset fusion: one train_jsonl",
     "custom.use_summary": "no summary mode",
     "custom.val_sample_with_replacement": "validation takes the first max_val_samples records",
-    "custom.object_ordering": "objects keep the order of the record",
     "custom.coord_tokens": "coordinates are always coord tokens",
+    # mapped in upstream_pre when upstream accepted the value; what remains here is a shape upstream refused too
+    "custom.object_ordering": "upstream took sorted or random; set data.object_order (keep, sorted or random)",
+    "custom.token_type_metrics": "upstream took a mapping with enabled: true/false; set training.token_type_metrics",
     "custom.extra": "upstream's free-form extras have no owner in coordexp",
     "debug": "no debug mode: its output_dir and sample limits are not applied",
     "rlhf": "no GKD / RLHF trainer",
@@ -149,6 +150,8 @@ def upstream_pre(rw: Any) -> None:
         rw.m.changes.append(f"template.max_pixels: {pixels} -> {MAX_PIXELS} (coordexp's cap; as before, images "
                             "up to that size are never resized)")
     _best_model_metric(rw)
+    _token_type_metrics(rw)
+    _object_ordering(rw)
     for dotted, (value, why) in _REDUNDANT.items():
         found = _get(rw.data, dotted)
         if found is not _ABSENT and (value is None or found == value):
@@ -157,9 +160,9 @@ def upstream_pre(rw: Any) -> None:
 
 
 def _best_model_metric(rw: Any) -> None:
-    """Upstream names metrics its own evaluation logged (eval_token_acc, rollout/f1, ...); coordexp's rollout
-    evaluation reports others, so such a metric (and the direction that goes with it) is left out, naming the
-    figures that exist."""
+    """Upstream names metrics its own evaluation logged; those coordexp's training evaluation also reports
+    (eval_token_acc: teacher-forced token accuracy of the validation split) are kept with their greater_is_better,
+    others (rollout/f1, ...) are left out with the direction that goes with them, naming the figures that exist."""
     metric = _get(rw.data, "training.metric_for_best_model")
     if not isinstance(metric, str) or best_model_metric(metric) is not None:
         return
@@ -167,6 +170,44 @@ def _best_model_metric(rw: Any) -> None:
            "checkpoint")
     _leave_out(rw, "training.metric_for_best_model", why)
     _leave_out(rw, "training.greater_is_better", "it ordered the left-out metric_for_best_model")
+
+
+_TOKEN_TYPE_ONE_DATASET = ("include", "exclude")  # dataset-name filters: coordexp trains one dataset
+
+
+def _token_type_metrics(rw: Any) -> None:
+    """``custom.token_type_metrics: {enabled: ...}`` -> ``training.token_type_metrics``; its dataset filters are
+    moot (one dataset), other knobs (top-5, coord mass monitors) are left out with the reason."""
+    block = _get(rw.data, "custom.token_type_metrics")
+    if block is None:
+        _pop(rw.data, "custom.token_type_metrics")
+        rw.m.changes.append("removed custom.token_type_metrics: null (upstream's default: off)")
+        return
+    enabled = block.get("enabled", False) if isinstance(block, dict) else None
+    if not isinstance(enabled, bool):
+        return  # a shape upstream refused: upstream_post leaves it out
+    if not rw.put("custom.token_type_metrics.enabled", "training.token_type_metrics", enabled):
+        return
+    block.pop("enabled", None)
+    flag = str(enabled).lower()
+    rw.m.changes.append(f"custom.token_type_metrics.enabled: {flag} -> training.token_type_metrics: {flag}")
+    for key in list(block):
+        dotted = f"custom.token_type_metrics.{key}"
+        if key in _TOKEN_TYPE_ONE_DATASET:
+            rw.m.changes.append(f"removed {dotted}: {_short(block.pop(key))} (a dataset-name filter; coordexp "
+                                "trains one dataset, the figures cover every record)")
+        else:
+            _leave_out(rw, dotted, "coordexp logs accuracy and cross-entropy per token type, no other monitor")
+    _pop(rw.data, "custom.token_type_metrics")
+
+
+def _object_ordering(rw: Any) -> None:
+    """``custom.object_ordering`` (sorted | random) -> ``data.object_order``: the same check / per-epoch shuffle."""
+    value = _get(rw.data, "custom.object_ordering")
+    if isinstance(value, str) and value.strip().lower() in ("sorted", "random"):
+        if rw.put("custom.object_ordering", "data.object_order", value.strip().lower()):
+            _pop(rw.data, "custom.object_ordering")
+            rw.m.changes.append(f"custom.object_ordering: {value} -> data.object_order: {value.strip().lower()}")
 
 
 def _deepspeed(rw: Any) -> None:

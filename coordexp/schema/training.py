@@ -31,7 +31,7 @@ from coordexp.schema.hf_surface import passthrough_fields, refused_fields
 from coordexp.schema.hf_training_fields import HF_TRAINING_FIELDS, REPORT_TO_CHOICES
 
 __all__ = ["TrainingConfig", "SchedulerKwargs", "DEEPSPEED_PRESETS", "HF_PASSTHROUGH", "BEST_MODEL_METRICS",
-           "best_model_metric"]
+           "TOKEN_METRICS", "best_model_metric"]
 
 DEEPSPEED_PRESETS = ("zero2", "zero3")
 """Shipped DeepSpeed configs (coordexp/runtime/train/deepspeed/<name>.json, "auto" values filled by transformers)."""
@@ -90,6 +90,9 @@ class _OwnedTrainingFields(StrictModel):
     optim: Literal["adamw_torch", "adamw_torch_fused", "sgd"] = Field("adamw_torch")
     seed: Seed = Field(42, description="Run seed (0..2**32-1): data order, init, and rollout seeds.")
     logging_steps: Count = Field(10, description="Log every N optimizer steps.")
+    token_type_metrics: bool = Field(
+        False, description="Log teacher-forced accuracy and cross-entropy of the trained tokens per logging step: "
+        "all, text and coord tokens (token_acc, text_token_acc, coord_token_acc, *_token_loss).")
     logging_dir: Optional[PathStr] = Field(
         None, description="TensorBoard event folder (transformers 5 reads TENSORBOARD_LOGGING_DIR; coordexp sets "
         "it); null = under output_dir.", json_schema_extra=path_extra())
@@ -154,7 +157,7 @@ class _OwnedTrainingFields(StrictModel):
         if metric is not None and best_model_metric(metric) is None:
             violations.append(RuleViolation(
                 "metric_for_best_model", f"training.metric_for_best_model {metric!r} is not a figure coordexp's "
-                "rollout evaluation reports, so the first evaluation could not compare it",
+                "training evaluation reports, so the first evaluation could not compare it",
                 f"Use one of {', '.join(BEST_MODEL_METRICS)} (an eval_ prefix is optional), or remove it."))
         if getattr(self, "bf16", False) and getattr(self, "fp16", False):
             violations.append(RuleViolation("fp16", "bf16 and fp16 are both true", "Choose one mixed precision."))
@@ -199,13 +202,19 @@ class _OwnedTrainingFields(StrictModel):
 
 
 _AP_NAMES = ("AP", "AP50", "AP75", "AP_small", "AP_medium", "AP_large", "AR100")
+TOKEN_METRICS: tuple[str, ...] = (
+    "token_acc", "text_token_acc", "coord_token_acc", "token_loss", "text_token_loss", "coord_token_loss",
+)
+"""Teacher-forced figures of the validation split's ground-truth serialization (runtime/model/token_types.py):
+full-vocabulary argmax accuracy and cross-entropy over all supervised tokens, text tokens and coord tokens."""
 BEST_MODEL_METRICS: tuple[str, ...] = (
     *_AP_NAMES, *(f"segm_{name}" for name in _AP_NAMES),
     "match_rate", "parse_valid_rate", "parse_drop_rate", "truncation_rate", "eos_stop_rate", "fn_per_image",
-    "fp_per_image", "valid_pred_per_image",
+    "fp_per_image", "valid_pred_per_image", *TOKEN_METRICS,
 )
-"""What ``metric_for_best_model`` may name: figures coordexp's rollout evaluation returns (as ``eval_<name>``, next to
-the logged ``eval/<name>``); ``segm_*`` need polygon ground truth in the validation set."""
+"""What ``metric_for_best_model`` may name: figures coordexp's training evaluation returns (as ``eval_<name>``, next
+to the logged ``eval/<name>``): rollout AP and counters, and the teacher-forced token figures; ``segm_*`` need
+polygon ground truth in the validation set. A name ending in ``loss`` defaults to ``greater_is_better: false``."""
 
 
 def best_model_metric(name: str) -> str | None:

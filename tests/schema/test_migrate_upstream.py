@@ -121,7 +121,7 @@ def test_a_stage1_dora_chain_becomes_one_valid_file_with_the_recipe(tmp_path):
     out = tmp_path / "s1.yaml"
     result = _run("migrate", str(paths["stage1"]), "-o", str(out), "--base-dir", str(tmp_path))
     assert result.exit_code == 2, result.output  # features were left out: the user decides
-    for key in ("custom.augmentation", "custom.augmentation_curriculum", "custom.token_type_metrics", "debug",
+    for key in ("custom.augmentation", "custom.augmentation_curriculum", "debug",
                 "training.save_delay_steps", "training.add_version", "data.dataset_num_proc"):
         assert f"left out {key}:" in result.output
     written = yaml.safe_load(out.read_text())
@@ -134,11 +134,11 @@ def test_a_stage1_dora_chain_becomes_one_valid_file_with_the_recipe(tmp_path):
     assert "left out training.deepspeed: coordexp refuses DeepSpeed together with training.packing" in " ".join(
         result.output.split())
     assert training["report_to"] == ["tensorboard"] and training["deepspeed"] is None and training["packing"]
-    # upstream's own eval metric does not exist in coordexp's rollout evaluation: left out with the valid names
+    # upstream's own eval metric is coordexp's teacher-forced token accuracy: kept with its direction
     text = " ".join(result.output.split())
-    assert "left out training.metric_for_best_model: coordexp's evaluation reports no 'eval_token_acc'" in text
-    assert "AP50" in text and "left out training.greater_is_better" in text
-    assert training["metric_for_best_model"] is None
+    assert "left out training.metric_for_best_model" not in text and "left out training.greater_is_better" not in text
+    assert training["metric_for_best_model"] == "eval_token_acc" and training["greater_is_better"] is True
+    assert training["token_type_metrics"] is True and contract["data"]["object_order"] == "sorted"
     assert training["lr_scheduler_type"] == "cosine_with_min_lr" and training["effective_batch_size"] == 32
     assert contract["trainer_variant"] == "stage1_sft" and contract["model"]["gradient_checkpointing"] is True
     assert contract["data"]["max_val_samples"] == 1000

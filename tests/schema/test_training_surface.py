@@ -167,12 +167,13 @@ def test_schema_import_stays_light():
     assert out.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize("name", ["AP50", "eval_AP50", "eval/AP50", "match_rate", "eval_segm_AP"])
+@pytest.mark.parametrize("name", ["AP50", "eval_AP50", "eval/AP50", "match_rate", "eval_segm_AP", "eval_token_acc",
+                                  "coord_token_loss"])
 def test_metric_for_best_model_names_a_figure_evaluation_reports(name):
     assert _training({"metric_for_best_model": name}).training.metric_for_best_model == name
 
 
-@pytest.mark.parametrize("name", ["eval_token_acc", "loss", "eval_loss", "rollout/f1", "eval_AP51"])
+@pytest.mark.parametrize("name", ["token_accuracy", "loss", "eval_loss", "rollout/f1", "eval_AP51"])
 def test_a_metric_evaluation_never_reports_is_refused_naming_the_ones_it_does(name):
     # HF's best-model tracking would end the run at the first evaluation with a KeyError (exit 1)
     (path, text), = _errors({"metric_for_best_model": name})
