@@ -13,10 +13,16 @@ token form (``<|...|>``), width/height are bounded by :data:`MAX_IMAGE_SIDE`, an
 :data:`MAX_IMAGE_PIXELS` (decompression bombs) and the processors' aspect-ratio limit :data:`MAX_ASPECT_RATIO`.
 A file whose pixels are corrupt behind a valid header fails when it is decoded (``encoding.load_images``), with its
 ``file:line``.
+
+Object order (``data.object_order``): ``sorted`` refuses, at load time, a record whose objects are not in top-left
+order (:func:`top_left`); ``random`` reorders a training record's objects by :func:`object_permutation`, a pure
+function of (seed, epoch, record index), applied by the trainer as batches are read.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import re
 import warnings
@@ -29,6 +35,7 @@ from coordexp.runtime.core.objects import DetObject
 from coordexp.runtime.core.tokens import NUM_COORD_BINS, parse_coord_token
 from coordexp.runtime.core import untrusted_json
 from coordexp.runtime.core.untrusted_json import MAX_NUMBER_DIGITS, LongNumber
+from coordexp.schema.data import OBJECT_ORDERS
 
 __all__ = [
     "DetectionRecord",
@@ -36,6 +43,11 @@ __all__ = [
     "ImageFileError",
     "load_records",
     "parse_record",
+    "OBJECT_ORDERS",
+    "top_left",
+    "first_out_of_order",
+    "object_permutation",
+    "with_object_permutation",
     "open_image",
     "MAX_REPORTED_ERRORS",
     "MAX_IMAGE_PIXELS",
@@ -268,6 +280,47 @@ def parse_record(raw: Any, *, image_root: Path, source: str, check_files: bool =
         raise DatasetError([f"{source}: {problem}"]) from None
 
 
+def top_left(obj: DetObject) -> tuple[int, int]:
+    """``(y, x)`` of the top-left corner of the object's box: a box's ``(y1, x1)``, a polygon's smallest y and
+    smallest x (the corner of the box around its points, which need not be a point of the polygon)."""
+    return min(obj.coords[1::2]), min(obj.coords[0::2])
+
+
+def first_out_of_order(objects: tuple[DetObject, ...] | list[DetObject]) -> int | None:
+    """Index of the first object whose top-left (:func:`top_left`, compared as ``(y, x)``) comes before the one
+    of the object listed just before it; None when the objects are in top-left order (ties keep their order)."""
+    for i in range(1, len(objects)):
+        if top_left(objects[i]) < top_left(objects[i - 1]):
+            return i
+    return None
+
+
+def _check_sorted(objects: tuple[DetObject, ...]) -> None:
+    i = first_out_of_order(objects)
+    if i is None:
+        return
+    (y, x), (prev_y, prev_x) = top_left(objects[i]), top_left(objects[i - 1])
+    raise _RecordProblem(f"objects[{i}]", f"its top-left (y={y}, x={x}) comes before that of objects[{i - 1}] "
+                                          f"(y={prev_y}, x={prev_x}); data.object_order: sorted needs each record's "
+                                          "objects in top-left order (by y1, then x1): sort them, or set "
+                                          "data.object_order: keep")
+
+
+def object_permutation(seed: int, epoch: int, index: int, count: int) -> tuple[int, ...]:
+    """A uniformly drawn order of ``count`` objects, a pure function of (seed, epoch, record index): position ``i``
+    ranks by a BLAKE2b hash of ``(seed, epoch, index, i)``, so no library version or RNG state changes it."""
+    def rank(i: int) -> bytes:
+        return hashlib.blake2b(f"{int(seed)}/{int(epoch)}/{int(index)}/{i}".encode(), digest_size=16).digest()
+
+    return tuple(sorted(range(count), key=lambda i: (rank(i), i)))
+
+
+def with_object_permutation(record: DetectionRecord, *, seed: int, epoch: int, index: int) -> DetectionRecord:
+    """``record`` with its objects in :func:`object_permutation` order (``data.object_order: random``)."""
+    order = object_permutation(seed, epoch, index, len(record.objects))
+    return dataclasses.replace(record, objects=tuple(record.objects[i] for i in order))
+
+
 def _parse(raw: Any, *, image_root: Path, source: str, check_files: bool) -> DetectionRecord:
     if not isinstance(raw, dict):
         raise _RecordProblem("", f"a record must be a JSON object, got {_short(raw)}")
@@ -289,16 +342,20 @@ def load_records(
     *,
     max_samples: int | None = None,
     check_files: bool = True,
+    object_order: str = "keep",
 ) -> list[DetectionRecord]:
     """Read and validate every record (the first ``max_samples`` if given); blank lines are skipped.
 
     Image paths resolve against ``image_root`` if given, else the JSONL's directory; with ``check_files`` every
-    image header is read (module doc). Raises :class:`DatasetError` listing up to :data:`MAX_REPORTED_ERRORS`
-    problems as ``file:line: field: message``.
+    image header is read (module doc); ``object_order="sorted"`` also checks each record's objects are in top-left
+    order. Raises :class:`DatasetError` listing up to :data:`MAX_REPORTED_ERRORS` problems as
+    ``file:line: field: message``.
     """
     path = Path(jsonl_path)
     if max_samples is not None and max_samples < 1:
         raise ValueError(f"max_samples must be >= 1 or None, got {max_samples}")
+    if object_order not in OBJECT_ORDERS:
+        raise ValueError(f"object_order must be one of {list(OBJECT_ORDERS)}, got {object_order!r}")
     shown = _printable(path)
     if "\x00" in str(path):
         raise DatasetError([f"{shown}: the path contains a NUL byte; check data.train_jsonl / data.val_jsonl"])
@@ -332,7 +389,10 @@ def load_records(
                 source = f"{shown}:{line_no}"
                 try:
                     raw = _decode_line(line, line_offset)
-                    records.append(_parse(raw, image_root=root, source=source, check_files=check_files))
+                    record = _parse(raw, image_root=root, source=source, check_files=check_files)
+                    if object_order == "sorted":
+                        _check_sorted(record.objects)
+                    records.append(record)
                 except _RecordProblem as problem:
                     total_problems += 1
                     if len(problems) < MAX_REPORTED_ERRORS:

@@ -110,12 +110,14 @@ def build_trainer(
     if model is None or processor is None:
         model, processor = load_policy(run)
     data = run.data
-    train_records = load_records(data.train_jsonl, data.image_root, max_samples=data.max_train_samples)
+    train_records = load_records(data.train_jsonl, data.image_root, max_samples=data.max_train_samples,
+                                 object_order=data.object_order)
     if not train_records:
         raise LaunchError(f"{data.train_jsonl} has no records; a run needs at least one training sample")
     val = None
     if data.val_jsonl is not None:
-        val = RecordDataset(load_records(data.val_jsonl, data.image_root, max_samples=data.max_val_samples))
+        val = RecordDataset(load_records(data.val_jsonl, data.image_root, max_samples=data.max_val_samples,
+                                         object_order=data.object_order))
     host = HostContext.create(processor, run.rollout_matching, run.template, max_length=run.sample_max_length)
     backend = None
     if run.trainer_variant == "stage2_rollout_aligned" or val is not None:  # stage 1 rolls out for evaluation only
