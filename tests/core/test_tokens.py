@@ -113,8 +113,24 @@ def _tiny_lm(vocab_size: int, tie: bool):
     return Qwen2ForCausalLM(config)
 
 
+def _assert_drawn_around_the_mean(new, old) -> None:
+    """New rows: pairwise distinct, centred on the old rows' mean, spread NEW_ROW_SPREAD x the old spread."""
+    import torch
+
+    from coordexp.runtime.core.tokens import NEW_ROW_SPREAD
+
+    new, old = new.double(), old.double()
+    assert len({tuple(row) for row in new.tolist()}) == len(new)
+    spread = old.std(0, unbiased=False)
+    standard_error = NEW_ROW_SPREAD * spread / len(new) ** 0.5
+    assert torch.all((new.mean(0) - old.mean(0)).abs() <= 5 * standard_error)
+    ratio = new.std(0) / (NEW_ROW_SPREAD * spread)
+    assert torch.all((ratio > 0.8) & (ratio < 1.2)), ratio
+
+
 @pytest.mark.parametrize("tie", [False, True])
-def test_add_coord_tokens_grows_embeddings_with_mean_rows_and_is_idempotent(tiny_tokenizer_dir, tie):
+def test_add_coord_tokens_grows_embeddings_with_distinct_rows_around_the_mean_and_is_idempotent(
+        tiny_tokenizer_dir, tie):
     import torch
 
     tok = _tokenizer_without_coords(tiny_tokenizer_dir)
@@ -131,9 +147,13 @@ def test_add_coord_tokens_grows_embeddings_with_mean_rows_and_is_idempotent(tiny
     new_out = model.get_output_embeddings().weight.detach()
     assert new_in.shape[0] == new_out.shape[0] == old_len + NUM_COORD_BINS
     assert torch.equal(new_in[:old_len], old_in)
-    assert torch.allclose(new_in[old_len:], old_in.mean(0, keepdim=True).expand(NUM_COORD_BINS, -1))
-    expected_out = old_in if tie else old_out
-    assert torch.allclose(new_out[old_len:], expected_out.mean(0, keepdim=True).expand(NUM_COORD_BINS, -1))
+    _assert_drawn_around_the_mean(new_in[old_len:], old_in)
+    if tie:
+        assert new_out.data_ptr() == new_in.data_ptr()
+    else:
+        assert torch.equal(new_out[:old_len], old_out)
+        _assert_drawn_around_the_mean(new_out[old_len:], old_out)
+        assert not torch.allclose(new_out[old_len:] - old_out.mean(0), new_in[old_len:] - old_in.mean(0))
     # added as non-special tokens: they survive skip_special_tokens
     ids = tok.encode('["<|coord_7|>"]<|im_end|>', add_special_tokens=False)
     assert tok.decode(ids, skip_special_tokens=True) == '["<|coord_7|>"]'
@@ -142,6 +162,24 @@ def test_add_coord_tokens_grows_embeddings_with_mean_rows_and_is_idempotent(tiny
     assert add_coord_tokens(tok, model) == 0
     assert len(tok) == old_len + NUM_COORD_BINS
     assert torch.equal(model.get_input_embeddings().weight.detach(), snapshot)
+
+    again = _tiny_lm(old_len, tie)  # the same checkpoint expanded again: the same rows
+    add_coord_tokens(_tokenizer_without_coords(tiny_tokenizer_dir), again)
+    assert torch.equal(again.get_input_embeddings().weight.detach(), new_in)
+    assert torch.equal(again.get_output_embeddings().weight.detach(), new_out)
+
+
+def test_new_rows_stay_distinct_in_bfloat16(tiny_tokenizer_dir):
+    """A bfloat16 checkpoint: the spread survives rounding (a 1e-9-covariance draw would round to one row)."""
+    import torch
+
+    tok = _tokenizer_without_coords(tiny_tokenizer_dir)
+    model = _tiny_lm(len(tok), tie=False).to(dtype=torch.bfloat16)
+    add_coord_tokens(tok, model)
+    for matrix in (model.get_input_embeddings().weight, model.get_output_embeddings().weight):
+        rows = matrix.detach()[CoordVocab.from_tokenizer(tok).id_array]
+        assert rows.dtype == torch.bfloat16
+        assert len({tuple(row) for row in rows.float().tolist()}) == NUM_COORD_BINS
 
 
 def test_add_coord_tokens_reuses_padded_rows_without_resizing(tiny_tokenizer_dir):
@@ -155,7 +193,7 @@ def test_add_coord_tokens_reuses_padded_rows_without_resizing(tiny_tokenizer_dir
     add_coord_tokens(tok, model)
     after = model.get_input_embeddings().weight.detach()
     assert after.shape == before.shape
-    assert torch.allclose(after[old_len : old_len + NUM_COORD_BINS], before[:old_len].mean(0, keepdim=True))
+    _assert_drawn_around_the_mean(after[old_len : old_len + NUM_COORD_BINS], before[:old_len])
     assert torch.equal(after[old_len + NUM_COORD_BINS :], before[old_len + NUM_COORD_BINS :])
 
 

@@ -216,7 +216,10 @@ def test_expand_vocab_adds_coord_tokens_and_grows_embeddings(tmp_path, tiny_mode
     old = model.get_input_embeddings().weight
     new = expanded.get_input_embeddings().weight
     assert torch.equal(new[: len(tokenizer)], old[: len(tokenizer)])  # existing rows untouched
-    assert torch.allclose(new[vocab.id_of(500)], old[: len(tokenizer)].mean(dim=0), atol=1e-6)
+    coord_rows = new[vocab.id_array]  # distinct starts, around the old rows' mean
+    assert len({tuple(row) for row in coord_rows.tolist()}) == NUM_COORD_BINS
+    spread = old[: len(tokenizer)].std(dim=0)
+    assert torch.all((coord_rows.mean(dim=0) - old[: len(tokenizer)].mean(dim=0)).abs() < spread / 10)
     assert expand_checkpoint_vocab(tmp_path / "expanded", tmp_path / "again") == 0  # idempotent
     assert type(expanded).__name__ == type(model).__name__
     processor = load_processor(tmp_path / "expanded")

@@ -144,10 +144,11 @@ def add_coord_tokens(tokenizer: Any, model: Any = None) -> int:
     """Add the missing coord tokens to ``tokenizer`` (and ``model``'s embeddings); returns how many were added.
 
     Tokens are added as NON-special added tokens, so they survive ``skip_special_tokens`` and always encode to one
-    id. Rows of the input (and untied output) embedding for newly added ids are set to the mean of the rows of the
-    ids that existed before: a deterministic start that keeps the new logits at the average scale instead of at a
-    random one. The matrices grow only when the tokenizer outgrows them (checkpoints often pad their vocabulary).
-    Idempotent: a second call adds nothing and leaves the model untouched.
+    id. Rows of the input (and untied output) embedding for newly added ids start at the mean of the rows of the
+    ids that existed before plus seeded noise (see :func:`new_row_values`): the new logits stay at the average
+    scale instead of a random one, yet every coord token starts distinct. The matrices grow only when the tokenizer
+    outgrows them (checkpoints often pad their vocabulary). Deterministic for a given checkpoint; idempotent: a
+    second call adds nothing and leaves the model untouched.
     """
     from tokenizers import AddedToken
 
@@ -166,6 +167,30 @@ def add_coord_tokens(tokenizer: Any, model: Any = None) -> int:
     return len(missing)
 
 
+NEW_ROW_SPREAD = 0.1
+"""Noise of a new row, per dimension, as a fraction of the old rows' spread in that dimension."""
+NEW_ROW_SEED = 1000
+"""Seed of the new rows' noise (with the matrix's position, so input and output rows differ)."""
+_ROW_CHUNK = 8192
+
+
+def new_row_values(old_rows: Any, count: int, *, seed: int) -> Any:
+    """``count`` starting rows for new tokens: the mean of ``old_rows`` plus Gaussian noise of ``NEW_ROW_SPREAD``
+    times the per-dimension standard deviation of ``old_rows``, drawn from ``seed`` (computed in float64, returned
+    in the rows' dtype). Why noise: identical rows give identical logits, and a low-precision dtype (bfloat16)
+    rounds a tiny spread (transformers' ``mean_resizing`` uses 1e-9 of the covariance) back to identical rows."""
+    import torch
+
+    def chunks():  # a whole vocabulary in float64 would take gigabytes
+        return (c.detach().to(device="cpu", dtype=torch.float64) for c in old_rows.split(_ROW_CHUNK))
+
+    mean = sum(c.sum(dim=0) for c in chunks()) / len(old_rows)
+    std = (sum(((c - mean) ** 2).sum(dim=0) for c in chunks()) / len(old_rows)).sqrt()
+    generator = torch.Generator().manual_seed(seed)
+    noise = torch.randn((count, old_rows.shape[1]), generator=generator, dtype=torch.float64)
+    return (mean + NEW_ROW_SPREAD * std * noise).to(old_rows.dtype)
+
+
 def _grow_embeddings(model: Any, *, new_len: int, old_len: int, new_ids: list[int]) -> None:
     import torch
 
@@ -178,7 +203,8 @@ def _grow_embeddings(model: Any, *, new_len: int, old_len: int, new_ids: list[in
         output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if output is not None and output.weight.data_ptr() != matrices[0].data_ptr():
             matrices.append(output.weight)
-        for weight in matrices:
-            weight[index] = weight[:old_len].mean(dim=0, keepdim=True).to(weight.dtype)
+        for position, weight in enumerate(matrices):
+            values = new_row_values(weight[:old_len], len(new_ids), seed=NEW_ROW_SEED + position)
+            weight[index] = values.to(device=weight.device)
         if output is not None and getattr(output, "bias", None) is not None and output.bias.shape[0] >= new_len:
             output.bias[index] = output.bias[:old_len].mean().to(output.bias.dtype)
