@@ -1,4 +1,5 @@
-"""What one logging window of training reports: loss terms, tokens, packing, rollout counters, staleness, seeds.
+"""What one logging window of training reports: loss terms, tokens, packing, rollout counters, staleness, seeds,
+and (``training.token_type_metrics``) the teacher-forced accuracy and cross-entropy of the trained tokens per type.
 
 :class:`StepStats` sums a rank's micro-steps since the last log; :func:`step_log_values` reduces them over ranks. Every
 rank calls the same reductions in the same order (they are collectives), whatever its own numbers are.
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 
 from coordexp.runtime.core.telemetry import RolloutCounters, sum_counters
+from coordexp.runtime.model.token_types import TokenTypeSums
 
 __all__ = ["StepStats", "WindowContext", "reduce_values", "step_log_values"]
 
@@ -37,6 +39,7 @@ class StepStats:
         self.seeds: list[int] = []  # this rank's training rollout seeds, in order
         self.staleness: list[int] = []  # per TRAINED sample: optimizer steps since the policy that generated it
         self.stale_dropped = 0  # carried samples dropped for being older than the staleness bound
+        self.token_types = TokenTypeSums()  # trained positions per token type (training.token_type_metrics)
 
     def timed(self, stage: str, seconds: float) -> None:
         self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
@@ -74,6 +77,7 @@ class WindowContext:
     min_fill_ratio: float
     fallback_events: int | None  # weight-sync fallbacks so far (server mode), None when the backend has none
     is_main: bool
+    token_type_metrics: bool = False  # training.token_type_metrics: every rank reduces the per-type sums
 
 
 def step_log_values(stats: StepStats, ctx: WindowContext) -> dict[str, float]:
@@ -96,6 +100,9 @@ def step_log_values(stats: StepStats, ctx: WindowContext) -> dict[str, float]:
     # positions the forwards computed (padding included): the padded layout's waste is 1 - trained / computed
     logs["tokens/computed"] = sums[n + 3]
     logs.update({f"time/{k}_s": v for k, v in sorted(stats.seconds.items())})  # this rank's wall time per stage
+    if ctx.token_type_metrics:
+        # token_acc, text_token_acc, coord_token_acc and their *_token_loss over the window's trained positions
+        logs.update(TokenTypeSums.from_list(reduced(stats.token_types.to_list())).figures())
     compute = stats.seconds.get("forward", 0.0) + stats.seconds.get("backward", 0.0)
     if compute > 0:
         logs["tokens/trained_per_s"] = stats.trained_tokens / compute  # this rank, forward + backward only

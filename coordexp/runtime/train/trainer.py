@@ -12,6 +12,7 @@ rank-local, starts empty (also on resume), and leftovers at the end of training 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
@@ -19,6 +20,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 import torch
 from transformers import Trainer
 
+from coordexp.runtime.model.data import with_object_permutation
+from coordexp.runtime.model.encoding import encode_prompt
 from coordexp.runtime.model.losses import LossDenominators, SupervisionBatch, SupervisionSegment, compute_objective
 from coordexp.runtime.model.packed_forward import (
     collate_packed,
@@ -28,11 +31,12 @@ from coordexp.runtime.model.packed_forward import (
     padded_forward,
 )
 from coordexp.runtime.model.policy import LaunchError, save_processor
+from coordexp.runtime.model.token_types import TokenTypeSums, token_type_sums
 from coordexp.runtime.train import checkpoints
 from coordexp.runtime.train.dataset import identity_collator
-from coordexp.runtime.train.metrics import StepStats, WindowContext, step_log_values
+from coordexp.runtime.train.metrics import StepStats, WindowContext, reduce_values, step_log_values
 from coordexp.runtime.train.pipeline import MicroStepPipeline, PipelineSettings
-from coordexp.runtime.train.rollout_step import HostContext, SampleTarget
+from coordexp.runtime.train.rollout_step import HostContext, SampleTarget, build_gt_sample
 from coordexp.runtime.train.run_log import RunLog, run_start_fields
 
 if TYPE_CHECKING:
@@ -90,6 +94,7 @@ class CoordExpTrainer(Trainer):
                                           policy=lambda: self.accelerator.unwrap_model(self.model))
         self._coord_ids = torch.tensor(host.vocab.ids, dtype=torch.long)
         self._lookahead: tuple[Any, Any] | None = None  # (epoch iterator, next step's first micro-batch)
+        self._record_index: dict[str, int] | None = None  # training record source -> index (object_order: random)
 
     @property
     def backend(self) -> "RolloutBackend | None":
@@ -134,28 +139,45 @@ class CoordExpTrainer(Trainer):
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """The HF fetch of one optimizer step's micro-batches; with overlap it also reads the NEXT step's first
         micro-batch (kept for the next call, never past ``max_steps``), so that micro-step's rollouts can be
-        requested during this step."""
+        requested during this step. Records leave here in ``data.object_order`` (:meth:`_object_order`)."""
         if self.pipeline.prefetcher is None:
-            return super().get_batch_samples(epoch_iterator, num_batches, device)
+            batches, items = super().get_batch_samples(epoch_iterator, num_batches, device)
+            return [self._object_order(batch) for batch in batches], items
         batches = []
         if self._lookahead is not None and self._lookahead[0] is epoch_iterator:
             batches.append(self._lookahead[1])
         self._lookahead = None
         while len(batches) < num_batches:
             try:
-                batches.append(next(epoch_iterator))
+                batches.append(self._object_order(next(epoch_iterator)))
             except StopIteration:
                 break
         step = int(self.state.global_step)
         following = None
         if batches and self.pipeline.wants_lookahead(step):
             try:
-                self._lookahead = (epoch_iterator, next(epoch_iterator))
+                self._lookahead = (epoch_iterator, self._object_order(next(epoch_iterator)))
                 following = self._lookahead[1]
             except StopIteration:
                 pass
         self.pipeline.plan(step, batches, following)
         return batches, None
+
+    def _object_order(self, records: Sequence[Any]) -> list[Any]:
+        """``data.object_order: random``: each training record's objects in the order drawn from (training.seed,
+        epoch, the record's index in the training set), so a resumed run (same epoch, same records) trains the
+        same serializations; other orders leave the records as loaded."""
+        records = list(records)
+        if self.run.data.object_order != "random":
+            return records
+        if self._record_index is None:  # records cross dataloader workers by value: their file:line names them
+            self._record_index = {}
+            for i, record in enumerate(getattr(self.train_dataset, "records", ())):
+                self._record_index.setdefault(record.source, i)
+        # HF's state.epoch is epoch + (steps done) / (steps per epoch): its floor is the epoch being read
+        epoch = math.floor(self.state.epoch or 0)
+        return [with_object_permutation(r, seed=int(self.args.seed), epoch=epoch,
+                                        index=self._record_index.get(r.source, 0)) for r in records]
 
     def create_optimizer(self, model=None):
         """HF's optimizer over per-part groups (lr / weight decay of llm, vision, aligner: docs/design.md,
@@ -192,7 +214,10 @@ class CoordExpTrainer(Trainer):
             logits = padded_forward(model, batch, logits_to_keep=keep)
         coord_ids = self._coord_ids.to(logits.device)
         pipeline = self.run.rollout_matching.pipeline
-        return logits, compute_objective(logits, supervision.to(logits.device), coord_ids, pipeline, denominators)
+        supervision = supervision.to(logits.device)
+        if self.run.training.token_type_metrics and torch.is_grad_enabled():  # the rows a training step trains
+            self.stats.token_types += token_type_sums(logits.detach(), supervision, coord_ids)
+        return logits, compute_objective(logits, supervision, coord_ids, pipeline, denominators)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The micro-step's loss. Every row but the last runs its own forward and backward here (gradient sync
@@ -270,7 +295,7 @@ class CoordExpTrainer(Trainer):
                 packing_length=self.buffer.packing_length if self.buffer is not None else packing.packing_length,
                 min_fill_ratio=packing.min_fill_ratio,
                 fallback_events=None if fallbacks is None else len(fallbacks),
-                is_main=self.is_world_process_zero())))
+                is_main=self.is_world_process_zero(), token_type_metrics=self.run.training.token_type_metrics)))
             self.stats.reset()
         super().log(logs, start_time)
 
@@ -287,9 +312,42 @@ class CoordExpTrainer(Trainer):
             yield chunk, score_samples(model, self.host, chunk.records, chunk.samples, step=step,
                                        batch_size=self.run.rollout_matching.decode_batch_size)
 
+    @torch.no_grad()
+    def teacher_forced_sums(self, records: Sequence[Any], positions: Sequence[int] | None = None) -> TokenTypeSums:
+        """Token figures of ``records[positions]`` teacher-forced on their ground-truth serialization (the stage-1
+        target, :func:`build_gt_sample`): one padded forward without gradients per ``per_device_eval_batch_size``
+        records, logits only at the supervised positions. Every rank runs as many forwards as the largest shard
+        of ``records`` needs (a short rank repeats ``records[0]`` and drops its figures), so forwards that gather
+        parameters (ZeRO-3) pair up; ``positions=None`` is all records on this rank alone."""
+        world = max(1, int(self.args.world_size)) if positions is not None else 1
+        mine = [records[i] for i in (range(len(records)) if positions is None else positions)]
+        size = max(1, int(self.args.per_device_eval_batch_size))
+        forwards = max(math.ceil(len(mine) / size), math.ceil(math.ceil(len(records) / world) / size))
+        model = self.accelerator.unwrap_model(self.model)
+        rope = mrope_index_of(model)
+        total = TokenTypeSums()
+        was_training = model.training
+        model.eval()
+        try:
+            for k in range(forwards):
+                part = mine[k * size:(k + 1) * size]
+                counted = bool(part)
+                part = part or [records[0]]
+                samples = [build_gt_sample(r, encode_prompt(self.host.processor, r, self.host.template), self.host)
+                           for r in part]
+                layout = self._layout(samples, rope, packed=False)
+                logits = padded_forward(model, layout.batch, logits_to_keep=layout.keep)
+                sums = token_type_sums(logits, layout.supervision.to(logits.device), self._coord_ids.to(logits.device))
+                total = total + sums if counted else total
+                del logits
+        finally:
+            model.train(was_training)
+        return total
+
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Rollout evaluation: each rank rolls out its shard (every ``world``-th record), scores it, and rank-ordered
-        results are gathered for COCO AP. The shard sizes may differ: no collective runs per chunk."""
+        results are gathered for COCO AP. The shard sizes may differ: no collective runs per chunk. Next to AP, the
+        teacher-forced token figures of the same shards (:meth:`teacher_forced_sums`, summed over ranks)."""
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             return {}
@@ -307,6 +365,9 @@ class CoordExpTrainer(Trainer):
             scored = [item for part in gathered for item in part]
         ordered = [rollout for _, rollout in sorted(scored, key=lambda item: item[0])]
         metrics = detection_metrics(ordered, image_root=self.run.data.image_root)[0].log_dict(metric_key_prefix)
+        sums = reduce_values(self.teacher_forced_sums(records, positions).to_list(), "sum", world_size=world,
+                             device=self.args.device)
+        metrics.update({f"{metric_key_prefix}/{k}": v for k, v in TokenTypeSums.from_list(sums).figures().items()})
         super().log(dict(metrics))
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         # HF's best-model tracking reads eval_<name> (training.metric_for_best_model); the log keeps eval/<name>
@@ -314,7 +375,8 @@ class CoordExpTrainer(Trainer):
         wanted = self.args.metric_for_best_model
         if wanted is not None and wanted not in returned:
             raise LaunchError(f"training.metric_for_best_model {wanted!r} was not computed at step {step} (segm_* "
-                              "need polygon ground truth; AP by size needs objects of that size in the validation set)",
+                              "need polygon ground truth; AP by size needs objects of that size in the validation set; "
+                              "coord_token_* need objects)",
                               hint="Choose a figure this validation set always has, such as AP50 or match_rate.")
         return returned
 
