@@ -184,6 +184,9 @@ def _load_merged(path: Path, chain: tuple[Path, ...], state: _LoadState) -> Merg
         resolved = path.resolve()
     except (OSError, ValueError) as exc:  # a NUL byte, a name too long for the file system, an unreadable folder
         raise ConfigError([ConfigIssue("", f"cannot use this path ({_path_error(exc)})", _PATH_HINT, shown)]) from None
+    except RuntimeError:  # Python < 3.13 reports a symlink loop as RuntimeError
+        raise ConfigError([ConfigIssue("", "a symlink loop (the link leads back to itself and never reaches a file)",
+                                       "Point the link at a YAML file, or name the file itself.", shown)]) from None
     if resolved in chain:
         cycle = " -> ".join(_display(p) for p in (*chain, resolved))
         issue = ConfigIssue(EXTENDS_KEY, f"extends cycle: {cycle}", "Remove one of the extends links.", shown)

@@ -21,7 +21,7 @@ from coordexp.schema.migrate import HEADER, Migration, migrate_mapping
 from coordexp.schema.migrate_io import (MigrationRefused, _check_writable, _read_original, replace_atomically,
                                         _same_file, _write_backup)
 from coordexp.schema.migrate_upstream import is_upstream, resolve_paths, upstream_post, write_paths
-from coordexp.schema.yaml_io import dump_yaml, parse_yaml_text
+from coordexp.schema.yaml_io import YamlReadError, dump_yaml, parse_yaml_text
 
 __all__ = ["ChainFile", "FileOutcome", "ChainResult", "read_chain", "needs_chain", "migrate_chain"]
 
@@ -82,7 +82,7 @@ def read_chain(leaf: Path) -> list[ChainFile]:
     seen: dict[Path, ChainFile] = {}
 
     def visit(path: Path, trail: tuple[Path, ...]) -> None:
-        resolved = path.resolve()
+        resolved = _resolved(path, trail)
         if resolved in trail:
             cycle = " -> ".join(str(p) for p in (*trail, resolved))
             raise ConfigError([ConfigIssue("extends", f"extends cycle: {cycle}", "Remove one of the links.")])
@@ -91,7 +91,7 @@ def read_chain(leaf: Path) -> list[ChainFile]:
         if len(trail) >= MAX_EXTENDS_DEPTH or len(seen) >= MAX_EXTENDS_FILES:
             raise ConfigError([ConfigIssue("extends", "extends chain too deep or too wide", "Flatten it.",
                                            str(resolved))])
-        raw = parse_yaml_text(_read_original(resolved).decode("utf-8"))
+        raw = _read_raw(path, resolved, trail)
         if not isinstance(raw, dict):
             raise ConfigError([ConfigIssue("", "top level must be a mapping of sections", "Pass a YAML config.",
                                            str(resolved))])
@@ -100,12 +100,40 @@ def read_chain(leaf: Path) -> list[ChainFile]:
             base_path = Path(os.path.expanduser(base))
             base_path = base_path if base_path.is_absolute() else resolved.parent / base_path
             visit(base_path, (*trail, resolved))
-            bases.append(base_path.resolve())
+            bases.append(_resolved(base_path, trail))
         seen[resolved] = ChainFile(resolved, raw, tuple(bases))
         order.append(seen[resolved])
 
     visit(Path(leaf).absolute(), ())
     return order
+
+
+def _broken(path: Path, trail: tuple[Path, ...], message: str, hint: str) -> ConfigError:
+    """A chain file that cannot be read, named as its parent wrote it (and which file's link reached it)."""
+    via = f" (reached from {trail[-1]})" if trail else ""
+    return ConfigError([ConfigIssue("extends" if trail else "", f"{path}{via}: {message}", hint, str(path))])
+
+
+def _resolved(path: Path, trail: tuple[Path, ...]) -> Path:
+    try:
+        return path.resolve()
+    except RuntimeError:  # Python < 3.13 reports a symlink loop as RuntimeError
+        raise _broken(path, trail, "a symlink loop (the link leads back to itself and never reaches a file)",
+                      "Point the link at a YAML file, or name the file itself.") from None
+    except (OSError, ValueError) as exc:  # a NUL byte, a name too long, an unreadable folder
+        raise _broken(path, trail, f"cannot use this path ({getattr(exc, 'strerror', None) or exc})",
+                      "Check the path: a file name of at most 255 bytes, in folders you may read.") from None
+
+
+def _read_raw(path: Path, resolved: Path, trail: tuple[Path, ...]) -> object:
+    """The parsed file; a missing, unreadable, non-regular or unparsable one is a :class:`ConfigError` naming it."""
+    try:
+        return parse_yaml_text(_read_original(path).decode("utf-8"))
+    except YamlReadError as exc:
+        raise _broken(path if path != resolved else resolved, trail, exc.message, exc.hint) from None
+    except (OSError, ValueError) as exc:
+        raise _broken(path, trail, f"cannot read file ({getattr(exc, 'strerror', None) or exc})",
+                      "Check the file and its permissions.") from None
 
 
 def _own(raw: dict) -> dict:
@@ -119,8 +147,8 @@ def needs_chain(config: Path) -> bool:
     """Whether ``config`` extends another file or uses upstream spellings (else the one-file migrate runs)."""
     try:
         raw = parse_yaml_text(_read_original(Path(config)).decode("utf-8"))
-    except Exception:  # noqa: BLE001 - the one-file path reports a bad file with its own message
-        return False
+    except Exception:  # noqa: BLE001 - read_chain reports an unreadable file naming it
+        return True
     return isinstance(raw, dict) and (any(k in raw for k in _LINKS) or is_upstream(raw))
 
 

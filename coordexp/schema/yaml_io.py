@@ -7,6 +7,8 @@ nodes per document with every alias expanded (a 334-byte alias bomb expands to 1
 
 from __future__ import annotations
 
+import errno
+import os
 import re
 import stat
 from pathlib import Path
@@ -178,6 +180,18 @@ def parse_yaml_text(text: str) -> Any:
         raise YamlReadError("invalid YAML: nesting is too deep", "Flatten the document.") from None
 
 
+def _broken_link(path: Path) -> str:
+    """Why ``path``, which does not resolve to a file, is a broken symlink ("" when it is no symlink at all)."""
+    if not os.path.islink(path):
+        return ""
+    try:
+        os.stat(path)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "a symlink loop (the link leads back to itself and never reaches a file)"
+    return f"a symlink to a missing file ({os.readlink(path)[:200]!r})"
+
+
 def read_yaml_file(path: Path) -> Any:
     """Read and parse ``path``; every failure (missing, directory, binary, syntax) is a :class:`YamlReadError`."""
     try:
@@ -187,6 +201,9 @@ def read_yaml_file(path: Path) -> Any:
         raise YamlReadError(f"cannot use this path ({reason})", "Check the path; each file or folder name may have "
                                                                 "at most 255 bytes.") from None
     if info is None:
+        link = _broken_link(path)
+        if link:
+            raise YamlReadError(link, "Point the link at a YAML file, or name the file itself.")
         raise YamlReadError("file not found", "Check the path (relative paths are from the current directory).")
     if stat.S_ISDIR(info.st_mode):
         raise YamlReadError("is a directory, not a YAML file", "Pass a .yaml file.")
