@@ -200,6 +200,10 @@ LEGACY_KEYS: tuple[LegacyKey, ...] = (
             ("custom.val_sample_limit", "data.max_val_samples"),
         )
     ),
+    LegacyKey("custom.object_ordering", "data.object_order",
+              "Upstream's custom.object_ordering (sorted or random) is data.object_order (keep, sorted or random)."),
+    LegacyKey("custom.token_type_metrics", "training.token_type_metrics",
+              "Upstream's custom.token_type_metrics: {enabled: true} is training.token_type_metrics: true."),
     LegacyKey("inherit", "extends", "Upstream's alias of extends; `coordexp migrate` follows it.", migrates=False),
     LegacyKey("template.template", None, "Remove it: the model family comes from the checkpoint's config.json."),
     LegacyKey("deepspeed", "training.deepspeed", "DeepSpeed is training.deepspeed: zero2 (a preset or a JSON path)."),

@@ -164,7 +164,8 @@ _SAMPLE_VALUES = {"rollout_matching.decode_mode": "greedy", "custom.trainer_vari
                   "rollout_matching.maskiou_resolution": 64, "model.freeze_vision_tower": False,
                   "model.model": "Qwen/Qwen2.5-VL-3B-Instruct", "model.torch_dtype": "float32", "model.attn_impl": "sdpa",
                   "custom.train_jsonl": "data/train.jsonl", "custom.val_jsonl": "v.jsonl", "template.template": "qwen2_vl",
-                  "deepspeed": {"enabled": False}}
+                  "deepspeed": {"enabled": False}, "custom.object_ordering": "random",
+                  "custom.token_type_metrics": {"enabled": True}}
 
 
 @pytest.mark.parametrize("entry", [e for e in LEGACY_KEYS if e.migrates and ".vllm.server." not in e.pattern],
