@@ -250,24 +250,38 @@ class OverlapConfig(StrictModel):
 
 class HfGenerateConfig(StrictModel):
     """How HF ``generate`` runs (the hf backend and ``serve-rollout --engine hf``); outputs are token-for-token the
-    same either way. Off by default, by measurement (benchmarks/bench_rollout_overlap.py, CPU, 1 thread): mixed,
-    static 0.95-1.22x and static+compile 0.88-1.5x tokens/s after a 25-30 s compile; not yet measured on a GPU."""
+    same either way (greedy and seeded sampling). ``null`` (the default) is decided by the device: on CUDA a static
+    cache with a compiled decode step (measured at Qwen3-VL-2B's shape, bf16, batch 32: 3.6x plain ``generate``'s
+    tokens/s after a compile of about 30 s), elsewhere the dynamic cache, by measurement on CPU
+    (benchmarks/bench_rollout_overlap.py, 1 thread: static 0.95-1.22x, static+compile 0.88-1.5x after a 25-30 s
+    compile). Beam search keeps the dynamic cache unless asked (docs/design.md, "Compiled static-cache decoding")."""
 
-    static_cache: bool = Field(False, description="Preallocated KV cache (cache_implementation: static).")
-    compile: bool = Field(
-        False, description="torch.compile the decode step (needs static_cache; the first call per shape compiles)."
-    )
+    static_cache: Optional[bool] = Field(
+        None, description="Preallocated KV cache (cache_implementation: static); null: on for CUDA, off elsewhere.")
+    compile: Optional[bool] = Field(
+        None, description="torch.compile the decode step (needs static_cache; each new batch bucket compiles once); "
+        "null: on for CUDA, off elsewhere.")
+    merge_adapter: bool = Field(
+        True, description="An adapter (LoRA/DoRA) run decodes through merged weights, refreshed once per optimizer "
+        "step (the adapted layers once more in memory); false decodes through the unmerged adapter layers.")
 
     @model_validator(mode="after")
     def _compile_needs_static_cache(self) -> "HfGenerateConfig":
-        if self.compile and not self.static_cache:
+        if self.compile and self.static_cache is False:
             raise_violations([RuleViolation(
                 "compile",
                 "hf_generate.compile: true needs hf_generate.static_cache: true (transformers compiles the decode "
                 "step only over a static KV cache; with the dynamic cache it would silently not compile)",
-                "Set rollout_matching.hf_generate.static_cache: true, or compile: false.",
+                "Set rollout_matching.hf_generate.static_cache: true (or leave it out), or compile: false.",
             )])
         return self
+
+    def resolved(self, *, on_cuda: bool, beam_search: bool) -> tuple[bool, bool]:
+        """``(static_cache, compile)`` for a model on CUDA or not: what was set, else the device's default."""
+        default = on_cuda and not beam_search
+        static = self.static_cache if self.static_cache is not None else (default or bool(self.compile))
+        compiled = self.compile if self.compile is not None else (static and default)
+        return static, compiled
 
 
 class RolloutMatchingConfig(StrictModel):

@@ -457,10 +457,12 @@ def test_hf_generate_compile_without_static_cache_is_refused_naming_the_fix(tmp_
     from pydantic import ValidationError
 
     with pytest.raises(ValidationError, match="hf_generate.compile: true needs hf_generate.static_cache: true"):
-        HfGenerateConfig(compile=True)
+        HfGenerateConfig(compile=True, static_cache=False)
     with pytest.raises(ValidationError):
         HfGenerateConfig(static_cache=True, cuda_graphs=True)  # strict: unknown keys are refused
-    assert HfGenerateConfig() == HfGenerateConfig(static_cache=False, compile=False)  # off unless asked
+    # unset: decided by the device (tests/rollout/test_hf_decode_speed.py); compile alone implies the static cache
+    assert HfGenerateConfig(compile=True).resolved(on_cuda=False, beam_search=False) == (True, True)
+    assert HfGenerateConfig().resolved(on_cuda=False, beam_search=False) == (False, False)  # off on CPU
 
 
 def test_hf_generate_reaches_the_backend_from_the_config(model, tokenizer, tmp_path):

@@ -13,15 +13,24 @@
   logit but EOS set to -inf; the other rows continue.
 - Ids the policy must never emit are suppressed: padded embedding rows (``>= len(tokenizer)``) and the
   image/video placeholders (they would misalign the vision features in the teacher-forced forward).
-- ``rollout_matching.hf_generate``: ``static_cache`` preallocates the KV cache
-  (``cache_implementation="static"``, sized prompt width + ``max_new_tokens`` per chunk); ``compile`` lets
-  transformers ``torch.compile`` the decode-step forward over it (its ``CompileConfig``, forced on for CPU too since
-  the user asked). Greedy outputs are token-for-token those of the dynamic cache (tests/rollout/test_backends_hf.py).
+- An adapter (LoRA/DoRA) policy decodes through merged weights (:class:`MergedDecodeModel`: a plain twin, merged
+  again only when the policy's parameters changed, i.e. once per optimizer step); the policy is only read.
+- ``rollout_matching.hf_generate``: ``static_cache`` preallocates the KV cache (``cache_implementation="static"``)
+  sized to the chunk's prompt width + ``max_new_tokens`` rounded up to a multiple of :data:`CACHE_LENGTH_BUCKET`
+  (transformers keeps the largest size seen, so the cache only grows, in whole buckets); ``compile`` lets
+  transformers ``torch.compile`` the decode-step forward over it (its ``CompileConfig``, forced on for CPU too when
+  asked). A compiled chunk is padded with copies of its last request up to a power of two (at most
+  ``decode_batch_size``), so a run compiles once per row bucket, not once per chunk size; the copies' outputs are
+  dropped (every row depends on its own request and seed only). Both default to on for CUDA (greedy and sampling)
+  and off elsewhere (docs/design.md, "Compiled static-cache decoding"); outputs are token-for-token those of the
+  dynamic cache (tests/rollout/test_backends_hf.py, tests/rollout/test_hf_decode_speed.py).
 """
 
 from __future__ import annotations
 
 import copy
+import logging
+import time
 from typing import Any, Sequence
 
 import torch
@@ -29,15 +38,19 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from coordexp.runtime.rollout.base import RolloutBackend, RolloutOutput, RolloutRequest, finish_output
+from coordexp.runtime.rollout.merged_decode import MergedDecodeModel
 from coordexp.runtime.rollout.weight_export import unwrap_model
 from coordexp.runtime.core.pieces import PieceTable
 from coordexp.runtime.core.repeat import RepeatGuard, RepeatTracker, count_object_keys, should_terminate
 from coordexp.schema.contract import RunContract
 from coordexp.schema.rollout import DecodingConfig, HfGenerateConfig, RepeatTerminateConfig
 
-__all__ = ["HfRolloutBackend", "RepeatGuardProcessor", "SeededSampler", "PaddingAwareRepetitionPenalty"]
+__all__ = ["HfRolloutBackend", "RepeatGuardProcessor", "SeededSampler", "PaddingAwareRepetitionPenalty",
+           "CACHE_LENGTH_BUCKET", "row_bucket"]
 
+logger = logging.getLogger("coordexp.rollout.hf")
 END_OF_TURN_TOKEN = "<|im_end|>"
+CACHE_LENGTH_BUCKET = 128  # static KV cache lengths are whole multiples of this (fewer sizes, fewer recompiles)
 _NEVER_EMIT_TOKENS = ("<|image_pad|>", "<|video_pad|>")
 
 
@@ -132,8 +145,17 @@ def _unwrap(model: Any) -> Any:
     return model
 
 
+def row_bucket(rows: int, cap: int) -> int:
+    """The rows a compiled chunk of ``rows`` requests is padded to: the next power of two, at most ``cap``."""
+    bucket = 1
+    while bucket < rows:
+        bucket *= 2
+    return max(rows, min(bucket, cap))
+
+
 class HfRolloutBackend(RolloutBackend):
-    """Rollouts with the live training model (``sync_weights`` only rebinds: it already has the new weights)."""
+    """Rollouts with the live training model (``sync_weights`` only rebinds: it already has the new weights; an
+    adapter policy is merged again before the next decode when its weights changed)."""
 
     def __init__(self, model: Any, tokenizer: Any, *, decode_batch_size: int, max_new_tokens: int,
                  decoding: DecodingConfig, repeat_terminate: RepeatTerminateConfig | RepeatGuard,
@@ -161,6 +183,8 @@ class HfRolloutBackend(RolloutBackend):
                              "assistant turn, so use a Qwen chat tokenizer")
         self.end_of_turn_id = int(end_of_turn)
         self.decode_calls = 0  # generate() calls made (one per chunk); telemetry and tests read it
+        self.merged = MergedDecodeModel()
+        self.compiled_shapes: dict[tuple[int, int], float] = {}  # (rows, cache length) -> first call's seconds
 
     @classmethod
     def from_run(cls, run: RunContract, model: Any, processor: Any) -> "HfRolloutBackend":
@@ -171,9 +195,19 @@ class HfRolloutBackend(RolloutBackend):
 
     def sync_weights(self, model: Any) -> None:
         self._model = model
+        self.decode_model()  # the sync point merges (once per optimizer step), not the first chunk after it
 
     def close(self) -> None:
         self._model = None
+        self.merged.release()
+
+    def decode_model(self) -> Any:
+        """The module ``generate`` runs on: the policy, or its merged twin for an adapter policy
+        (``hf_generate.merge_adapter``), merged again when the policy's weights changed since the last merge."""
+        if self._model is None:
+            raise RuntimeError("this HF rollout backend was closed; create a new one")
+        policy = _unwrap(self._model)
+        return self.merged.model_for(policy) if self.hf_generate.merge_adapter else policy
 
     def generate(self, requests: Sequence[RolloutRequest]) -> list[RolloutOutput]:
         if self._model is None:
@@ -184,18 +218,25 @@ class HfRolloutBackend(RolloutBackend):
         return outputs
 
     def _generate_chunk(self, chunk: list[RolloutRequest]) -> list[RolloutOutput]:
-        policy = _unwrap(self._model)
+        policy = self.decode_model()
+        static, compiled = self.hf_generate.resolved(on_cuda=next(policy.parameters()).device.type == "cuda",
+                                                     beam_search=self.decoding.num_beams > 1)
+        rows = chunk + [chunk[-1]] * (row_bucket(len(chunk), self.decode_batch_size) - len(chunk) if compiled else 0)
         was_training = policy.training
         policy.eval()
         try:
             with torch.no_grad():
-                batch, pad_lengths = self._left_padded_batch(policy, chunk)
+                batch, pad_lengths = self._left_padded_batch(policy, rows)
                 width = batch["input_ids"].shape[1]
-                config, stop_ids = self._generation_config(policy)
-                processors = self._processors(chunk, pad_lengths, width)
+                config, stop_ids = self._generation_config(policy, static=static, compiled=compiled, width=width)
+                processors = self._processors(rows, pad_lengths, width)
                 self.decode_calls += 1
+                started = time.perf_counter()
                 result = policy.generate(**batch, generation_config=config,
                                          logits_processor=LogitsProcessorList(processors))
+                if compiled:
+                    self._note_compiled_call(len(rows), getattr(policy, "_previous_max_cache_length", 0),
+                                             time.perf_counter() - started)
         finally:
             policy.train(was_training)
         sequences = result if isinstance(result, torch.Tensor) else result.sequences
@@ -203,8 +244,19 @@ class HfRolloutBackend(RolloutBackend):
         return [
             finish_output(request.prompt.input_ids.tolist(), generated, stop_ids=stop_ids, decode=decode,
                           guard=self.guard, pieces=self._pieces)
-            for request, generated in zip(chunk, sequences[:, width:].tolist())
+            for request, generated in zip(chunk, sequences[:len(chunk), width:].tolist())
         ]
+
+    def _note_compiled_call(self, rows: int, cache_length: int, seconds: float) -> None:
+        """The first call of each compiled shape (where compilation happens) is logged once, with its time."""
+        shape = (rows, int(cache_length))
+        if shape in self.compiled_shapes:
+            return
+        self.compiled_shapes[shape] = seconds
+        logger.info("compiled decode: the first call at %d rows x %d cached tokens took %.1f s (compilation "
+                    "included; later calls of this shape reuse it)%s", rows, shape[1], seconds,
+                    "" if len(self.compiled_shapes) > 1 else "; rollout_matching.hf_generate.compile: false turns "
+                    "compilation off")
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
@@ -241,7 +293,8 @@ class HfRolloutBackend(RolloutBackend):
             batch["image_grid_thw"] = torch.cat([p.image_grid_thw for p in prompts]).to(device)
         return batch, pad_lengths
 
-    def _generation_config(self, policy: Any) -> tuple[Any, frozenset[int]]:
+    def _generation_config(self, policy: Any, *, static: bool = False, compiled: bool = False,
+                           width: int = 0) -> tuple[Any, frozenset[int]]:
         """The model's generation config with every decoding knob taken from the contract (config-first)."""
         config = copy.deepcopy(policy.generation_config)
         eos = config.eos_token_id
@@ -260,22 +313,28 @@ class HfRolloutBackend(RolloutBackend):
             eos_token_id=eos_ids, pad_token_id=self._pad_id(policy), suppress_tokens=sorted(never),
             use_cache=True, return_dict_in_generate=True, output_scores=False,
         )
-        config.update(**self._cache_settings(policy))
+        config.update(**self._cache_settings(policy, static=static, compiled=compiled, width=width))
         return config, frozenset(eos_ids)
 
-    def _cache_settings(self, policy: Any) -> dict[str, Any]:
-        """``hf_generate`` as generation-config fields; the dynamic cache and no compilation when it is off."""
-        if not self.hf_generate.static_cache:
-            return {"cache_implementation": None, "compile_config": None, "disable_compile": True}
-        if not self.hf_generate.compile:
-            return {"cache_implementation": "static", "compile_config": None, "disable_compile": True}
+    def _cache_settings(self, policy: Any, *, static: bool, compiled: bool, width: int) -> dict[str, Any]:
+        """``hf_generate`` (resolved for the device) as generation-config fields; the dynamic cache and no
+        compilation when it is off. A static cache is sized in whole :data:`CACHE_LENGTH_BUCKET` steps."""
+        if not static:
+            return {"cache_implementation": None, "compile_config": None, "disable_compile": True,
+                    "max_cache_len": None}
+        needed = width + self.max_new_tokens
+        length = -(-needed // CACHE_LENGTH_BUCKET) * CACHE_LENGTH_BUCKET
+        if not compiled:
+            return {"cache_implementation": "static", "compile_config": None, "disable_compile": True,
+                    "max_cache_len": length}
         from transformers import CompileConfig
 
         on_cuda = next(policy.parameters()).device.type == "cuda"
         # CUDA graphs ("reduce-overhead") are the point on a GPU; elsewhere inductor's default mode
         compile_config = CompileConfig(fullgraph=False, mode="reduce-overhead" if on_cuda else "default")
         compile_config._compile_all_devices = True  # transformers otherwise compiles only on accelerators
-        return {"cache_implementation": "static", "compile_config": compile_config, "disable_compile": False}
+        return {"cache_implementation": "static", "compile_config": compile_config, "disable_compile": False,
+                "max_cache_len": length}
 
     def _processors(self, chunk: list[RolloutRequest], pad_lengths: torch.Tensor,
                     width: int) -> list[LogitsProcessor]:
