@@ -51,14 +51,16 @@ def resolve_checkpoint(run: Any, checkpoint: Optional[Path]) -> Path:
 
 
 def check_checkpoint_files(model_dir: Path, adapter: Optional[Path]) -> None:
-    """The checkpoint (and the adapter's) files, before anything is loaded: exit 2 naming a broken file."""
-    from coordexp.runtime.model.checkpoint_files import check_adapter_dir, check_model_dir
+    """The checkpoint (and the adapter's) files, before any weight is loaded: exit 2 naming a broken file or a
+    tokenizer/processor that cannot be built."""
+    from coordexp.runtime.model.checkpoint_files import check_adapter_dir, check_model_dir, load_checked_processor
     from coordexp.runtime.model.policy import SUPPORTED_FAMILIES
 
     if adapter is not None:
         check_adapter_dir(adapter)
     if model_dir.is_dir():
         check_model_dir(model_dir, families=SUPPORTED_FAMILIES)
+        load_checked_processor(model_dir)  # the rollout loads it from here: an unusable tokenizer fails now
 
 
 def _input_files(run: Any, config: Path, model_dir: Path, adapter: Optional[Path]) -> list[Path]:

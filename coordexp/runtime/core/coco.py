@@ -28,6 +28,7 @@ from coordexp.errors import UserInputError
 from coordexp.runtime.core.objects import DetObject
 from coordexp.runtime.core.tokens import NUM_COORD_BINS
 from coordexp.runtime.core import untrusted_json
+from coordexp.runtime.core.untrusted_json import LongNumber
 
 __all__ = [
     "BOX_TOLERANCE_PX",
@@ -221,13 +222,26 @@ def _box_bins(x1: float, y1: float, x2: float, y2: float, width: int, height: in
     return [pixel_to_bin(x1, width), pixel_to_bin(y1, height), pixel_to_bin(x2, width), pixel_to_bin(y2, height)], ""
 
 
+def _numeric(value: Any) -> bool:
+    """A JSON number of any magnitude: an int or float (inf and nan included) or a long literal, not a bool."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)) or isinstance(value, LongNumber)
+
+
 def _polygon_bins(points: Sequence[Any], width: int, height: int) -> tuple[list[int] | None, str]:
-    if len(points) < 6 or len(points) % 2 or not all(_number(v) for v in points):
-        return None, "degenerate"
-    xs, ys = points[0::2], points[1::2]
+    """Pixel polygon -> bins; ``(None, "degenerate")`` for too few points or values that are no numbers (the box
+    stands in), ``(None, why)`` for a coordinate outside the image, at any magnitude (a long literal or one that
+    overflows to infinity too: they are out of the image like 9,000 is)."""
     tol = BOX_TOLERANCE_PX
+    outside = f"polygon leaves the {width}x{height} image (more than {tol:g} px past its border)"
+    if len(points) < 6 or len(points) % 2 or not all(_numeric(v) for v in points):
+        return None, "degenerate"
+    if any(isinstance(v, float) and math.isnan(v) for v in points):
+        return None, "polygon coordinate NaN is not a number"
+    if not all(_number(v) for v in points):
+        return None, outside
+    xs, ys = points[0::2], points[1::2]
     if min(xs) < -tol or min(ys) < -tol or max(xs) > width + tol or max(ys) > height + tol:
-        return None, f"polygon leaves the {width}x{height} image (more than {tol:g} px past its border)"
+        return None, outside
     out: list[int] = []
     for x, y in zip(xs, ys):
         out += [pixel_to_bin(x, width), pixel_to_bin(y, height)]

@@ -25,7 +25,7 @@ from typing import Any, Optional, Sequence
 from coordexp.errors import UserInputError
 
 __all__ = ["CheckpointFileError", "MAX_JSON_BYTES", "WEIGHT_FILES", "ADAPTER_WEIGHT_FILES", "check_model_dir",
-           "check_adapter_dir", "check_safetensors"]
+           "check_adapter_dir", "check_safetensors", "read_json_object", "load_checked_processor"]
 
 MAX_JSON_BYTES = 64 * 2**20  # config, tokenizer and index JSON files (a tokenizer.json is a few MiB)
 _MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own reader refuses larger headers
@@ -76,6 +76,12 @@ def _read_bounded(path: Path, limit: int) -> bytes:
     if len(data) > limit:
         raise CheckpointFileError(f"{path}: over the {limit}-byte limit for this file", hint=_HINT)
     return data
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """``path`` parsed as one JSON object: a regular file within :data:`MAX_JSON_BYTES`, any depth of nesting
+    refused without a ``RecursionError``; a :class:`CheckpointFileError` naming the file otherwise."""
+    return _read_json_object(path)
 
 
 def _read_json_object(path: Path) -> dict[str, Any]:
@@ -239,3 +245,27 @@ def check_adapter_dir(folder: str | Path) -> None:
     for json_name in _JSON_FILES:
         if os.path.lexists(folder / json_name):
             _read_json_object(folder / json_name)
+
+
+def load_checked_processor(folder: str | Path) -> Any:
+    """The processor (tokenizer + image processor) saved in ``folder``, loaded from local files only; a tokenizer or
+    processor that transformers cannot build (no ``tokenizer.json``, a file of the wrong shape, an unknown class) is
+    a :class:`CheckpointFileError` naming the folder, before any model weight is loaded."""
+    from coordexp.runtime.core.tokens import CoordVocab
+    from coordexp.runtime.model.encoding import load_processor
+
+    folder = Path(folder)
+    hint = ("save the tokenizer and processor with the checkpoint (tokenizer.json, tokenizer_config.json, "
+            "preprocessor_config.json; processor.save_pretrained), e.g. copy them from the base model")
+    try:
+        processor = load_processor(folder)
+    except Exception as exc:  # noqa: BLE001 - transformers raises many kinds for unusable tokenizer files
+        reason = " ".join(str(exc).split())[:200] or type(exc).__name__
+        raise CheckpointFileError(f"{folder}: no usable tokenizer/processor ({type(exc).__name__}: {reason})",
+                                  hint=hint) from None
+    try:  # without tokenizer files transformers builds an empty tokenizer instead of failing
+        CoordVocab.from_tokenizer(processor.tokenizer)
+    except ValueError as exc:
+        raise CheckpointFileError(f"{folder}: the tokenizer loaded from it is not usable ({exc})",
+                                  hint=f"{hint}; add coord tokens with `coordexp expand-vocab`") from None
+    return processor
