@@ -10,6 +10,7 @@ from pydantic import Field, field_validator, model_validator
 
 from coordexp.schema.base import StrictModel, float_in, int_in
 from coordexp.schema.errors import RuleViolation, raise_violations
+from coordexp.schema.training import LearningRate, WeightDecay
 
 __all__ = ["TunerConfig", "MAX_LORA_RANK"]
 
@@ -41,6 +42,19 @@ class TunerConfig(StrictModel):
     freeze_vit: bool = Field(True, description="Freeze the vision tower (patch/position embeddings and blocks).")
     freeze_aligner: bool = Field(
         True, description="Freeze the aligner: the visual merger and, for Qwen3-VL, the DeepStack mergers.")
+    train_coord_rows: bool = Field(
+        True, description="lora: also train the 1000 coord-token rows of the input embeddings and of lm_head (PEFT "
+        "trainable tokens, saved with the adapter; a checkpoint that ties lm_head to the embeddings trains one shared "
+        "table). false: the coord rows stay as in the checkpoint. Off when freeze_llm is on.")
+    coord_embed_lr: Optional[LearningRate] = Field(
+        None, description="lora: peak rate of the input embeddings' coord rows (also lm_head's when the checkpoint "
+        "ties them); null = training.learning_rate.")
+    coord_head_lr: Optional[LearningRate] = Field(
+        None, description="lora: peak rate of lm_head's coord rows (checkpoints with an untied lm_head); null = "
+        "training.learning_rate.")
+    coord_weight_decay: Optional[WeightDecay] = Field(
+        None, description="lora: AdamW weight decay of the coord rows (it pulls the rows themselves towards 0, as "
+        "full fine-tuning does); null = training.weight_decay.")
 
     @field_validator("target_modules", "modules_to_save")
     @classmethod
@@ -71,5 +85,26 @@ class TunerConfig(StrictModel):
             violations.append(RuleViolation(
                 "train_type", "use_dora, target_regex and modules_to_save configure an adapter, but train_type is full",
                 "Set tuner.train_type: lora, or remove the adapter settings."))
+        violations += self._coord_row_violations()
         raise_violations(violations)
         return self
+
+    @property
+    def trains_coord_rows(self) -> bool:
+        """Whether an adapter run also trains the coord rows (lora, train_coord_rows, language model not frozen)."""
+        return self.train_type == "lora" and self.train_coord_rows and not self.freeze_llm
+
+    def _coord_row_violations(self) -> list[RuleViolation]:
+        rates = [k for k in ("coord_embed_lr", "coord_head_lr", "coord_weight_decay") if getattr(self, k) is not None]
+        if rates and self.train_type == "full":
+            return [RuleViolation(rates[0], f"{', '.join(rates)} set the adapter's coord-row rates, but train_type is "
+                                  "full (the whole embedding and lm_head train at training.learning_rate)",
+                                  "Set tuner.train_type: lora, or remove them.")]
+        if rates and not self.train_coord_rows:
+            return [RuleViolation(rates[0], f"{', '.join(rates)} set coord-row rates, but train_coord_rows is false",
+                                  "Remove them, or set tuner.train_coord_rows: true.")]
+        if rates and self.freeze_llm:
+            return [RuleViolation(rates[0], f"{', '.join(rates)} set coord-row rates, but the coord rows belong to "
+                                  "the language model, which freeze_llm freezes",
+                                  "Set tuner.freeze_llm: false, or remove them.")]
+        return []
