@@ -70,7 +70,8 @@ _LEFT_OUT = {
     "custom.dump_conversation_path": "no conversation-text dump",
     "custom.instability_monitor": "no instability monitor",
     "custom.log_file": "logs go to stdout/stderr (redirect them to a file)",
-    "custom.coord_offset": "no coord-offset embedding/head training",
+    "custom.coord_offset": ("no counterpart in coordexp's coord rows (tuner.train_coord_rows, coord_embed_lr, "
+                            "coord_head_lr, coord_weight_decay; they train in the model's dtype)"),
     "custom.visual_kd": "no visual knowledge distillation",
     "custom.fusion_config": "no dataset fusion: one train_jsonl",
     "custom.use_summary": "no summary mode",
@@ -140,6 +141,7 @@ def upstream_pre(rw: Any) -> None:
     for key in ("instability_monitor", "log_file"):
         _leave_out(rw, f"custom.extra.{key}", _LEFT_OUT[f"custom.{key}"])
     _deepspeed(rw)
+    _coord_offset(rw)
     if _get(rw.data, "training.lr_scheduler_type") == "cosine_warmup_with_min_lr":
         rw.data["training"]["lr_scheduler_type"] = "cosine_with_min_lr"
         rw.m.changes.append("training.lr_scheduler_type: cosine_warmup_with_min_lr -> cosine_with_min_lr "
@@ -208,6 +210,78 @@ def _object_ordering(rw: Any) -> None:
         if rw.put("custom.object_ordering", "data.object_order", value.strip().lower()):
             _pop(rw.data, "custom.object_ordering")
             rw.m.changes.append(f"custom.object_ordering: {value} -> data.object_order: {value.strip().lower()}")
+
+
+_COORD_ROWS = "tuner.train_coord_rows"
+_TIES = ("coordexp ties the coord rows exactly when the checkpoint ties lm_head to the input embeddings "
+         "(tie_word_embeddings)")
+
+
+def _coord_offset(rw: Any) -> None:
+    """Upstream's coord-offset adapter (trainable coord rows of the embeddings and head, own rates) onto the
+    ``tuner.train_coord_rows`` / ``coord_*`` keys; ``optimizer: multimodal_coord_offset`` only switched its rate
+    groups on, which coordexp always has."""
+    if _get(rw.data, "training.optimizer") == "multimodal_coord_offset":
+        _pop(rw.data, "training.optimizer")
+        rw.m.changes.append("removed training.optimizer: multimodal_coord_offset (per-part rates are always on; the "
+                            "coord rows' rates are tuner.coord_embed_lr / coord_head_lr)")
+    block = _get(rw.data, "custom.coord_offset")
+    if not isinstance(block, dict) or not isinstance(block.get("enabled", False), bool):
+        return  # absent, or malformed: upstream_post leaves it out with its value
+    src = "custom.coord_offset"
+    if not block.get("enabled", False):
+        if rw.put(f"{src}.enabled", _COORD_ROWS, False):
+            _pop(rw.data, src)
+            rw.m.changes.append(f"{src} (enabled: false) -> {_COORD_ROWS}: false (the coord rows stay as in the "
+                                "checkpoint, as upstream kept them)")
+        return
+    if rw.view("tuner.train_type") == "full":
+        _leave_out(rw, src, "under train_type: full the whole embeddings and lm_head train at "
+                   "training.learning_rate (no separate coord-row rates)")
+        return
+    if rw.view("tuner.freeze_llm") is True:
+        _leave_out(rw, src, "freeze_llm freezes the language model, its coord rows included")
+        return
+    if not rw.put(f"{src}.enabled", _COORD_ROWS, True):
+        return
+    block.pop("enabled")
+    rw.m.changes.append(f"{src}.enabled: true -> {_COORD_ROWS}: true")
+    _coord_offset_ids(rw, block.pop("ids", None))
+    tie_head = block.pop("tie_head", True)
+    embed_lr, head_lr = block.pop("embed_lr", None), block.pop("head_lr", None)
+    if tie_head is not False:
+        if head_lr is not None and head_lr != embed_lr:
+            rw.m.changes.append(f"removed {src}.head_lr: {_short(head_lr)} (upstream ignored it with tie_head: true)")
+        head_lr = embed_lr  # one table's rate; an untied head's own table trains at the same rate
+        rw.m.changes.append(f"removed {src}.tie_head: true ({_TIES}; an untied head gets its own table, at the "
+                            "embeddings' rate)")
+    else:
+        rw.m.left_out.append(f"{src}.tie_head: {_TIES}, so a tied checkpoint cannot train separate embedding and "
+                             "head tables (value was False)")
+    for key, value in (("coord_embed_lr", embed_lr), ("coord_head_lr", head_lr)):
+        if value is not None and rw.put(f"{src}.{key[6:]}", f"tuner.{key}", value):
+            rw.m.changes.append(f"{src}.{key[6:]} -> tuner.{key}")
+    decay = block.pop("weight_decay", 0.0)  # upstream's default; coordexp's null would be training.weight_decay
+    if rw.put(f"{src}.weight_decay", "tuner.coord_weight_decay", decay):
+        rw.m.changes.append(f"{src}.weight_decay -> tuner.coord_weight_decay: {_short(decay)} (it decays the rows "
+                            "themselves towards 0; upstream decayed its offsets towards the base rows)")
+    if not block:
+        _pop(rw.data, src)
+
+
+def _coord_offset_ids(rw: Any, ids: Any) -> None:
+    if ids is None:
+        return
+    if isinstance(ids, dict) and isinstance(ids.get("start"), int) and isinstance(ids.get("end"), int):
+        count = ids["end"] - ids["start"] + 1
+    else:
+        count = len(ids) if isinstance(ids, list) else None
+    if count == 1000:
+        rw.m.changes.append(f"removed custom.coord_offset.ids: {_short(ids)} (coordexp finds the 1000 coord tokens by "
+                            "their text in the tokenizer)")
+    else:
+        rw.m.left_out.append(f"custom.coord_offset.ids: coordexp trains the rows of all 1000 coord tokens, found by "
+                             f"their text (value was {_short(ids)})")
 
 
 def _deepspeed(rw: Any) -> None:

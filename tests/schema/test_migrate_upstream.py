@@ -218,7 +218,7 @@ def test_a_chain_without_upstream_features_migrates_with_exit_0(tmp_path):
 
 UPSTREAM_ONLY = {
     "custom.augmentation": {"enabled": True}, "custom.desc_monitor_x": 1, "custom.log_file": {"enabled": True},
-    "custom.coord_offset": {"enabled": False}, "custom.visual_kd": {"vit": {"enabled": True}},
+    "custom.coord_offset": {"enabled": True, "dtype": "float32"}, "custom.visual_kd": {"vit": {"enabled": True}},
     "training.save_last_epoch": False, "training.save_delay_epochs": 1, "data.dataset_num_proc": 2,
     "custom.extra.instability_monitor": {"enabled": True}, "debug": {"enabled": False}, "rlhf": {"beta": 0.1},
     "training.not_a_field_anywhere": 3,
