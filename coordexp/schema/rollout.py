@@ -254,7 +254,7 @@ class HfGenerateConfig(StrictModel):
     cache with a compiled decode step (measured at Qwen3-VL-2B's shape, bf16, batch 32: 3.6x plain ``generate``'s
     tokens/s after a compile of about 30 s), elsewhere the dynamic cache, by measurement on CPU
     (benchmarks/bench_rollout_overlap.py, 1 thread: static 0.95-1.22x, static+compile 0.88-1.5x after a 25-30 s
-    compile). Beam search keeps the dynamic cache unless asked (docs/design.md, "Compiled static-cache decoding")."""
+    compile). Beam search keeps the dynamic cache unless asked (docs/design.md, Rollout backend interface)."""
 
     static_cache: Optional[bool] = Field(
         None, description="Preallocated KV cache (cache_implementation: static); null: on for CUDA, off elsewhere.")

@@ -22,7 +22,7 @@
   asked). A compiled chunk is padded with copies of its last request up to a power of two (at most
   ``decode_batch_size``), so a run compiles once per row bucket, not once per chunk size; the copies' outputs are
   dropped (every row depends on its own request and seed only). Both default to on for CUDA (greedy and sampling)
-  and off elsewhere (docs/design.md, "Compiled static-cache decoding"); outputs are token-for-token those of the
+  and off elsewhere (docs/design.md, Rollout backend interface); outputs are token-for-token those of the
   dynamic cache (tests/rollout/test_backends_hf.py, tests/rollout/test_hf_decode_speed.py).
 """
 

@@ -1,4 +1,4 @@
-"""Adapter runs decode through merged weights (docs/design.md, "Merged-weight decoding of adapter runs").
+"""Adapter runs decode through merged weights (docs/design.md, Rollout backend interface).
 
 Decoding through unmerged LoRA/DoRA layers costs every token the adapter's extra matmuls and, for DoRA, a weight
 norm over each whole adapted matrix (about 3.5x slower at Qwen3-VL-2B's shape). :class:`MergedDecodeModel` keeps a

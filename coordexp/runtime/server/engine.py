@@ -114,11 +114,24 @@ class HfEngine:
 
     @classmethod
     def from_contract(cls, run: "RunContract", *, model: Any = None, processor: Any = None) -> "HfEngine":
-        """Load the config's model (``launch.load_policy``) unless given; decoding knobs come per call."""
-        if model is None or processor is None:
-            from coordexp.runtime.model.policy import load_policy
+        """Load the config's model (``launch.load_policy``) unless given; decoding knobs come per call.
 
-            model, processor = load_policy(run)
+        The engine serves the checkpoint's own weights whatever ``tuner`` says: a learner config's LoRA/DoRA block
+        would wrap a fresh adapter whose names refuse the learner's full-weight pushes. A saved adapter as
+        ``model.path`` (or a PEFT model given) is merged once into a plain model, which takes those pushes."""
+        if model is None or processor is None:
+            import dataclasses
+
+            from coordexp.runtime.model.policy import load_policy
+            from coordexp.schema.tuner import TunerConfig
+
+            served = dataclasses.replace(run, tuner=TunerConfig(),
+                                         model=run.model.model_copy(update={"gradient_checkpointing": False}))
+            model, processor = load_policy(served)
+        from coordexp.runtime.rollout.weight_export import is_peft
+
+        if is_peft(model):
+            model = model.merge_and_unload()
         model.eval()
         model.requires_grad_(False)
         rollout = run.rollout_matching
