@@ -52,3 +52,21 @@ def test_token_accuracy_is_reported_and_picks_the_best_checkpoint(tmp_path, writ
     assert best == run / f"checkpoint-{best_step}" and best.is_dir() and checkpoints.checkpoint_problem(best) is None
     kept = sorted(p.name for p in run.glob("checkpoint-*"))
     assert best.name in kept and f"checkpoint-{STEPS}" in kept and len(kept) <= 2
+
+
+def test_the_cost_benchmark_runs_and_reports_its_ratios():
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_token_figures.py"), "--vocab", "4000",
+                          "--rows", "64", "--val", "2", "--repeats", "1", "--max-new-tokens", "8", "--hidden", "64"],
+                         capture_output=True, text=True, timeout=600, cwd=root)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (line,) = [line for line in out.stdout.splitlines() if line.startswith("JSON ")]
+    summary = json.loads(line[len("JSON "):])
+    for part, (a, b) in (("rows", ("token_figures_s", "objective_s")), ("eval", ("teacher_forced_s",
+                                                                                "rollout_eval_s"))):
+        figures = summary[part]
+        assert figures[a] > 0 and figures[b] > 0 and figures["ratio"] == pytest.approx(figures[a] / figures[b])
+    assert summary["eval"]["records"] == 2
