@@ -10,6 +10,8 @@ if [ "${COORDEXP_TEST_VLLM:-1}" != "0" ]; then
 fi
 # ms-swift's own client for the interop tests (COORDEXP_TEST_SWIFT=0 skips the install; those tests then skip).
 [ "${COORDEXP_TEST_SWIFT:-1}" = "0" ] || py=$(bash "$root/scripts/install_swift_client.sh" "$(cd "$(dirname "$py")/.." && pwd)" | tail -n 1)
+# DeepSpeed for the ZeRO-2/3 runs on two CPU ranks (COORDEXP_TEST_DEEPSPEED=0 skips the install; those tests then skip).
+[ "${COORDEXP_TEST_DEEPSPEED:-1}" = "0" ] || py=$(bash "$root/scripts/install_deepspeed.sh" "$(cd "$(dirname "$py")/.." && pwd)" | tail -n 1)
 cd "$root"
 # vLLM in-process on CPU; caches under .coordexp/ (kept between runs), IPC sockets in a per-run temp dir.
 export VLLM_TARGET_DEVICE="${VLLM_TARGET_DEVICE:-cpu}" VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-nobind}"
