@@ -4,8 +4,8 @@ Monitors, never part of the objective. A supervised position's label is its text
 coord slot, the coord token of its target bin (``coord_targets`` rounded to the nearest bin: the ground-truth token
 itself in stage 1). Accuracy counts a position when the argmax over the FULL vocabulary (the first id on a tie) is
 the label; loss is the full-vocabulary cross-entropy ``logsumexp(logits) - logit[label]``, unweighted. Both read the
-logit rows through the objective's numeric fence (:func:`coordexp.runtime.model.coord_losses.sanitize_logits`), a
-chunk of rows at a time, so no ``(N, V)`` copy is ever held.
+logit rows through the objective's numeric fence (float32, NaN -> 0, clamped to +/-1e4: coord_losses.py), a chunk of
+rows at a time, so no ``(N, V)`` copy is ever held and nothing waits on the device until the sums are read.
 
 :class:`TokenTypeSums` holds sums, not means: chunks, micro-steps and ranks add up first and the figures are taken
 once from the totals (docs/design.md, decision 8: means over the pooled positions).
@@ -17,13 +17,13 @@ from dataclasses import astuple, dataclass, fields
 
 import torch
 
-from coordexp.runtime.model.coord_losses import NUM_COORD_BINS, check_coord_ids, sanitize_logits
+from coordexp.runtime.model.coord_losses import NUM_COORD_BINS, _fence_, check_coord_ids
 from coordexp.runtime.model.losses import SupervisionBatch
 
 __all__ = ["TOKEN_FIGURES", "TokenTypeSums", "coord_labels", "token_type_sums"]
 
-# About 16 MiB of float32 rows per chunk, whatever the vocabulary size.
-_CHUNK_ELEMENTS = 1 << 22
+# About 32 MiB of float32 rows per chunk, whatever the vocabulary size (fewer, larger kernels on a GPU).
+_CHUNK_ELEMENTS = 1 << 23
 
 TOKEN_FIGURES: tuple[str, ...] = (
     "token_acc", "text_token_acc", "coord_token_acc", "token_loss", "text_token_loss", "coord_token_loss",
@@ -87,7 +87,7 @@ def token_type_sums(
         logits: ``(R, T, V)`` logits the supervision batch was built for (any float dtype).
         batch: supervision in flattened logit coordinates (:class:`SupervisionBatch`).
         coord_ids: ``(1000,)`` LongTensor of the coord token ids in bin order.
-        chunk_rows: rows fenced at a time (default: about 16 MiB of float32 per chunk).
+        chunk_rows: rows fenced at a time (default: about 32 MiB of float32 per chunk).
     """
     if logits.ndim != 3 or logits.shape[1] != batch.seq_len:
         raise ValueError(f"logits shape {tuple(logits.shape)} does not match the supervision batch "
@@ -103,7 +103,7 @@ def token_type_sums(
     correct = torch.zeros(index.numel(), dtype=torch.bool, device=device)
     loss = torch.zeros(index.numel(), dtype=torch.float64, device=device)
     for lo in range(0, index.numel(), step):
-        rows = sanitize_logits(flat.index_select(0, index[lo:lo + step]))
+        rows = _fence_(flat.index_select(0, index[lo:lo + step]).float())  # a fresh copy: fenced in place
         label = labels[lo:lo + step]
         label_logit = rows.gather(1, label[:, None]).squeeze(1)
         loss[lo:lo + step] = (torch.logsumexp(rows, dim=1) - label_logit).double()
