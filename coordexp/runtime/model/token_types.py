@@ -8,7 +8,7 @@ logit rows through the objective's numeric fence (float32, NaN -> 0, clamped to 
 rows at a time, so no ``(N, V)`` copy is ever held and nothing waits on the device until the sums are read.
 
 :class:`TokenTypeSums` holds sums, not means: chunks, micro-steps and ranks add up first and the figures are taken
-once from the totals (docs/design.md, decision 8: means over the pooled positions).
+once from the totals, so they are means over the pooled positions whatever the batching, packing or sharding.
 """
 
 from __future__ import annotations
