@@ -10,6 +10,7 @@ from pydantic import Field, field_validator, model_validator
 
 from coordexp.schema.base import StrictModel, float_in, int_in
 from coordexp.schema.errors import RuleViolation, raise_violations
+from coordexp.schema.target_regex import TARGET_REGEX_HINT, target_regex_problem
 from coordexp.schema.training import LearningRate, WeightDecay
 
 __all__ = ["TunerConfig", "MAX_LORA_RANK"]
@@ -66,12 +67,11 @@ class TunerConfig(StrictModel):
 
     @field_validator("target_regex")
     @classmethod
-    def _compiles(cls, pattern: Optional[str]) -> Optional[str]:
-        if pattern is not None:
-            try:
-                re.compile(pattern)
-            except re.error as exc:
-                raise ValueError(f"target_regex does not compile: {exc}") from None
+    def _bounded_and_adaptable(cls, pattern: Optional[str]) -> Optional[str]:
+        """Compiles within a bounded cost and matches no Qwen-VL module LoRA cannot adapt (schema/target_regex.py)."""
+        problem = None if pattern is None else target_regex_problem(pattern)
+        if problem is not None:
+            raise ValueError(f"{problem}. {TARGET_REGEX_HINT}")
         return pattern
 
     @model_validator(mode="after")

@@ -19,8 +19,8 @@ from coordexp.errors import UserInputError
 if TYPE_CHECKING:
     from coordexp.schema.tuner import TunerConfig
 
-__all__ = ["TunerError", "frozen_parts", "apply_freeze", "resolve_targets", "resolve_modules_to_save",
-           "lora_config", "apply_tuner"]
+__all__ = ["TunerError", "frozen_parts", "apply_freeze", "adaptable_module", "resolve_targets",
+           "resolve_modules_to_save", "lora_config", "apply_tuner"]
 
 _SHOWN = 10  # module names quoted in an error
 
@@ -42,6 +42,11 @@ def apply_freeze(model: Any, tuner: "TunerConfig") -> Any:
         if model_part(name) in frozen:
             parameter.requires_grad_(False)
     return model
+
+
+def adaptable_module(module: Any) -> bool:
+    """Layer types PEFT's LoRA wraps (Linear, Embedding, Conv1d/2d/3d, GPT-2 style Conv1D)."""
+    return _adaptable(module)
 
 
 def _adaptable(module: Any) -> bool:
@@ -106,6 +111,35 @@ def resolve_modules_to_save(model: Any, tuner: "TunerConfig") -> list[str]:
     return resolved
 
 
+def _check_target_regex(model: Any, regex: str, candidates: dict[str, Any], saved: list[str]) -> None:
+    """What PEFT would do with ``regex``, before it runs: matching every module name within a time budget (a
+    backtracking pattern fails here instead of hanging), at least one adaptable match, and no match PEFT cannot
+    adapt (it raises "Target module ... is not supported" for a norm, an activation or a container)."""
+    from coordexp.schema.regex_guard import RegexCostError, compile_bounded, fullmatching
+
+    modules = dict(model.named_modules())
+    try:
+        matched = fullmatching(compile_bounded(regex), [n for n in modules if n and not _inside(n, saved)])
+    except RegexCostError as exc:
+        raise TunerError(f"tuner.target_regex {regex[:200]!r}: {exc}",
+                         hint="write one quantifier per run of characters, e.g. .*\\.(q_proj|v_proj) or "
+                              "model\\.language_model\\.layers\\.\\d+\\.mlp\\..*_proj") from None
+    unsupported = [n for n in matched if n not in candidates]
+    if unsupported:
+        shown = ", ".join(f"{n} ({type(modules[n]).__name__})" for n in unsupported[:_SHOWN])
+        more = f", ... ({len(unsupported)} in all)" if len(unsupported) > _SHOWN else ""
+        raise TunerError(
+            f"tuner.target_regex {regex[:200]!r} also matches modules PEFT's LoRA cannot adapt: {shown}{more}; "
+            "LoRA wraps only Linear, Embedding and Conv layers",
+            hint="anchor the pattern on the layers to adapt, e.g. .*\\.(q_proj|k_proj|v_proj|o_proj) (adaptable "
+                 f"names: {_per_part(candidates)})")
+    if not matched:
+        raise TunerError(
+            f"tuner.target_regex {regex[:200]!r} matches no Linear/Embedding/Conv module of the model "
+            f"(PEFT applies it with re.fullmatch to full module names such as {_per_part(candidates)})",
+            hint="anchor the regex on full names (model.language_model.layers.N..., model.visual...)")
+
+
 def resolve_targets(model: Any, tuner: "TunerConfig", modules_to_save: Iterable[str] = ()) -> str | list[str]:
     """What PEFT's ``target_modules`` gets: ``target_regex`` itself (after checking it fullmatches at least one
     adaptable module), or the sorted full names that ``target_modules`` selects in the unfrozen parts."""
@@ -113,12 +147,7 @@ def resolve_targets(model: Any, tuner: "TunerConfig", modules_to_save: Iterable[
     candidates = {name: module for name, module in model.named_modules()
                   if name and _adaptable(module) and not _inside(name, saved)}
     if tuner.target_regex is not None:
-        pattern = re.compile(tuner.target_regex)
-        if not any(pattern.fullmatch(name) for name in candidates):
-            raise TunerError(
-                f"tuner.target_regex {tuner.target_regex!r} matches no Linear/Embedding/Conv module of the model "
-                f"(PEFT applies it with re.fullmatch to full module names such as {_per_part(candidates)})",
-                hint="anchor the regex on full names (model.language_model.layers.N..., model.visual...)")
+        _check_target_regex(model, tuner.target_regex, candidates, saved)
         return tuner.target_regex
     frozen = frozen_parts(tuner)
     open_parts = {name: m for name, m in candidates.items() if model_part(name) not in frozen}
