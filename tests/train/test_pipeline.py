@@ -162,11 +162,12 @@ def test_prefetch_encodes_each_prompt_once_and_never_syncs_under_a_generation(ho
     assert sorted(encoded) == sorted(r.source for r in records)  # every prompt encoded exactly once
     assert not backend.sync_during_generation
     assert pipe.sync_points == [0, 1]
-    # micro-step (0,0) on demand; (0,1) and (1,0) prefetched during step 0; (1,1) prefetched after step 1's push
+    # step 0 on demand in one call ((0,0) and (0,1): whole-step batch); (1,0) prefetched during step 0; (1,1)
+    # prefetched after step 1's push
     assert versions == [0, 0, 0, 0, 0, 0, 1, 1]
+    assert backend.calls == [4, 2, 2]
     events = [(kind, key) for kind, key, _, _ in pipe.prefetcher.events]
-    assert events == [("request", (0, 1)), ("take", (0, 1)), ("request", (1, 0)), ("take", (1, 0)),
-                      ("request", (1, 1)), ("take", (1, 1))]
+    assert events == [("request", (1, 0)), ("take", (1, 0)), ("request", (1, 1)), ("take", (1, 1))]
 
 
 def test_an_interrupted_run_does_not_wait_for_a_hung_generation(host, records, tmp_path):

@@ -1,7 +1,8 @@
-"""Actor-learner overlap: the next micro-step's rollouts are generated while this one trains (docs/design.md,
+"""Actor-learner overlap: the next micro-steps' rollouts are generated while this one trains (docs/design.md,
 decision 14).
 
-One background thread calls ``backend.generate_with_metadata`` for the next micro-step's requests (plain HTTP in
+One background thread calls ``backend.generate_with_metadata`` for the next planned micro-steps' requests (the rest
+of the optimizer step in one call, or the next step's first micro-step) (plain HTTP in
 server mode: no collective runs off the main thread, so every DDP rank stays in lockstep); the metadata logged with a
 rollout is the metadata of that rollout. The weight push stays on the
 main thread and never overlaps a generation (:class:`coordexp.runtime.train.pipeline.MicroStepPipeline` orders them).
@@ -17,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:
-    from coordexp.runtime.model.encoding import EncodedPrompt
     from coordexp.runtime.rollout.base import RolloutBackend, RolloutOutput, RolloutRequest
 
 __all__ = ["PlannedMicroStep", "PrefetchedRollouts", "RolloutPrefetcher", "generate_with_metadata"]
@@ -96,13 +96,6 @@ class RolloutPrefetcher:
         self._in_flight = _InFlight(micro_step, requests, policy_version, future)
         threading.Thread(target=generate, name="rollout-prefetch", daemon=True).start()
         self.events.append(("request", micro_step, policy_version, time.perf_counter()))
-
-    def prompts_for(self, micro_step: Any, records: Sequence[Any]) -> list["EncodedPrompt"] | None:
-        """The encoded prompts of the in-flight prefetch when it is ``micro_step``'s for these records (so a
-        prefetched micro-step encodes its prompts once), else None."""
-        pending = self._in_flight
-        return [r.prompt for r in pending.requests] if pending is not None and pending.is_for(micro_step, records) \
-            else None
 
     def wait(self) -> None:
         """Block until the in-flight generation (if any) has finished; its result stays available to :meth:`take`."""

@@ -12,6 +12,11 @@ Invariants it keeps:
 - **Prompts are encoded once** per sample, also when the rollouts were prefetched; evaluation goes through the same
   roll-out path (:func:`iter_rollout_samples`) as ``coordexp eval``.
 - **No tail prefetch**: the lookahead stops at ``max_steps``.
+- **Whole-step rollout batches**: the micro-steps of one optimizer step share its weights, so the micro-steps the
+  trainer planned (:meth:`MicroStepPipeline.plan`) are rolled out at the step's sync point in ONE backend call (a
+  server or colocate engine sees ``gradient_accumulation_steps x batch`` prompts), each with the seeds it draws on
+  its own (:meth:`MicroStepPipeline.request_seeds`), so outputs do not change; with overlap the prefetch unit is the
+  rest of the step (or the next step's first micro-step), at the same policy versions as one micro-step at a time.
 """
 
 from __future__ import annotations
@@ -74,6 +79,24 @@ class PipelineSettings:
 
 
 @dataclass(frozen=True)
+class RolledOut:
+    """One micro-step's share of a backend call that rolled out several: what was asked and what came back."""
+
+    key: tuple[int, int]
+    records: tuple["DetectionRecord", ...]
+    seeds: tuple[int, ...]
+    prompts: tuple["EncodedPrompt", ...]
+    outputs: tuple["RolloutOutput", ...] = ()
+    metadata: dict[str, Any] | None = None
+    version: int | None = None
+
+    def is_for(self, key: tuple[int, int], records: Sequence[Any], seeds: Sequence[int]) -> bool:
+        """Whether this is micro-step ``key``'s share for exactly these records and seeds (the plan held)."""
+        return self.key == key and len(self.records) == len(records) and all(
+            a is b for a, b in zip(self.records, records)) and list(self.seeds) == [int(x) for x in seeds]
+
+
+@dataclass(frozen=True)
 class RolloutChunk:
     """One backend call's worth of rolled-out records: prompts, outputs, built samples and the call's metadata."""
 
@@ -93,6 +116,25 @@ def _requests(records: Sequence["DetectionRecord"], prompts: Sequence["EncodedPr
               ) -> list[RolloutRequest]:
     return [RolloutRequest(prompt=p, index=i, seed=int(s), record=r)
             for i, (r, p, s) in enumerate(zip(records, prompts, seeds, strict=True))]
+
+
+def _group_requests(group: Sequence[RolledOut]) -> list[RolloutRequest]:
+    """One backend call's requests for several micro-steps, in micro-step order."""
+    return _requests([r for part in group for r in part.records], [p for part in group for p in part.prompts],
+                     [s for part in group for s in part.seeds])
+
+
+def _split(group: Sequence[RolledOut], outputs: Sequence["RolloutOutput"], metadata: dict[str, Any],
+           version: int) -> list[RolledOut]:
+    """The call's outputs handed back to the micro-steps they belong to."""
+    parts, start = [], 0
+    for part in group:
+        stop = start + len(part.records)
+        parts.append(replace(part, outputs=tuple(outputs[start:stop]), metadata=metadata, version=version))
+        start = stop
+    if start != len(outputs):
+        raise RuntimeError(f"the rollout backend returned {len(outputs)} outputs for {start} requests")
+    return parts
 
 
 def _samples(records, prompts, outputs, host: HostContext, version: int | None) -> list[SampleTarget]:
@@ -138,6 +180,8 @@ class MicroStepPipeline:
         self.micro_step: tuple[int, int] = (-1, 0)
         self.sync_points: list[int] = []  # the global steps whose weights were pushed, in order
         self._planned: list[PlannedMicroStep] = []
+        self._rolled: dict[tuple[int, int], RolledOut] = {}  # micro-steps rolled out ahead by a whole-step call
+        self._in_flight: list[RolledOut] = []  # the micro-steps of the prefetch in flight (keyed by the first)
 
     @property
     def backend(self) -> "RolloutBackend | None":
@@ -194,38 +238,71 @@ class MicroStepPipeline:
         micro = self.next_micro_step(step)
         seeds = self.request_seeds(step, micro, len(records))
         key = (step, micro)
-        prefetched = self.prefetcher.prompts_for(key, records) if self.prefetcher is not None else None
-        prompts = prefetched if prefetched is not None else encode_prompts(self.host, records)
         start = time.perf_counter()
-        got = self.prefetcher.take(key, records, seeds) if self.prefetcher is not None else None
+        got = self._take_rolled(key, records, seeds)
         self.sync_point(step)
         if got is None:
-            outputs, metadata, _ = generate_with_metadata(self.backend, _requests(records, prompts, seeds))
-            version = step
-        else:
-            outputs, metadata, version = got.outputs, got.metadata, got.policy_version
-            self.stats.timed("rollout_generate", got.seconds)  # background generation time (overlapped)
+            got = self._roll_out_step(key, records, seeds, step)
         self._prefetch_after(key, step)
         generated = time.perf_counter()
-        outputs = [replace(o, policy_version=version) for o in outputs]
-        samples = _samples(records, prompts, outputs, self.host, version)
+        version = got.version
+        outputs = [replace(o, policy_version=version) for o in got.outputs]
+        samples = _samples(records, got.prompts, outputs, self.host, version)
         self.stats.timed("rollout", generated - start)
         self.stats.seeds.extend(seeds)
-        self._log_rollouts("train", step, micro, records, seeds, outputs, samples, metadata)
+        self._log_rollouts("train", step, micro, records, seeds, outputs, samples, got.metadata or {})
         self.stats.timed("host", time.perf_counter() - generated)
         return samples
 
+    def _planned_share(self, plan: PlannedMicroStep) -> RolledOut:
+        records = tuple(plan.records)
+        return RolledOut(plan.key, records, tuple(self.request_seeds(*plan.key, len(records))),
+                         tuple(encode_prompts(self.host, records)))
+
+    def _take_rolled(self, key: tuple[int, int], records: list, seeds: list[int]) -> RolledOut | None:
+        """``key``'s rollouts when a whole-step call or a prefetch already made them for these records and seeds
+        (waiting for the prefetch), else None. Shares of earlier steps, and of a plan that diverged, are dropped."""
+        for old in [k for k in self._rolled if k[0] < key[0]]:
+            del self._rolled[old]
+        share = self._rolled.pop(key, None)
+        if share is not None:
+            return share if share.is_for(key, records, seeds) else None
+        if self.prefetcher is None or not self.prefetcher.in_flight:
+            return None
+        group, self._in_flight = self._in_flight, []
+        requests_ok = bool(group) and group[0].is_for(key, records, seeds)
+        got = self.prefetcher.take(group[0].key if requests_ok else key, [r for p in group for r in p.records],
+                                   [s for p in group for s in p.seeds])
+        if got is None or not requests_ok:
+            return None
+        self.stats.timed("rollout_generate", got.seconds)  # background generation time (overlapped)
+        first, *rest = _split(group, got.outputs, got.metadata, got.policy_version)
+        self._rolled.update((part.key, part) for part in rest)
+        return first
+
+    def _roll_out_step(self, key: tuple[int, int], records: list, seeds: list[int], step: int) -> RolledOut:
+        """``key``'s rollouts together with those of the step's later planned micro-steps, in ONE backend call
+        after the step's sync point (the weights are the same for all of them)."""
+        own = RolledOut(key, tuple(records), tuple(int(s) for s in seeds), tuple(encode_prompts(self.host, records)))
+        ahead = {part.key for part in self._in_flight} | set(self._rolled)
+        group = [own] + [self._planned_share(plan) for plan in self._planned
+                         if plan.key[0] == step and plan.key > key and plan.key not in ahead]
+        outputs, metadata, _ = generate_with_metadata(self.backend, _group_requests(group))
+        first, *rest = _split(group, outputs, metadata, step)
+        self._rolled.update((part.key, part) for part in rest)
+        return first
+
     def _prefetch_after(self, key: tuple[int, int], step: int) -> None:
-        """Request the next planned micro-step's rollouts with the weights the server holds now (overlap)."""
-        if self.prefetcher is None:
+        """Request, with the weights the server holds now (overlap), the next planned micro-steps not rolled out
+        yet: the rest of this step in one call, else the next step's first micro-step."""
+        if self.prefetcher is None or self.prefetcher.in_flight:
             return
-        following = [plan for plan in self._planned if plan.key > key]
-        if not following:
+        pending = [plan for plan in self._planned if plan.key > key and plan.key not in self._rolled]
+        if not pending:
             return
-        plan = following[0]
-        seeds = self.request_seeds(*plan.key, len(plan.records))
-        requests = _requests(plan.records, encode_prompts(self.host, plan.records), seeds)
-        self.prefetcher.request(plan.key, requests, policy_version=step)
+        group = [self._planned_share(plan) for plan in pending if plan.key[0] == pending[0].key[0]]
+        self._in_flight = group
+        self.prefetcher.request(group[0].key, _group_requests(group), policy_version=step)
 
     def rows(self, samples: list[SampleTarget], step: int) -> list[list[SampleTarget]]:
         """Unpacked: one padded row of all samples. Packed: carried segments older than the staleness bound are
@@ -279,5 +356,7 @@ class MicroStepPipeline:
     def close(self, *, interrupted: bool = False) -> None:
         """Forget the in-flight prefetch (waited for unless the run was interrupted: a hung server must not hold
         Ctrl-C) before the backend is closed."""
+        self._rolled.clear()
+        self._in_flight = []
         if self.prefetcher is not None:
             self.prefetcher.close(wait=not interrupted)

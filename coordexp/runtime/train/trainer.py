@@ -139,10 +139,13 @@ class CoordExpTrainer(Trainer):
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """The HF fetch of one optimizer step's micro-batches; with overlap it also reads the NEXT step's first
         micro-batch (kept for the next call, never past ``max_steps``), so that micro-step's rollouts can be
-        requested during this step. Records leave here in ``data.object_order`` (:meth:`_object_order`)."""
+        requested during this step. Records leave here in ``data.object_order`` (:meth:`_object_order`). The
+        pipeline gets the step's plan either way: stage 2 rolls the whole step out in one backend call."""
         if self.pipeline.prefetcher is None:
             batches, items = super().get_batch_samples(epoch_iterator, num_batches, device)
-            return [self._object_order(batch) for batch in batches], items
+            batches = [self._object_order(batch) for batch in batches]
+            self.pipeline.plan(int(self.state.global_step), batches, None)
+            return batches, items
         batches = []
         if self._lookahead is not None and self._lookahead[0] is epoch_iterator:
             batches.append(self._lookahead[1])
