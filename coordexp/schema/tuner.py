@@ -4,7 +4,7 @@ of the model (language model, vision tower, aligner) are frozen. Names follow ms
 from __future__ import annotations
 
 import re
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
@@ -28,7 +28,13 @@ class TunerConfig(StrictModel):
     use_dora: bool = Field(False, description="lora: weight-decomposed LoRA (DoRA) instead of plain LoRA.")
     lora_rank: int_in(1, MAX_LORA_RANK) = Field(8, description="lora: adapter rank r.")
     lora_alpha: float_in(gt=0.0, le=1e6) = Field(32.0, description="lora: scaling numerator (scale = alpha / r).")
-    lora_dropout: float_in(ge=0.0, lt=1.0) = Field(0.05, description="lora: dropout on the adapter input.")
+    lora_dropout: float_in(ge=0.0, lt=1.0) = Field(
+        0.05, description="lora: dropout on the adapter input. Unset: 0.05 for LoRA, 0 for DoRA (DoRA with dropout "
+        "runs every adapted base layer twice per forward and backward).")
+    adapter_dtype: Literal["float32", "model"] = Field(
+        "float32", description="lora: dtype of the adapter weights. float32 (PEFT's default) keeps small updates, "
+        "e.g. of DoRA's magnitudes, that bfloat16 rounds away; model (the model's dtype) saves a float32 copy of "
+        "each adapted weight per forward.")
     lora_bias: Literal["none", "all", "lora_only"] = Field("none", description="lora: which biases train.")
     target_modules: list[str] = Field(
         default_factory=lambda: ["all-linear"],
@@ -56,6 +62,14 @@ class TunerConfig(StrictModel):
     coord_weight_decay: Optional[WeightDecay] = Field(
         None, description="lora: AdamW weight decay of the coord rows (it pulls the rows themselves towards 0, as "
         "full fine-tuning does); null = training.weight_decay.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _dora_dropout_default(cls, data: Any) -> Any:
+        """An unset ``lora_dropout`` is 0 under DoRA (runtime/model/adapter_speed.py says why)."""
+        if isinstance(data, dict) and data.get("use_dora") is True and "lora_dropout" not in data:
+            return {**data, "lora_dropout": 0.0}
+        return data
 
     @field_validator("target_modules", "modules_to_save")
     @classmethod
