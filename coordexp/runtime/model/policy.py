@@ -53,7 +53,7 @@ def load_policy(run: "RunContract", *, adapter: str | Path | None = None) -> tup
     from transformers import AutoModelForImageTextToText
 
     from coordexp.runtime.model.adapters import adapter_base, attach_adapter, is_adapter_dir
-    from coordexp.runtime.model.tuner import apply_tuner
+    from coordexp.runtime.model.tuner import align_tie_flag, apply_tuner
 
     cfg = run.model
     if adapter is None and is_adapter_dir(cfg.path):
@@ -75,7 +75,7 @@ def load_policy(run: "RunContract", *, adapter: str | Path | None = None) -> tup
         checkpoint_family(path)
     processor = load_processor(base)
     try:
-        CoordVocab.from_tokenizer(processor.tokenizer)
+        coord_ids = CoordVocab.from_tokenizer(processor.tokenizer).ids
     except ValueError as exc:
         raise LaunchError(
             f"{base}: {exc}. Add the coord tokens first: `coordexp expand-vocab {base} <new dir>`"
@@ -90,12 +90,14 @@ def load_policy(run: "RunContract", *, adapter: str | Path | None = None) -> tup
         raise LaunchError(f"{base}: the weights do not have the shapes config.json describes (transformers' "
                           "report above lists them); config.json does not belong to these weights",
                           hint="re-save or re-download the checkpoint") from None
+    if adapter is not None:
+        align_tie_flag(model)  # PEFT ties saved coord-row tables on this flag
     if adapter is not None and run.tuner.train_type == "lora":
         model = attach_adapter(model, adapter, trainable=True)  # the saved adapter trains on (its own targets)
     else:
         if adapter is not None:  # full fine-tuning from an adapter run: start from the merged weights
             model = attach_adapter(model, adapter).merge_and_unload()
-        model = apply_tuner(model, run.tuner)
+        model = apply_tuner(model, run.tuner, coord_ids)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         if hasattr(model, "peft_config"):  # frozen embeddings: checkpointed blocks need an input that wants grad

@@ -6,6 +6,11 @@ LoRA targets are resolved here, to full module names, before PEFT sees them (as 
 unfrozen parts except ``lm_head``, and any other ``target_modules`` entry is a PEFT suffix name restricted to the
 unfrozen parts. A pattern that matches nothing, or a ``modules_to_save`` entry that is no module, fails at load time
 naming real module names, never as a silent adapter on nothing.
+
+Coord rows: under ``lora`` the 1000 coord-token rows of the input embeddings and of ``lm_head`` train too (unless
+``train_coord_rows: false``), through PEFT's trainable tokens (``trainable_token_indices``): only those rows are
+trainable and saved with the adapter, ``merge_and_unload`` writes them into the base matrices. A checkpoint whose
+``lm_head`` IS its input embedding (tied) trains one shared table (docs/design.md, decision 12).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ if TYPE_CHECKING:
     from coordexp.schema.tuner import TunerConfig
 
 __all__ = ["TunerError", "frozen_parts", "apply_freeze", "adaptable_module", "resolve_targets",
-           "resolve_modules_to_save", "lora_config", "apply_tuner"]
+           "resolve_modules_to_save", "embeddings_tied", "align_tie_flag", "coord_row_layers", "lora_config", "apply_tuner"]
 
 _SHOWN = 10  # module names quoted in an error
 
@@ -180,22 +185,91 @@ def resolve_targets(model: Any, tuner: "TunerConfig", modules_to_save: Iterable[
     return sorted(chosen)
 
 
-def lora_config(model: Any, tuner: "TunerConfig") -> Any:
-    """The PEFT ``LoraConfig`` of ``tuner`` for ``model`` (targets and modules_to_save resolved to real names)."""
+def embeddings_tied(model: Any) -> bool:
+    """Whether ``lm_head`` is the input embedding matrix itself (one tensor), whatever config.json claims."""
+    head = model.get_output_embeddings()
+    return head is not None and head.weight is model.get_input_embeddings().weight
+
+
+def align_tie_flag(model: Any) -> None:
+    """Make ``config.tie_word_embeddings`` say what the weights are, before PEFT reads it: PEFT ties the coord-row
+    tables of embedding and head on that flag alone, and a checkpoint saved with untied weights under a tied flag
+    (transformers then loads them untied) would otherwise train the head on the embedding's rows."""
+    tied = embeddings_tied(model)
+    if bool(getattr(model.config, "tie_word_embeddings", False)) != tied:
+        model.config.tie_word_embeddings = tied
+
+
+def _module_name(model: Any, module: Any) -> str:
+    return next(name for name, candidate in model.named_modules() if candidate is module)
+
+
+def _covered(name: str, targets: str | list[str], saved: Iterable[str]) -> bool:
+    """Whether the LoRA targets or ``modules_to_save`` already train module ``name`` (PEFT wraps a layer once)."""
+    if _inside(name, saved):
+        return True
+    if isinstance(targets, str):
+        return re.fullmatch(targets, name) is not None
+    return name in targets
+
+
+def coord_row_layers(model: Any, tuner: "TunerConfig", coord_ids: Iterable[int], targets: str | list[str] = (),
+                     saved: Iterable[str] = ()) -> dict[str, list[int]]:
+    """PEFT's ``trainable_token_indices``: ``{input embedding: ids, lm_head: ids}`` (the embedding only when the
+    head is tied to it), leaving out a layer the LoRA targets or ``modules_to_save`` already train; empty when
+    the coord rows do not train (``train_coord_rows: false``, a frozen language model, no coord ids)."""
+    ids = sorted(int(i) for i in coord_ids)
+    if not ids or not tuner.trains_coord_rows:
+        return {}
+    embedding = model.get_input_embeddings()
+    rows = embedding.weight.shape[0]
+    if ids[-1] >= rows:
+        raise TunerError(f"coord token id {ids[-1]} is outside the input embeddings ({rows} rows): the tokenizer does "
+                         "not belong to these weights", hint="run `coordexp expand-vocab` on the base checkpoint")
+    layers = [embedding] if embeddings_tied(model) else [embedding, model.get_output_embeddings()]
+    saved = list(saved)
+    chosen = {}
+    for layer in layers:
+        if layer is None:
+            continue
+        name = _module_name(model, layer)
+        if not _covered(name, targets, saved):
+            chosen[name] = ids
+    return chosen
+
+
+def _check_coord_rates(model: Any, tuner: "TunerConfig", layers: dict[str, list[int]]) -> None:
+    if layers and embeddings_tied(model) and tuner.coord_head_lr is not None \
+            and tuner.coord_head_lr != tuner.coord_embed_lr:
+        raise TunerError(
+            f"tuner.coord_head_lr ({tuner.coord_head_lr:g}) differs from coord_embed_lr "
+            f"({'null: training.learning_rate' if tuner.coord_embed_lr is None else f'{tuner.coord_embed_lr:g}'}), "
+            "but this checkpoint ties lm_head to the input embeddings: their coord rows are one table",
+            hint="remove tuner.coord_head_lr (coord_embed_lr sets the shared table's rate) or make them equal")
+
+
+def lora_config(model: Any, tuner: "TunerConfig", coord_ids: Iterable[int] = ()) -> Any:
+    """The PEFT ``LoraConfig`` of ``tuner`` for ``model`` (targets and modules_to_save resolved to real names;
+    the coord rows ``coord_ids`` of the embeddings and head as trainable tokens when they train)."""
     from peft import LoraConfig
 
     saved = resolve_modules_to_save(model, tuner)
+    targets = resolve_targets(model, tuner, saved)
+    layers = coord_row_layers(model, tuner, coord_ids, targets, saved)
+    _check_coord_rates(model, tuner, layers)
     return LoraConfig(
         r=tuner.lora_rank, lora_alpha=tuner.lora_alpha, lora_dropout=tuner.lora_dropout, bias=tuner.lora_bias,
-        use_dora=tuner.use_dora, target_modules=resolve_targets(model, tuner, saved),
-        modules_to_save=saved or None)
+        use_dora=tuner.use_dora, target_modules=targets, modules_to_save=saved or None,
+        trainable_token_indices=layers or None)
 
 
-def apply_tuner(model: Any, tuner: "TunerConfig") -> Any:
+def apply_tuner(model: Any, tuner: "TunerConfig", coord_ids: Iterable[int] = ()) -> Any:
     """``model`` ready to train under ``tuner``: frozen parts for ``full``; a PEFT model for ``lora`` (base weights
-    frozen, adapters on the resolved targets, ``modules_to_save`` trained in full)."""
+    frozen, adapters on the resolved targets, ``modules_to_save`` trained in full, the rows of ``coord_ids`` in the
+    embeddings and head trainable unless ``train_coord_rows`` is off)."""
     if tuner.train_type == "full":
         return apply_freeze(model, tuner)
     from peft import get_peft_model
 
-    return get_peft_model(model, lora_config(model, tuner))
+    align_tie_flag(model)
+    return get_peft_model(model, lora_config(model, tuner, coord_ids))

@@ -8,8 +8,9 @@ weight-sync benchmark, so both engines receive the same names and values:
   ``merge_and_unload``). The training model is never merged, unmerged or written (``merge_adapter`` would add and
   subtract the delta in place, in the training dtype, which does not round-trip bit for bit).
 - :func:`adapter_state`: the active LoRA adapter as one :class:`AdapterState` (PEFT state-dict names, a JSON-plain
-  ``adapter_config`` dict), the shape every caller uses; a DoRA adapter is refused (vLLM cannot serve it), which
-  sends adapter sync down its fallback to full merged weights.
+  ``adapter_config`` dict), the shape every caller uses; a DoRA adapter or one with trained coord rows (PEFT
+  trainable tokens) is refused (vLLM cannot serve either), which sends adapter sync down its fallback to full
+  merged weights. Full weights carry the trained coord rows inside the embedding and head matrices.
 - :func:`policy_version`: a cheap fingerprint that changes exactly when a parameter is updated in place.
 """
 
@@ -82,12 +83,20 @@ def named_tensors(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
 
     adapter = _active_adapter(model)
     lora_modules = {name: module for name, module in model.named_modules() if isinstance(module, LoraLayer)}
+    token_tables = {name: module for name, module in model.named_modules() if hasattr(module, "token_adapter")}
     merged: tuple[str, Any] | None = None  # (owner, merged base layer): weight and bias come from one merge
     for name, parameter in model.named_parameters():
-        if ".lora_" in name or ".original_module." in name:
+        if ".lora_" in name or ".original_module." in name or ".trainable_tokens_delta." in name:
             continue
         hf_name = name.removeprefix(_PEFT_PREFIX).replace(f".modules_to_save.{adapter}.", ".")
         tensor = parameter.detach()
+        if ".token_adapter.base_layer." in name:  # trained coord rows: the matrix with those rows written in
+            owner = name.split(".token_adapter.", 1)[0]
+            hf_name = hf_name.replace(".token_adapter.base_layer.", ".")
+            with torch.no_grad():  # a new tensor (index_copy), the live matrix is only read
+                tensor = token_tables[owner].token_adapter.get_merged_weights([adapter]).detach()
+            yield hf_name, tensor
+            continue
         if ".base_layer." in name:
             owner, leaf = name.split(".base_layer.", 1)
             hf_name = hf_name.replace(".base_layer.", ".")
@@ -130,6 +139,12 @@ def adapter_state(model: Any) -> AdapterState:
             "vLLM cannot serve a DoRA adapter (its LoRA kernels have no magnitude vector)",
             hint="DoRA rollouts need merged weights: rollout_matching.vllm.sync.mode: full (adapter mode falls back "
             "to full when sync.fallback_to_full is true)")
+    if getattr(model.peft_config[adapter], "trainable_token_indices", None):
+        raise WeightSyncError(
+            "vLLM's LoRA cannot serve the adapter's trained coord rows (PEFT trainable tokens of the embeddings and "
+            "lm_head)", hint="rollouts with trained coord rows need merged weights: rollout_matching.vllm.sync.mode: "
+            "full (adapter mode falls back to full when sync.fallback_to_full is true), or tuner.train_coord_rows: "
+            "false to push the LoRA adapter alone")
     tensors = get_peft_model_state_dict(model, adapter_name=adapter)
     config = json.loads(json.dumps(model.peft_config[adapter].to_dict(), default=_plain_json))
     return AdapterState(adapter, config, tuple((name, t.detach()) for name, t in tensors.items()))

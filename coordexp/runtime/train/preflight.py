@@ -300,7 +300,7 @@ def optimizer_groups_detail(run: Any) -> str:
     """The optimizer groups a launch will build: per part its lr, weight decay and checkpoint parameter count, or
     frozen (biases and norms get weight decay 0 in a group of their own at launch; docs/design.md, decision 13)."""
     from coordexp.runtime.model.tuner import frozen_parts
-    from coordexp.runtime.train.optim import part_rates
+    from coordexp.runtime.train.optim import describe_coord_rows, part_rates
 
     t, tuner = run.training, run.tuner
     frozen = frozen_parts(tuner)
@@ -316,6 +316,8 @@ def optimizer_groups_detail(run: Any) -> str:
         lora = tuner.train_type == "lora"
         count = "" if sizes is None else " (LoRA adapters)" if lora else f", {sizes[part]:,} params"
         parts.append(f"{part}: lr {rate.lr:g}, weight_decay {rate.weight_decay:g}{count}")
+    coord_rows = describe_coord_rows(t, tuner)
+    parts += [coord_rows] if coord_rows else []
     floor = t.lr_scheduler_kwargs.model_dump(exclude_none=True) if t.lr_scheduler_kwargs else ""
     return "; ".join(parts) + f"; schedule {t.lr_scheduler_type} {floor}".rstrip()
 

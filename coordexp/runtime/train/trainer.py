@@ -188,7 +188,8 @@ class CoordExpTrainer(Trainer):
         if self.optimizer is None and self.optimizer_cls_and_kwargs is None:
             from coordexp.runtime.train.optim import describe_groups, grouped_optimizer
 
-            self.optimizer = grouped_optimizer(self, self.model if model is None else model, self.run.training)
+            self.optimizer = grouped_optimizer(self, self.model if model is None else model, self.run.training,
+                                              self.run.tuner)
             logger.info("optimizer groups: %s", "; ".join(describe_groups(self.optimizer.param_groups)))
         optimizer = super().create_optimizer(model)
         if self.backend is not None:
