@@ -103,8 +103,16 @@ def render() -> str:
     for name, (kind, optional, default, choices, help_text) in fields.items():
         lines.append(f"    {name!r}: ({kind!r}, {optional!r}, {default!r}, {choices!r},")
         lines.append(f"        {help_text!r}),")
-    lines += ["}", "", f"REPORT_TO_CHOICES = {report_to!r}", "", f"SCHEDULER_TYPES = {schedulers!r}", ""]
+    lines += ["}", "", f"REPORT_TO_CHOICES = {report_to!r}", "", f"SCHEDULER_TYPES = {schedulers!r}", "",
+              f"COMPILE_BACKENDS = {_compile_backends()!r}", ""]
     return "\n".join(lines)
+
+
+def _compile_backends() -> tuple[str, ...]:
+    """``torch_compile_backend`` values the Trainer's accelerate accepts (its ``DynamoBackend``, lower case)."""
+    from accelerate.utils import DynamoBackend
+
+    return tuple(member.value.lower() for member in DynamoBackend)
 
 
 def main(argv: list[str]) -> int:

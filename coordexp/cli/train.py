@@ -113,8 +113,11 @@ def train(
             out.print(f"[green]✓[/green] {safe(message)}")
         raise typer.Exit(EXIT_OK)
 
+    from coordexp.runtime.train.args_check import check_training_arguments
     from coordexp.runtime.train.launch import run_training
     from coordexp.runtime.train.progress import ProgressCallback, summarize_history
+
+    check_training_arguments(run)  # what transformers would refuse after the model loads: exit 2 now
 
     progress = ProgressCallback(err if as_json else None, title=f"{run.trainer_variant}: {safe(config.name)}")
     try:

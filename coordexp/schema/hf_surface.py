@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional
 
-from pydantic import AfterValidator, Field
+from pydantic import AfterValidator, BeforeValidator, Field
 from pydantic.json_schema import SkipJsonSchema
 
 from coordexp.schema.base import MAX_COUNT, MAX_SECONDS, MAX_SEED, int_in, float_in
 from coordexp.schema.errors import ConfigRuleError, RuleViolation
-from coordexp.schema.hf_training_fields import HF_TRAINING_FIELDS
+from coordexp.schema.hf_training_fields import COMPILE_BACKENDS, HF_TRAINING_FIELDS
 
 __all__ = ["REFUSED", "passthrough_fields", "refused_fields", "UNSET"]
 
@@ -100,6 +100,12 @@ _BOUNDS: dict[str, Any] = {
     # Adam divides by sqrt(v) + eps: eps 0 makes every zero-gradient entry 0/0 = NaN (an unused embedding row
     # is enough), and a subnormal eps can do the same in bf16 optimizer states.
     "adam_epsilon": float_in(ge=1e-20, le=1.0),
+    # accelerate's DynamoBackend names (any case, as accelerate upper-cases them); anything else fails when the
+    # Trainer builds its accelerator, after the model has loaded
+    "torch_compile_backend": Annotated[Literal[COMPILE_BACKENDS], BeforeValidator(  # type: ignore[valid-type]
+        lambda value: value.lower() if isinstance(value, str) else value)],
+    # the start methods torch's DataLoader accepts (multiprocessing.get_all_start_methods() on Linux and macOS)
+    "dataloader_multiprocessing_context": Literal["fork", "spawn", "forkserver"],
 }
 _MAX_STR = 4096
 

@@ -237,3 +237,5 @@ HF_TRAINING_FIELDS: dict[str, tuple] = {
 REPORT_TO_CHOICES = ('azure_ml', 'comet_ml', 'mlflow', 'neptune', 'tensorboard', 'trackio', 'wandb', 'codecarbon', 'clearml', 'dagshub', 'flyte', 'dvclive', 'swanlab', 'kubeflow')
 
 SCHEDULER_TYPES = ('linear', 'cosine', 'cosine_with_restarts', 'polynomial', 'constant', 'constant_with_warmup', 'inverse_sqrt', 'reduce_lr_on_plateau', 'cosine_with_min_lr', 'cosine_warmup_with_min_lr', 'warmup_stable_decay', 'greedy')
+
+COMPILE_BACKENDS = ('no', 'eager', 'aot_eager', 'inductor', 'aot_ts_nvfuser', 'nvprims_nvfuser', 'cudagraphs', 'ofi', 'fx2trt', 'onnxrt', 'tensorrt', 'aot_torchxla_trace_once', 'torchxla_trace_once', 'tvm', 'hpu_backend', 'neuron')

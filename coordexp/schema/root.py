@@ -11,7 +11,7 @@ from coordexp.schema.errors import ConfigIssue, RuleViolation, raise_violations
 from coordexp.schema.model import ModelConfig
 from coordexp.schema.rollout import RolloutMatchingConfig
 from coordexp.schema.template import TemplateConfig
-from coordexp.schema.training import TrainingConfig
+from coordexp.schema.training import TrainingConfig, evaluation_data_violations
 from coordexp.schema.tuner import TunerConfig
 
 __all__ = ["CoordExpConfig", "config_warnings"]
@@ -65,6 +65,7 @@ class CoordExpConfig(StrictModel):
                     "Lower template.max_length or raise global_max_length.",
                 )
             )
+        violations += evaluation_data_violations(self.training, self.data.val_jsonl)
         raise_violations(violations)
         return self
 

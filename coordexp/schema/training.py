@@ -152,7 +152,7 @@ class _OwnedTrainingFields(StrictModel):
                 "correct under DeepSpeed (one micro-step backpropagates several packed rows, and DeepSpeed steps in "
                 "backward; docs/design.md, decision 14)",
                 "Set training.packing: false to use DeepSpeed, or remove training.deepspeed."))
-        violations += self._batch_rules() + self._schedule_rules()
+        violations += self._batch_rules() + self._schedule_rules() + self._passthrough_rules()
         metric = getattr(self, "metric_for_best_model", None)
         if metric is not None and best_model_metric(metric) is None:
             violations.append(RuleViolation(
@@ -177,6 +177,29 @@ class _OwnedTrainingFields(StrictModel):
                 "effective_batch_size", f"effective_batch_size ({eff}) is not a multiple of "
                 f"per_device_train_batch_size ({self.per_device_train_batch_size})",
                 "Make it per_device_train_batch_size * world size * accumulation steps."))
+        return out
+
+    def _passthrough_rules(self) -> list[RuleViolation]:
+        """Combinations of passed-through fields that TrainingArguments, the Trainer or torch's DataLoader refuse
+        when training starts (tests/schema/test_training_passthrough.py checks each against the real ones)."""
+        out = []
+        if not self.dataloader_num_workers:
+            for name, what in (("dataloader_prefetch_factor", "how many batches each worker prefetches"),
+                               ("dataloader_persistent_workers", "whether workers outlive an epoch"),
+                               ("dataloader_multiprocessing_context", "how workers start")):
+                if getattr(self, name, None) not in (None, False):
+                    out.append(RuleViolation(
+                        name, f"{name} configures data-loading worker processes ({what}), but "
+                        "dataloader_num_workers is 0: there are none (torch's DataLoader refuses the combination)",
+                        f"Set training.dataloader_num_workers to 1 or more, or remove {name}."))
+        if getattr(self, "save_strategy", None) == "best" and getattr(self, "metric_for_best_model", None) is None:
+            out.append(RuleViolation(
+                "save_strategy", "save_strategy: best saves when the best metric improves, but "
+                "metric_for_best_model is not set", f"Set training.metric_for_best_model (one of "
+                f"{', '.join(BEST_MODEL_METRICS[:3])}, ...), or use save_strategy: steps."))
+        if getattr(self, "fp16_full_eval", False) and getattr(self, "bf16_full_eval", False):
+            out.append(RuleViolation("fp16_full_eval", "fp16_full_eval and bf16_full_eval are both true",
+                                     "Choose one precision for evaluation."))
         return out
 
     def _schedule_rules(self) -> list[RuleViolation]:
@@ -223,6 +246,19 @@ def best_model_metric(name: str) -> str | None:
         if name.startswith(prefix):
             name = name[len(prefix):]
     return name if name in BEST_MODEL_METRICS else None
+
+
+def evaluation_data_violations(training: "_OwnedTrainingFields", val_jsonl: Optional[str]) -> list[RuleViolation]:
+    """``training.eval_strategy`` other than no without ``data.val_jsonl``: the Trainer refuses to start (it has no
+    eval_dataset); paths relative to the root."""
+    strategy = getattr(training, "eval_strategy", "no")
+    if "eval_strategy" in training.model_fields_set and strategy != "no" and val_jsonl is None:
+        return [RuleViolation(
+            "training.eval_strategy", f"training.eval_strategy: {strategy} evaluates during training, but "
+            "data.val_jsonl is not set (there is nothing to evaluate)",
+            "Set data.val_jsonl, or remove training.eval_strategy (evaluation runs when data.val_jsonl and "
+            "training.eval_steps are set).")]
+    return []
 
 
 _OWNED = set(_OwnedTrainingFields.model_fields)

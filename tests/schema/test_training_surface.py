@@ -146,7 +146,8 @@ def test_scheduler_floor_is_exactly_one_bounded_value_for_cosine_with_min_lr(kin
 @settings(max_examples=40, deadline=None)
 @given(prefetch=st.integers(-5, 2000), timeout=st.integers(-5, 10**7), flag=st.sampled_from([True, 1, "true"]))
 def test_passed_through_fields_are_typed_and_bounded(prefetch, timeout, flag):
-    errors = dict(_errors({"dataloader_prefetch_factor": prefetch, "ddp_timeout": timeout, "bf16": flag}))
+    errors = dict(_errors({"dataloader_prefetch_factor": prefetch, "ddp_timeout": timeout, "bf16": flag,
+                           "dataloader_num_workers": 1}))  # prefetching needs workers (issue 30 item 4)
     assert ("training.dataloader_prefetch_factor" in errors) == (not 1 <= prefetch <= 1024)
     assert ("training.ddp_timeout" in errors) == (not 1 <= timeout <= 7 * 24 * 3600)
     assert ("training.bf16" in errors) == (flag is not True)

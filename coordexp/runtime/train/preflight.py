@@ -12,7 +12,8 @@ Exit code (the error family's, see :data:`EXIT_CODES`): 2 when any problem is th
 directory, data), since waiting will not fix it; otherwise 3 when an external system is the problem (a server
 unreachable or answering wrongly, an infeasible topology, a busy port); 0 when ready. The report carries the
 launcher wiring: ``server_base_urls`` (projected from ``servers[]``), per-rank chunk, and a suggested device split
-(3v1 on 4 GPUs). No torch import: this runs in a second on a login node.
+(3v1 on 4 GPUs). No torch import (this runs in a second on a login node) unless the config sets a field only the
+machine can judge (``training.tf32``): then the real ``TrainingArguments`` are built here, as ``train`` builds them.
 """
 
 from __future__ import annotations
@@ -181,6 +182,7 @@ def run_preflight(config_path: str | Path, *, learner_world_size: int = 1, healt
         checks.extend(_failed("sync mode", i.render(), EXIT_INVALID) for i in exc.issues)
 
     _check_model(Path(run.model.path), checks)
+    _check_training_arguments(run, checks)
     checks.append(PreflightCheck("optimizer groups", True, optimizer_groups_detail(run)))
     _check_data(run, checks, sample_records)
     if not isinstance(backend, VllmServerContract):
@@ -320,6 +322,22 @@ def optimizer_groups_detail(run: Any) -> str:
     parts += [coord_rows] if coord_rows else []
     floor = t.lr_scheduler_kwargs.model_dump(exclude_none=True) if t.lr_scheduler_kwargs else ""
     return "; ".join(parts) + f"; schedule {t.lr_scheduler_type} {floor}".rstrip()
+
+
+def _check_training_arguments(run: Any, checks: list[PreflightCheck]) -> None:
+    """Fields only this machine can judge (``tf32`` needs an Ampere GPU): the real ``TrainingArguments`` are built
+    here, as ``train`` builds them (importing torch, which preflight otherwise never does); without such a field
+    there is no line: the schema's checks stand (runtime/train/args_check.py)."""
+    from coordexp.runtime.train.args_check import needs_machine_check, training_argument_issues
+
+    if not needs_machine_check(run):
+        return
+
+    issues = training_argument_issues(run, machine=True)
+    for issue in issues:
+        checks.append(_failed("training arguments", f"{issue.render()} (on this machine)", EXIT_INVALID))
+    if not issues:
+        checks.append(PreflightCheck("training arguments", True, "transformers accepts them on this machine"))
 
 
 def _check_model(model_dir: Path, checks: list[PreflightCheck]) -> None:
