@@ -88,8 +88,9 @@ def _compile_checks(args: Any) -> None:
 
 def training_argument_issues(run: "RunContract", *, machine: bool = True) -> list[ConfigIssue]:
     """Every refusal of the run's training arguments, each at its dotted path; ``machine=False`` leaves out what
-    depends on this machine (:data:`MACHINE_FIELDS`). DeepSpeed is checked by its own launch code."""
-    from coordexp.errors import UserInputError
+    depends on this machine (:data:`MACHINE_FIELDS`). DeepSpeed is checked by its own launch code; coordexp's own
+    errors (a :class:`~coordexp.errors.CoordexpError` from resolving the arguments) pass through unchanged."""
+    from coordexp.errors import CoordexpError
     from coordexp.runtime.train.launch import training_arguments
 
     overrides: dict[str, Any] = {"deepspeed": None}
@@ -97,7 +98,9 @@ def training_argument_issues(run: "RunContract", *, machine: bool = True) -> lis
         overrides.update({name: None for name in MACHINE_FIELDS})
     try:
         args = training_arguments(run, **overrides)
-    except (ValueError, TypeError, UserInputError) as exc:
+    except CoordexpError:
+        raise
+    except (ValueError, TypeError) as exc:
         return [_issue(run, exc, "output_dir")]
     issues = []
     for check, fallback in ((lambda: _trainer_checks(args, run), "eval_strategy"),

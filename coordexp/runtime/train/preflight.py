@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from coordexp.errors import EXIT_EXTERNAL, EXIT_INVALID, EXIT_OK
+from coordexp.errors import EXIT_EXTERNAL, EXIT_INVALID, EXIT_OK, UserInputError
 from coordexp.runtime.core.distribution import InfeasibleTopologyError, per_rank_chunk
 from coordexp.runtime.core.tokens import ALL_COORD_TOKENS
 
@@ -333,7 +333,11 @@ def _check_training_arguments(run: Any, checks: list[PreflightCheck]) -> None:
     if not needs_machine_check(run):
         return
 
-    issues = training_argument_issues(run, machine=True)
+    try:
+        issues = training_argument_issues(run, machine=True)
+    except UserInputError as exc:
+        checks.append(_failed("training arguments", f"{exc}; {exc.hint}".rstrip("; "), EXIT_INVALID))
+        return
     for issue in issues:
         checks.append(_failed("training arguments", f"{issue.render()} (on this machine)", EXIT_INVALID))
     if not issues:
