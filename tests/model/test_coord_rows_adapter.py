@@ -134,6 +134,34 @@ def test_coord_ids_outside_the_embeddings_are_refused(tiny_model_dir):
         apply_tuner(model, TunerConfig(**LORA), range(rows - 500, rows + 500))
 
 
+@pytest.mark.parametrize("tie_flag", [False, True])
+def test_export_merged_writes_each_tables_rows_even_under_a_misstated_tie_flag(tmp_path, tiny_model_dir, coord_ids,
+                                                                              tie_flag):
+    """config.json claiming tied weights that are saved untied: the merged head must get the head's own rows."""
+    import json
+    import shutil
+
+    from coordexp.runtime.model.policy import export_merged
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_model_dir, base)
+    config = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": tie_flag}))
+    policy = apply_tuner(_load(base), TunerConfig(**LORA), coord_ids)
+    generator = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for parameter in _tables(policy).values():
+            parameter.add_(torch.randn(parameter.shape, generator=generator))
+    tables = {n.split(".token_adapter.")[0].removeprefix("base_model.model."): t.detach()
+              for n, t in _tables(policy).items()}
+    policy.save_pretrained(str(tmp_path / "adapter"))
+    merged = _load(export_merged(tmp_path / "adapter", tmp_path / "merged"))
+    ids = torch.as_tensor(coord_ids)
+    assert not embeddings_tied(merged)
+    assert torch.equal(merged.get_input_embeddings().weight[ids], tables["model.language_model.embed_tokens"])
+    assert torch.equal(merged.get_output_embeddings().weight[ids], tables["lm_head"])
+
+
 # -- optimizer groups ------------------------------------------------------------------------------------------
 
 def _training(**kw):

@@ -187,6 +187,7 @@ def export_merged(adapter_dir: str | Path, out_dir: str | Path, *, base: str | P
     from transformers import AutoModelForImageTextToText
 
     from coordexp.runtime.model.adapters import adapter_base, attach_adapter
+    from coordexp.runtime.model.tuner import align_tie_flag
 
     adapter_dir, out_dir = Path(adapter_dir), Path(out_dir)
     base_path = adapter_base(adapter_dir, base)
@@ -194,6 +195,7 @@ def export_merged(adapter_dir: str | Path, out_dir: str | Path, *, base: str | P
     has_processor = any((adapter_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
     processor = load_processor(str(adapter_dir if has_processor else base_path))
     model = AutoModelForImageTextToText.from_pretrained(base_path, dtype=torch.float32)
+    align_tie_flag(model)  # PEFT ties saved coord-row tables on this flag
     merged = attach_adapter(model, adapter_dir).merge_and_unload()
     saved_dtype = _saved_dtype(base_path)
     if saved_dtype is not None:
