@@ -112,13 +112,7 @@ def step_log_values(stats: StepStats, ctx: WindowContext) -> dict[str, float]:
         logs["packing/fill_ratio"] = sums[n + 1] / (rows * ctx.packing_length)
         logs["packing/buffered"] = sums[n + 2]  # carried segments, all ranks
         logs["packing/rows"] = rows  # forward rows, all ranks (several per micro-step when a step overflows one)
-        logs["packing/underfilled_rows"] = underfilled
-        if underfilled and ctx.is_main:
-            logger.warning(
-                "%d of %d packed rows were filled below training.packing_min_fill_ratio=%.2f (mean fill %.2f): "
-                "rows run emptier than configured; raise the per-device batch size or lower global_max_length.",
-                underfilled, rows, ctx.min_fill_ratio, logs["packing/fill_ratio"],
-            )
+        logs["packing/underfilled_rows"] = underfilled  # what to change: said once (MicroStepPipeline)
     if not ctx.stage2:
         return logs
     # optimizer steps between the generating policy and the trained one, per trained sample (all ranks)

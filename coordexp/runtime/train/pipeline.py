@@ -21,6 +21,8 @@ Invariants it keeps:
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
@@ -29,6 +31,7 @@ from coordexp.runtime.core.distribution import eval_rollout_seed, train_request_
 from coordexp.runtime.core.packing import CarryBuffer
 from coordexp.runtime.model.encoding import encode_prompt
 from coordexp.runtime.rollout.base import RolloutRequest
+from coordexp.runtime.rollout.weight_export import full_parameters
 from coordexp.runtime.train.metrics import StepStats
 from coordexp.runtime.train.overlap import PlannedMicroStep, RolloutPrefetcher, generate_with_metadata
 from coordexp.runtime.train.rollout_step import HostContext, SampleTarget, build_gt_sample, build_rollout_sample
@@ -41,7 +44,9 @@ if TYPE_CHECKING:
     from coordexp.runtime.train.run_log import RunLog
     from coordexp.schema.contract import RunContract
 
-__all__ = ["PipelineSettings", "RolloutChunk", "iter_rollout_samples", "MicroStepPipeline"]
+__all__ = ["PipelineSettings", "RolledOut", "RolloutChunk", "iter_rollout_samples", "MicroStepPipeline"]
+
+logger = logging.getLogger("coordexp.train.pipeline")
 
 
 @dataclass(frozen=True)
@@ -182,6 +187,7 @@ class MicroStepPipeline:
         self._planned: list[PlannedMicroStep] = []
         self._rolled: dict[tuple[int, int], RolledOut] = {}  # micro-steps rolled out ahead by a whole-step call
         self._in_flight: list[RolledOut] = []  # the micro-steps of the prefetch in flight (keyed by the first)
+        self._fill_advised = False
 
     @property
     def backend(self) -> "RolloutBackend | None":
@@ -225,7 +231,8 @@ class MicroStepPipeline:
         if self.prefetcher is not None:
             self.prefetcher.wait()
         self.backend.begin_step(step)
-        self.backend.sync_weights(self.policy())
+        with full_parameters(self.policy()) as policy:  # ZeRO-3: gathered on every rank here, else a no-op
+            self.backend.sync_weights(policy)
         self.sync_points.append(step)
 
     # -- training ----------------------------------------------------------------------------------------------
@@ -318,10 +325,41 @@ class MicroStepPipeline:
             self.buffer.add_many([(s, s.length) for s in samples])
             selections = self.buffer.pop_rows(keep_at_most=len(samples))
             self.stats.underfilled_rows += sum(row.fill_ratio < self.settings.min_fill_ratio for row in selections)
+            self._advise_fill_once(selections, samples)
             rows = [list(row.items) for row in selections]
         self.stats.staleness.extend(step - s.policy_version for row in rows for s in row
                                     if s.policy_version is not None)
         return rows
+
+    def _advise_fill_once(self, selections: Sequence[Any], samples: Sequence[Any]) -> None:
+        """The run's first packed micro-step decides, once, whether its rows reach ``min_fill_ratio``, and if not
+        says what would fill them, from this run's own sample lengths (``packing/fill_ratio`` is logged every
+        step; the advice is not repeated)."""
+        if self._fill_advised or not selections:
+            return
+        self._fill_advised = True
+        s = self.settings
+        length = self.buffer.packing_length if self.buffer is not None else (s.packing_length or 1)
+        fill = sum(row.total_length for row in selections) / (len(selections) * length)
+        lengths = [int(x.length) for x in samples]
+        if fill >= s.min_fill_ratio or s.rank != 0 or not lengths:
+            return
+        mean, longest, total = sum(lengths) / len(lengths), max(lengths), sum(lengths)
+        figures = (f"packed rows are filled {fill:.2f}, below training.packing_min_fill_ratio {s.min_fill_ratio:.2f}: "
+                   f"a micro-step's {len(lengths)} samples hold {total} tokens ({mean:.0f} on average, the longest "
+                   f"{longest}) for rows of {length}.")
+        if total < s.min_fill_ratio * length:  # too few tokens per micro-step: every micro-step trains its own rows
+            batch = max(len(lengths) + 1, math.ceil(s.min_fill_ratio * length / mean))
+            row = max(longest, min(length, math.ceil(total / s.min_fill_ratio / 64) * 64))
+            change = (f"To fill them raise training.per_device_train_batch_size to about {batch}, or shorten the rows "
+                      f"(template.max_length) to about {row} (never below the longest sample: a longer one is "
+                      "refused)")
+        else:  # enough tokens, but segments this long leave gaps in rows this short
+            row = math.ceil(2 * longest / 64) * 64
+            change = (f"Segments this long leave gaps: lengthen the rows (template.max_length, else global_max_length) "
+                      f"to about {max(row, length + 64)}")
+        logger.warning("%s %s, or lower packing_min_fill_ratio to %.2f. Said once; packing/fill_ratio is logged "
+                       "every step.", figures, change, fill)
 
     # -- evaluation --------------------------------------------------------------------------------------------
     def eval_chunks(self, records: Sequence["DetectionRecord"], step: int,
