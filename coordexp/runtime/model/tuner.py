@@ -271,5 +271,8 @@ def apply_tuner(model: Any, tuner: "TunerConfig", coord_ids: Iterable[int] = ())
         return apply_freeze(model, tuner)
     from peft import get_peft_model
 
+    from coordexp.runtime.model.adapter_speed import peft_model_kwargs, prepare_adapter
+
     align_tie_flag(model)
-    return get_peft_model(model, lora_config(model, tuner, coord_ids))
+    return prepare_adapter(get_peft_model(model, lora_config(model, tuner, coord_ids), **peft_model_kwargs(tuner)),
+                           tuner)
