@@ -101,3 +101,23 @@ def test_the_adapter_dtype_is_float32_unless_the_models_own_is_asked_for(tiny_mo
     assert adapter == {expected}
     base = {p.dtype for n, p in policy.named_parameters() if n.endswith("q_proj.base_layer.weight")}
     assert base == {torch.bfloat16}
+
+
+def test_a_gradient_checkpointed_dora_step_recomputes_consistently_with_the_cache(tiny_model_dir):
+    """The first forward fills the cache and the checkpointed recomputation finds it: both must save the same
+    tensors for backward (a CheckpointError before the cached values were computed without autograd)."""
+    grads = []
+    for cached in (True, False):
+        torch.manual_seed(0)
+        policy = apply_tuner(_model(tiny_model_dir), TunerConfig(**DORA))
+        if not cached:
+            _uncached_(policy)
+        _randomise_(policy, seed=2)
+        policy.gradient_checkpointing_enable()
+        policy.enable_input_require_grads()
+        policy.train()
+        _micro_step_loss(policy, torch.arange(3, 20)[None]).backward()
+        grads.append({n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for name, grad in grads[1].items():
+        assert torch.equal(grads[0][name], grad), name

@@ -16,7 +16,8 @@ gradient flows through it, and its inputs change only when an optimizer step upd
 :func:`cache_dora_weight_norms` makes each DoRA layer reuse the last value while those tensors are unchanged
 (their in-place versions and storages), so the micro-steps of one optimizer step, a gradient-checkpointing
 recomputation and an evaluation compute it once. The values are the ones PEFT computes: losses and gradients are
-bit-identical with and without the cache. Merging (``get_weight_norm`` called without an adapter name) and
+bit-identical with and without the cache. Both are computed without autograd (they are only used detached), so a
+gradient-checkpointed recomputation that finds them cached saves the same tensors as the first forward. Merging (``get_weight_norm`` called without an adapter name) and
 DeepSpeed ZeRO-3 partitions (gathered tensors may reuse storage) are never cached.
 """
 
@@ -77,7 +78,8 @@ class DoraNormCache:
         key = _fingerprint(self.sources())
         if key is not None and self._norm is not None and self._norm[0] == (key, weight.dtype, float(scaling)):
             return self._norm[1]
-        value = self._norm_of(weight, lora_weight, scaling, adapter_name=adapter_name).detach()
+        with torch.no_grad():  # used detached only; saving nothing keeps a checkpointed recomputation consistent
+            value = self._norm_of(weight, lora_weight, scaling, adapter_name=adapter_name)
         self.computed += 1
         self._norm = None if key is None else ((key, weight.dtype, float(scaling)), value)
         return value
@@ -89,7 +91,8 @@ class DoraNormCache:
         key = _fingerprint(self.sources())
         if key is not None and self._lora_weight is not None and self._lora_weight[0] == key:
             return self._lora_weight[1]
-        value = self._lora_weight_of(lora_A, lora_B, adapter_name=adapter_name).detach()
+        with torch.no_grad():
+            value = self._lora_weight_of(lora_A, lora_B, adapter_name=adapter_name)
         self._lora_weight = None if key is None else (key, value)
         return value
 
