@@ -141,7 +141,9 @@ def test_export_merged_writes_each_tables_rows_even_under_a_misstated_tie_flag(t
     import json
     import shutil
 
-    from coordexp.runtime.model.policy import export_merged
+    from typer.testing import CliRunner
+
+    from coordexp.cli.app import app
 
     base = tmp_path / "base"
     shutil.copytree(tiny_model_dir, base)
@@ -155,7 +157,9 @@ def test_export_merged_writes_each_tables_rows_even_under_a_misstated_tie_flag(t
     tables = {n.split(".token_adapter.")[0].removeprefix("base_model.model."): t.detach()
               for n, t in _tables(policy).items()}
     policy.save_pretrained(str(tmp_path / "adapter"))
-    merged = _load(export_merged(tmp_path / "adapter", tmp_path / "merged"))
+    result = CliRunner().invoke(app, ["export-merged", str(tmp_path / "adapter"), str(tmp_path / "merged")])
+    assert result.exit_code == 0, result.output
+    merged = _load(tmp_path / "merged")
     ids = torch.as_tensor(coord_ids)
     assert not embeddings_tied(merged)
     assert torch.equal(merged.get_input_embeddings().weight[ids], tables["model.language_model.embed_tokens"])
