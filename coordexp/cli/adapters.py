@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from coordexp.cli.frame import fail, guarded, out, safe
+from coordexp.cli.frame import err, guarded, out, safe
 
 __all__ = ["register", "export_merged"]
 
@@ -21,22 +21,17 @@ def export_merged(
     out_dir: Annotated[Path, typer.Argument(help="Output directory (created; must be new or empty).",
                                             show_default=False)],
     base: Annotated[Optional[Path], typer.Option(
-        "--base", help="Base checkpoint (default: the adapter's base_model_name_or_path).")] = None,
+        "--base", help="Local base checkpoint (default: the adapter's base_model_name_or_path); a base other "
+        "than the recorded one is used and said.")] = None,
 ) -> None:
     """Merge a LoRA/DoRA adapter into its base model and save a plain checkpoint with the processor, usable as
     model.path (coordexp train / eval / serve-rollout, vLLM)."""
-    from coordexp.runtime.model.adapters import ADAPTER_CONFIG
+    from coordexp.runtime.model.merge_export import plan_export, write_merged
 
-    if not (adapter_dir / ADAPTER_CONFIG).is_file():
-        fail(f"{adapter_dir} is not an adapter directory (no {ADAPTER_CONFIG})",
-             "Pass the output_dir or a checkpoint-N of a tuner.train_type: lora run")
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        fail(f"{out_dir} already exists and is not an empty directory", "Choose a new or empty output directory")
-    if out_dir.resolve() == adapter_dir.resolve():
-        fail("ADAPTER_DIR and OUT_DIR are the same directory", "Write the merged checkpoint to a new directory")
-    from coordexp.runtime.model.policy import export_merged as merge
-
-    written = merge(adapter_dir, out_dir, base=base)
+    plan = plan_export(adapter_dir, out_dir, base=base)  # every input checked: exit 2 before any weight loads
+    for note in plan.notes:
+        err.print(f"[yellow]![/yellow] {safe(note)}")
+    written = write_merged(plan)
     out.print(f"[green]✓[/green] merged checkpoint written to {safe(written)}")
 
 

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from coordexp.schema.contract import RunContract
 
 __all__ = ["LaunchError", "PROCESSOR_CLASS_NAMES", "SUPPORTED_FAMILIES", "checkpoint_family", "load_policy",
-           "make_processor", "save_processor", "expand_checkpoint_vocab", "export_merged"]
+           "make_processor", "save_processor", "expand_checkpoint_vocab"]
 
 PROCESSOR_CLASS_NAMES = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor",
                          "qwen3_vl": "Qwen3VLProcessor"}
@@ -166,44 +166,3 @@ def expand_checkpoint_vocab(source: str | Path, destination: str | Path) -> int:
     else:
         processor.save_pretrained(str(destination))
     return added
-
-
-def _saved_dtype(base_path: str) -> Any:
-    import torch
-
-    config_file = Path(base_path) / "config.json"
-    if not config_file.is_file():
-        return None
-    config = json.loads(config_file.read_text(encoding="utf-8"))
-    name = config.get("dtype") or config.get("torch_dtype")
-    value = getattr(torch, name, None) if isinstance(name, str) else None
-    return value if isinstance(value, torch.dtype) else None
-
-
-def export_merged(adapter_dir: str | Path, out_dir: str | Path, *, base: str | Path | None = None) -> Path:
-    """Load base + adapter, merge (``merge_and_unload``) and save a plain HF checkpoint with the processor (the
-    adapter directory's own when it holds one, which has the coord tokens, else the base's) into ``out_dir``."""
-    import torch
-    from transformers import AutoModelForImageTextToText
-
-    from coordexp.runtime.model.adapters import adapter_base, attach_adapter
-    from coordexp.runtime.model.tuner import align_tie_flag
-
-    adapter_dir, out_dir = Path(adapter_dir), Path(out_dir)
-    base_path = adapter_base(adapter_dir, base)
-    family = checkpoint_family(base_path) if Path(base_path).is_dir() else None
-    has_processor = any((adapter_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
-    processor = load_processor(str(adapter_dir if has_processor else base_path))
-    model = AutoModelForImageTextToText.from_pretrained(base_path, dtype=torch.float32)
-    align_tie_flag(model)  # PEFT ties saved coord-row tables on this flag
-    merged = attach_adapter(model, adapter_dir).merge_and_unload()
-    saved_dtype = _saved_dtype(base_path)
-    if saved_dtype is not None:
-        merged = merged.to(saved_dtype)  # merged in float32, saved in the base's own dtype
-    out_dir.mkdir(parents=True, exist_ok=True)
-    merged.save_pretrained(str(out_dir))
-    if isinstance(processor, ImageTextProcessor):
-        save_processor(out_dir, family or merged.config.model_type, processor.tokenizer, processor.image_processor)
-    else:
-        processor.save_pretrained(str(out_dir))
-    return out_dir
