@@ -39,7 +39,8 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 
 from coordexp.runtime.rollout.base import RolloutBackend, RolloutOutput, RolloutRequest, finish_output
 from coordexp.runtime.rollout.merged_decode import MergedDecodeModel
-from coordexp.runtime.rollout.weight_export import unwrap_model
+from coordexp.runtime.rollout.weight_export import unwrap_model, zero3_partitioned
+from coordexp.runtime.rollout.zero3_decode import GatheredDecodeModel
 from coordexp.runtime.core.pieces import PieceTable
 from coordexp.runtime.core.repeat import RepeatGuard, RepeatTracker, count_object_keys, should_terminate
 from coordexp.schema.contract import RunContract
@@ -184,6 +185,7 @@ class HfRolloutBackend(RolloutBackend):
         self.end_of_turn_id = int(end_of_turn)
         self.decode_calls = 0  # generate() calls made (one per chunk); telemetry and tests read it
         self.merged = MergedDecodeModel()
+        self.gathered = GatheredDecodeModel()  # a DeepSpeed ZeRO-3 policy decodes on a whole copy
         self.compiled_shapes: dict[tuple[int, int], float] = {}  # (rows, cache length) -> first call's seconds
 
     @classmethod
@@ -200,6 +202,7 @@ class HfRolloutBackend(RolloutBackend):
     def close(self) -> None:
         self._model = None
         self.merged.release()
+        self.gathered.release()
 
     def decode_model(self) -> Any:
         """The module ``generate`` runs on: the policy, or its merged twin for an adapter policy
@@ -207,6 +210,8 @@ class HfRolloutBackend(RolloutBackend):
         if self._model is None:
             raise RuntimeError("this HF rollout backend was closed; create a new one")
         policy = _unwrap(self._model)
+        if zero3_partitioned(policy):  # copied whole at the sync point (gathered there), never read partitioned
+            return self.gathered.model_for(policy)
         return self.merged.model_for(policy) if self.hf_generate.merge_adapter else policy
 
     def generate(self, requests: Sequence[RolloutRequest]) -> list[RolloutOutput]:

@@ -12,11 +12,15 @@ weight-sync benchmark, so both engines receive the same names and values:
   trainable tokens) is refused (vLLM cannot serve either), which sends adapter sync down its fallback to full
   merged weights. Full weights carry the trained coord rows inside the embedding and head matrices.
 - :func:`policy_version`: a cheap fingerprint that changes exactly when a parameter is updated in place.
+- DeepSpeed ZeRO-3 (docs/design.md, decision 14): each parameter holds one rank's shard; reading whole weights
+  needs :func:`full_parameters` around the read, entered on every rank at the same point (the pipeline's weight-sync
+  point). :func:`named_tensors` refuses partitioned parameters that are not gathered instead of exporting empties.
 """
 
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -24,7 +28,8 @@ import torch
 
 from coordexp.runtime.rollout.weight_sync import WeightSyncError
 
-__all__ = ["AdapterState", "unwrap_model", "is_peft", "policy_version", "named_tensors", "adapter_state"]
+__all__ = ["AdapterState", "unwrap_model", "is_peft", "policy_version", "named_tensors", "adapter_state",
+           "zero3_partitioned", "not_gathered", "full_parameters", "note_partitions_updated"]
 
 _PEFT_PREFIX = "base_model.model."
 
@@ -44,8 +49,50 @@ def is_peft(model: Any) -> bool:
 
 def policy_version(model: Any) -> tuple:
     """``(id(model), (name, tensor._version) per parameter)``: every in-place update (an optimizer step, a
-    ``load_state_dict``) bumps ``_version``, so equal fingerprints mean the last push is still current."""
-    return (id(model),) + tuple((name, p._version) for name, p in unwrap_model(model).named_parameters())
+    ``load_state_dict``) bumps ``_version``, so equal fingerprints mean the last push is still current. A ZeRO-3
+    parameter's version is its shard's (:func:`note_partitions_updated`)."""
+    return (id(model),) + tuple((name, p._version, _shard_version(p))
+                                for name, p in unwrap_model(model).named_parameters())
+
+
+def _shard_version(parameter: Any) -> int | None:
+    shard = getattr(parameter, "ds_tensor", None)
+    return None if shard is None else shard._version
+
+
+def zero3_partitioned(model: Any) -> bool:
+    """Whether DeepSpeed ZeRO-3 partitions ``model``'s parameters (they carry a ``ds_id``)."""
+    return any(hasattr(p, "ds_id") for p in unwrap_model(model).parameters())
+
+
+def not_gathered(model: Any) -> list[str]:
+    """The names of ZeRO-3 parameters that hold only this rank's shard right now (empty outside ZeRO-3)."""
+    return [name for name, p in unwrap_model(model).named_parameters()
+            if getattr(getattr(p, "ds_status", None), "name", None) == "NOT_AVAILABLE"]
+
+
+@contextmanager
+def full_parameters(model: Any) -> Iterator[Any]:
+    """The unwrapped ``model`` with every parameter whole for the block: under ZeRO-3 one DeepSpeed gather of all
+    partitioned parameters (a collective every rank must enter at the same point; read only, released on exit),
+    elsewhere nothing happens. Peak memory under ZeRO-3: one whole copy of the weights per rank."""
+    model = unwrap_model(model)
+    partitioned = [p for p in model.parameters() if hasattr(p, "ds_id")] if hasattr(model, "parameters") else []
+    if not partitioned:
+        yield model
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(partitioned):
+        yield model
+
+
+def note_partitions_updated(model: Any) -> None:
+    """Bump the version of every ZeRO-3 shard of ``model``: DeepSpeed's optimizer writes the shards through
+    ``.data``, which leaves ``_version`` as it was, so :func:`policy_version` would miss the step."""
+    shards = [p.ds_tensor for p in unwrap_model(model).parameters() if getattr(p, "ds_tensor", None) is not None]
+    if shards:
+        torch.autograd.graph.increment_version(shards)
 
 
 def _active_adapter(model: Any) -> str:
@@ -76,6 +123,12 @@ def named_tensors(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
     only read.
     """
     model = unwrap_model(model)
+    partitioned = not_gathered(model)
+    if partitioned:
+        raise WeightSyncError(
+            f"{len(partitioned)} parameter(s) of the policy (e.g. {partitioned[0]}) hold only this rank's DeepSpeed "
+            "ZeRO-3 shard: exporting them would send empty tensors",
+            hint="read the weights inside weight_export.full_parameters(model), entered on every rank")
     if not is_peft(model):
         yield from ((name, p.detach()) for name, p in model.named_parameters())
         return
