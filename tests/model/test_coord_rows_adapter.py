@@ -166,6 +166,28 @@ def test_export_merged_writes_each_tables_rows_even_under_a_misstated_tie_flag(t
     assert torch.equal(merged.get_output_embeddings().weight[ids], tables["lm_head"])
 
 
+def test_training_on_from_an_adapter_saved_without_coord_rows_says_they_stay_frozen(tmp_path, tiny_model_dir,
+                                                                                  coord_ids, write_yaml, caplog):
+    from coordexp.runtime.model.policy import load_policy
+    from coordexp.schema.contract import load_contract
+    from testkit import REPO
+
+    for rows in (False, True):
+        policy = apply_tuner(_load(tiny_model_dir), TunerConfig(**LORA, train_coord_rows=rows), coord_ids)
+        policy.save_pretrained(str(tmp_path / f"rows_{rows}"))
+    run = load_contract(write_yaml({
+        "extends": str(REPO / "examples" / "stage2_cpu_hf.yaml"),
+        "model": {"path": str(tiny_model_dir), "dtype": "float32", "attn_implementation": "sdpa"},
+        "data": {"train_jsonl": str(tmp_path / "unused.jsonl")}, "training": {"output_dir": str(tmp_path / "run")},
+        "tuner": LORA}))
+    for rows in (False, True):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="coordexp.tuner"):
+            model, _ = load_policy(run, adapter=tmp_path / f"rows_{rows}")
+        warned = [r.getMessage() for r in caplog.records if "without trained coord rows" in r.getMessage()]
+        assert len(warned) == (0 if rows else 1) and bool(_tables(model)) is rows
+
+
 # -- optimizer groups ------------------------------------------------------------------------------------------
 
 def _training(**kw):

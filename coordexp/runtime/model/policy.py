@@ -4,6 +4,7 @@ the tiny offline model and a real Qwen-VL checkpoint."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +14,8 @@ from coordexp.runtime.model.encoding import ImageTextProcessor, load_processor
 
 if TYPE_CHECKING:
     from coordexp.schema.contract import RunContract
+
+logger = logging.getLogger("coordexp.tuner")
 
 __all__ = ["LaunchError", "PROCESSOR_CLASS_NAMES", "SUPPORTED_FAMILIES", "checkpoint_family", "load_policy",
            "make_processor", "save_processor", "expand_checkpoint_vocab"]
@@ -94,6 +97,9 @@ def load_policy(run: "RunContract", *, adapter: str | Path | None = None) -> tup
         align_tie_flag(model)  # PEFT ties saved coord-row tables on this flag
     if adapter is not None and run.tuner.train_type == "lora":
         model = attach_adapter(model, adapter, trainable=True)  # the saved adapter trains on (its own targets)
+        if run.tuner.trains_coord_rows and not model.peft_config[model.active_adapter].trainable_token_indices:
+            logger.warning("%s was saved without trained coord rows, so they stay as in %s (tuner.train_coord_rows "
+                           "applies to a new adapter)", adapter, base)
     else:
         if adapter is not None:  # full fine-tuning from an adapter run: start from the merged weights
             model = attach_adapter(model, adapter).merge_and_unload()
