@@ -238,8 +238,9 @@ def test_serve_rollout_serves_the_pushed_lora_adapter_and_dora_falls_back_to_ful
             rollout = server_rollout([(server.base_url, free_port())], decoding=GREEDY, max_new_tokens=16,
                                      decode_batch_size=2,
                                      vllm={"enable_lora": True, "sync": {"mode": "adapter", "fallback_to_full": True}})
-            return load_contract(write(name, {**base, "rollout_matching": rollout, "tuner": {
-                "train_type": "lora", "use_dora": use_dora, "lora_rank": 8, "lora_alpha": 16, "lora_dropout": 0.0}}))
+            return load_contract(write(name, {**base, "rollout_matching": rollout, "tuner": {  # LoRA alone: vLLM
+                "train_type": "lora", "use_dora": use_dora, "lora_rank": 8, "lora_alpha": 16, "lora_dropout": 0.0,
+                "train_coord_rows": False}}))  # serves no coord rows (tests/rollout/test_coord_rows_sync.py)
 
         run = learner("lora.yaml", use_dora=False)
         policy, processor = load_policy(run)  # apply_tuner: a PEFT LoRA model on the language model

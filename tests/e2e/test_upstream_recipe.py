@@ -130,6 +130,8 @@ def test_the_migrated_config_trains_a_dora_adapter_with_three_rates_and_resumes(
     rates = {}
     for group in optimizer.param_groups:
         rates.setdefault(group["part"], set()).add(group["lr"])
-    assert rates == {"llm": {LLM_LR}, "vision": {VIT_LR}, "aligner": {ALIGNER_LR}}
+    # the coord rows of the embeddings and head train too (tuner.train_coord_rows), at learning_rate by default
+    assert rates == {"llm": {LLM_LR}, "vision": {VIT_LR}, "aligner": {ALIGNER_LR}, "coord_embed": {LLM_LR},
+                     "coord_head": {LLM_LR}}
     trained = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
-    assert trained and all("lora_" in n for n in trained)  # only the adapter trains
+    assert trained and all("lora_" in n or ".trainable_tokens_delta." in n for n in trained)  # only the adapter
