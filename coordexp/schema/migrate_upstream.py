@@ -303,12 +303,6 @@ def _deepspeed(rw: Any) -> None:
             rw.m.changes.append(f"deepspeed: {{enabled: true, config: {preset}}} -> training.deepspeed: {preset}")
 
 
-_DEEPSPEED_WITH_PACKING = (
-    "coordexp refuses DeepSpeed together with training.packing until multi-row packed steps are correct under it "
-    "(the micro-step issue); ZeRO-2/3 only shard memory, so the run is the same maths without it. Set "
-    "training.deepspeed again with training.packing: false if memory needs it")
-
-
 def upstream_post(rw: Any, *, leaf: bool = True) -> None:
     """Fill the upstream defaults a leaf relied on, then list every key without a coordexp owner as left out."""
     if leaf:
@@ -318,14 +312,6 @@ def upstream_post(rw: Any, *, leaf: bool = True) -> None:
         if rw.view("tuner.train_type") is _ABSENT:
             rw.put("tuner.train_type", "tuner.train_type", "lora")
             rw.m.changes.append("tuner.train_type: lora (ms-swift's default, which upstream ran with)")
-        inherited = rw.view("training.deepspeed")
-        if rw.view("training.packing") is True and inherited not in (_ABSENT, None):
-            if _get(rw.data, "training.deepspeed") is _ABSENT:  # set by a base file (--in-place): override it
-                rw.data.setdefault("training", {})["deepspeed"] = None
-                rw.m.left_out.append(f"training.deepspeed: {_DEEPSPEED_WITH_PACKING} (the base file's "
-                                     f"{_short(inherited)} is overridden with null here)")
-            else:
-                _leave_out(rw, "training.deepspeed", _DEEPSPEED_WITH_PACKING)
     for dotted, why in _LEFT_OUT.items():
         if dotted == "training.optimizer" or dotted == "tuner.use_swift_lora":
             why = f"{why}: set it by hand if another value was intended"

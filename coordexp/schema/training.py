@@ -146,12 +146,6 @@ class _OwnedTrainingFields(StrictModel):
                 "training.packing: true requires packing_drop_last: true (carry-only mode; the trainer runs "
                 "no extra flush steps after the last step)",
                 "Set training.packing_drop_last: true, or training.packing: false."))
-        if self.packing and self.deepspeed is not None:
-            violations.append(RuleViolation(
-                "deepspeed", "training.deepspeed with training.packing: true is refused: multi-row packing is not "
-                "correct under DeepSpeed (one micro-step backpropagates several packed rows, and DeepSpeed steps in "
-                "backward; docs/design.md, decision 14)",
-                "Set training.packing: false to use DeepSpeed, or remove training.deepspeed."))
         violations += self._batch_rules() + self._schedule_rules() + self._passthrough_rules()
         metric = getattr(self, "metric_for_best_model", None)
         if metric is not None and best_model_metric(metric) is None:

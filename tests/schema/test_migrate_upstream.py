@@ -130,10 +130,9 @@ def test_a_stage1_dora_chain_becomes_one_valid_file_with_the_recipe(tmp_path):
     tuner, training = contract["tuner"], contract["training"]
     assert (tuner["train_type"], tuner["use_dora"], tuner["lora_rank"], tuner["lora_alpha"]) == ("lora", True, 16, 32)
     assert (training["learning_rate"], training["vit_lr"], training["aligner_lr"]) == (2e-5, 2e-5, 5e-5)
-    # upstream ran ZeRO-2 with packing; coordexp refuses that pair until issue 21, so the merged file leaves it out
-    assert "left out training.deepspeed: coordexp refuses DeepSpeed together with training.packing" in " ".join(
-        result.output.split())
-    assert training["report_to"] == ["tensorboard"] and training["deepspeed"] is None and training["packing"]
+    # upstream ran ZeRO-2 with packing, and so does the migrated run
+    assert "left out training.deepspeed" not in " ".join(result.output.split())
+    assert training["report_to"] == ["tensorboard"] and training["deepspeed"] == "zero2" and training["packing"]
     # upstream's own eval metric is coordexp's teacher-forced token accuracy: kept with its direction
     text = " ".join(result.output.split())
     assert "left out training.metric_for_best_model" not in text and "left out training.greater_is_better" not in text
@@ -163,7 +162,7 @@ def test_a_server_leaf_inheriting_a_colocate_leaf_keeps_every_rollout_knob(tmp_p
     assert rm["ot"]["iters"] == 3 and rm["max_new_tokens"] == 8192
     coord = next(m for m in rm["pipeline"]["objective"] if m["name"] == "coord_reg")  # from the PARENT's keys
     assert coord["config"]["target_truncate"] == 16
-    assert contract["training"]["deepspeed"] is None  # zero2 from base.yaml, left out next to packing
+    assert contract["training"]["deepspeed"] == "zero2"  # from base.yaml, kept next to packing
 
 
 def test_relative_paths_keep_their_upstream_meaning_relative_to_the_launch_directory(tmp_path):

@@ -156,16 +156,16 @@ def test_fifty_steps_at_batch_16_into_2048_token_rows_complete(tmp_path, write_c
 
 
 def test_packing_under_an_engine_that_steps_in_backward_is_refused_at_start(tmp_path, write_config, monkeypatch):
-    """The second guard behind validation's refusal of training.deepspeed with packing: whatever configured it,
-    accelerate's distributed type is checked when the trainer starts."""
+    """FSDP (refused at validation, decision 13) steps in backward: whatever configured it, accelerate's distributed
+    type is checked when the trainer starts. DeepSpeed packs (tests/e2e/test_deepspeed_torchrun.py)."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedType
 
     from coordexp.runtime.model.policy import LaunchError
 
     run = _run(write_config, tmp_path, packing=True)
-    monkeypatch.setattr(Accelerator, "distributed_type", property(lambda self: DistributedType.DEEPSPEED))
-    with pytest.raises(LaunchError, match=r"training.packing: true under accelerate's DEEPSPEED is refused"):
+    monkeypatch.setattr(Accelerator, "distributed_type", property(lambda self: DistributedType.FSDP))
+    with pytest.raises(LaunchError, match=r"training.packing: true under accelerate's FSDP is refused"):
         build_trainer(run)
     padded = _run(write_config, tmp_path, packing=False)
     assert build_trainer(padded).buffer is None  # unpacked: one backward per micro-step, allowed

@@ -42,7 +42,7 @@ def training_arguments(run: "RunContract", **overrides: Any):
     import torch
     from transformers import TrainingArguments
 
-    from coordexp.runtime.train.deepspeed import resolve_deepspeed
+    from coordexp.runtime.train.deepspeed import resolve_deepspeed, single_process_rendezvous, skip_cpu_shm_op
     from coordexp.schema.training import HF_PASSTHROUGH, best_model_metric
 
     t = run.training
@@ -91,6 +91,13 @@ def training_arguments(run: "RunContract", **overrides: Any):
         disable_tqdm=True,
     )
     kwargs.update(overrides)
+    if kwargs["deepspeed"] is not None:  # before TrainingArguments starts DeepSpeed's comm backend
+        single_process_rendezvous()
+        if on_cpu:
+            skip_cpu_shm_op()
+        floor = kwargs["lr_scheduler_kwargs"] or {}
+        if "min_lr" in floor:  # transformers divides by optimizer.defaults["lr"], which DeepSpeed's optimizer lacks
+            kwargs["lr_scheduler_kwargs"] = {"min_lr_rate": floor["min_lr"] / kwargs["learning_rate"]}
     return TrainingArguments(**kwargs)
 
 

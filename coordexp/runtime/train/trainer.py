@@ -32,8 +32,10 @@ from coordexp.runtime.model.packed_forward import (
 )
 from coordexp.runtime.model.policy import LaunchError, save_processor
 from coordexp.runtime.model.token_types import TokenTypeSums, token_type_sums
+from coordexp.runtime.rollout.weight_export import note_partitions_updated
 from coordexp.runtime.train import checkpoints
 from coordexp.runtime.train.dataset import identity_collator
+from coordexp.runtime.train.deepspeed import backward_row, padding_rows, uses_deepspeed
 from coordexp.runtime.train.metrics import StepStats, WindowContext, reduce_values, step_log_values
 from coordexp.runtime.train.pipeline import MicroStepPipeline, PipelineSettings
 from coordexp.runtime.train.rollout_step import HostContext, SampleTarget, build_gt_sample
@@ -48,8 +50,9 @@ __all__ = ["CoordExpTrainer"]
 logger = logging.getLogger("coordexp.train")
 
 # accelerate distributed types whose backward can step the optimizer or shard parameters: several backward calls
-# in one micro-step (multi-row packing) would take several optimizer steps there (docs/design.md, decision 14)
-_ONE_BACKWARD_ONLY = ("DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA")
+# in one micro-step (multi-row packing) would take several optimizer steps there (docs/design.md, decision 14).
+# DeepSpeed is not one of them: its row backwards are told they are no accumulation boundary (deepspeed.backward_row).
+_ONE_BACKWARD_ONLY = ("FSDP", "MEGATRON_LM", "XLA")
 
 
 class RowLayout(NamedTuple):
@@ -85,9 +88,10 @@ class CoordExpTrainer(Trainer):
         if run.rollout_matching.packing.enabled and distributed in _ONE_BACKWARD_ONLY:
             raise LaunchError(
                 f"training.packing: true under accelerate's {distributed} is refused: a micro-step whose segments "
-                "need several packed rows backpropagates once per row, which DeepSpeed/FSDP turn into extra optimizer "
-                "steps", hint="Set training.packing: false, or train with plain DDP (torchrun without DeepSpeed/FSDP).")
+                "need several packed rows backpropagates once per row, which FSDP turns into extra optimizer "
+                "steps", hint="Set training.packing: false, or train with DDP or DeepSpeed (training.deepspeed).")
         self.stats = StepStats()
+        self.padding_rows_run = 0  # DeepSpeed: gradient-free rows this rank ran so ranks' collectives pair up
         self.run_log = RunLog(self.args.output_dir, self.args.process_index)
         settings = PipelineSettings.of(run, self.args, rollout_log_every=rollout_log_every)
         self.pipeline = MicroStepPipeline(host, backend, settings, stats=self.stats, run_log=self.run_log,
@@ -227,7 +231,8 @@ class CoordExpTrainer(Trainer):
         """The micro-step's loss. Every row but the last runs its own forward and backward here (gradient sync
         off, same accumulation scaling as the HF step); the last row's loss goes back to the HF loop, which
         backpropagates it with the sync every rank does exactly once. Each row divides by the whole micro-step's
-        denominators, so the summed gradient equals the unpacked batch's."""
+        denominators, so the summed gradient equals the unpacked batch's. Under DeepSpeed a rank with fewer rows
+        than another adds gradient-free rows first (:meth:`_padding_row`)."""
         step = int(self.state.global_step)
         samples = self.pipeline.samples(list(inputs), step)
         started = time.perf_counter()
@@ -240,15 +245,19 @@ class CoordExpTrainer(Trainer):
         terms: dict[str, float] = {}
         earlier = 0.0  # the rows already backpropagated: their loss joins the reported value, not the graph
         row_backward = 0.0
+        padding = padding_rows(self.accelerator, len(layouts))
         for index, layout in enumerate(layouts):
             last = index == len(layouts) - 1
             if last:
+                for _ in range(padding):
+                    row_backward += self._padding_row(model, unwrapped, layouts)
+                self.padding_rows_run += padding
                 logits, result = self._objective(model, unwrapped, layout, denominators)
             else:
                 with self.accelerator.no_sync(model):
                     logits, result = self._objective(model, unwrapped, layout, denominators)
                     backward_start = time.perf_counter()
-                    self.accelerator.backward(result.total / self.current_gradient_accumulation_steps)
+                    backward_row(self.accelerator, result.total / self.current_gradient_accumulation_steps)
                     row_backward += time.perf_counter() - backward_start  # training_step books it as backward
                 earlier += float(result.total.detach())
                 del logits
@@ -265,6 +274,20 @@ class CoordExpTrainer(Trainer):
         total = result.total + earlier if earlier else result.total
         return (total, logits) if return_outputs else total
 
+    def _padding_row(self, model, unwrapped, layouts: Sequence[RowLayout]) -> float:
+        """A forward and backward of this rank's shortest row with loss ``0 * sum(logits)``: the gradient is
+        unchanged, but the same parameters gather and reduce as in a real row, so ranks' ZeRO collectives pair up
+        (:func:`padding_rows`). Returns the seconds it took (booked as backward)."""
+        started = time.perf_counter()
+        batch, keep, _, packed = min(layouts, key=lambda layout: layout.batch.num_token_slots)
+        with self.accelerator.no_sync(model):
+            if packed:
+                logits = packed_forward(model, batch, logits_to_keep=keep, inputs_from=unwrapped)
+            else:
+                logits = padded_forward(model, batch, logits_to_keep=keep)
+            backward_row(self.accelerator, logits.sum() * 0.0)
+        return time.perf_counter() - started
+
     @torch.no_grad()
     def validation_loss(self, samples: Sequence[SampleTarget]) -> float:
         """The objective of ``samples`` in one padded forward, no gradient (the carry buffer and stats untouched)."""
@@ -279,6 +302,8 @@ class CoordExpTrainer(Trainer):
         before = dict(self.stats.seconds)
         start = time.perf_counter()
         loss = super().training_step(model, inputs, num_items_in_batch)
+        if uses_deepspeed(self.accelerator) and self.accelerator.sync_gradients:  # the engine stepped in backward
+            note_partitions_updated(model)
         inside = sum(self.stats.seconds.get(k, 0.0) - before.get(k, 0.0) for k in ("rollout", "host", "forward"))
         self.stats.timed("backward", time.perf_counter() - start - inside)
         return loss
