@@ -33,6 +33,7 @@ def main(config_path: str, out_dir: str) -> None:
         "distributed": torch.distributed.is_initialized(),
         "global_step": trainer.state.global_step,
         "logs": [h for h in trainer.state.log_history if "loss" in h],
+        "evals": [h for h in trainer.state.log_history if "eval/AP" in h],
         "params_sha256": digest.hexdigest(),
         "param_norms": norms,
         "initial_param_norms": initial,

@@ -98,15 +98,26 @@ def test_stage1_packed_zero2_and_zero3_train_like_ddp(tmp_path, write_config):
         assert_multi_row_with_padding(ranks)
 
 
-def test_stage2_zero3_hf_rollouts_decode_gathered_weights_like_ddp(tmp_path, write_config):
-    ddp = run(write_config, tmp_path, "ddp", None, rollout_matching=ROLLOUT)
-    zero3 = run(write_config, tmp_path, "zero3", "zero3", rollout_matching=ROLLOUT)
+def test_stage2_zero3_hf_rollouts_and_evaluation_on_gathered_weights_like_ddp(tmp_path, write_config, dataset):
+    # 5 validation images: shards of 3 and 2 whose rollouts and scoring forwards differ in number between ranks
+    val = tmp_path / "val5.jsonl"
+    val.write_text("".join(line + "\n" for line in dataset.train_jsonl.read_text().splitlines()[:5]))
+    evaluated = {"rollout_matching": ROLLOUT, "data": {"val_jsonl": str(val)},
+                 "training": {"eval_steps": TRAINING["max_steps"]}}
+    ddp = run(write_config, tmp_path, "ddp", None, **evaluated)
+    zero3 = run(write_config, tmp_path, "zero3", "zero3", **evaluated)
     # the same rollouts at every step (step 2 decodes the weights after step 1), so the same losses
     assert_same_training(ddp, zero3)
     assert_multi_row_with_padding(zero3)
-    # one whole-weight copy per sync point (before step 1's and step 2's rollouts) on each rank: the step between
-    # them changed the weights (the tiny model's greedy rollouts may not show it, so the losses alone cannot)
-    assert [r["rollout_decode_copies"] for r in zero3] == [TRAINING["max_steps"]] * 2
+    [want], [have] = ddp[0]["evals"], zero3[0]["evals"]  # one evaluation, after the last step
+    assert want["eval/samples"] == have["eval/samples"] == 5
+    figures = [key for key in want if key.startswith("eval/") and isinstance(want[key], float)]
+    assert {key: have[key] for key in figures} == pytest.approx({key: want[key] for key in figures}, rel=REL,
+                                                                abs=1e-6, nan_ok=True)
+    # one whole-weight copy per sync point (before step 1's and step 2's rollouts, and the evaluation's) on each
+    # rank: the steps between them changed the weights (the tiny model's greedy rollouts may not show it, so the
+    # losses alone cannot)
+    assert [r["rollout_decode_copies"] for r in zero3] == [TRAINING["max_steps"] + 1] * 2
 
 
 def test_stage2_zero3_pushes_whole_weights_that_change_the_served_outputs(tmp_path, write_config, tiny_model_dir):

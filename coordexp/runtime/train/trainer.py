@@ -32,7 +32,8 @@ from coordexp.runtime.model.packed_forward import (
 )
 from coordexp.runtime.model.policy import LaunchError, save_processor
 from coordexp.runtime.model.token_types import TokenTypeSums, token_type_sums
-from coordexp.runtime.rollout.weight_export import note_partitions_updated
+from coordexp.runtime.rollout.weight_export import full_parameters, note_partitions_updated, zero3_partitioned
+from coordexp.runtime.rollout.zero3_decode import GatheredDecodeModel
 from coordexp.runtime.train import checkpoints
 from coordexp.runtime.train.dataset import identity_collator
 from coordexp.runtime.train.deepspeed import backward_row, padding_rows, uses_deepspeed
@@ -92,6 +93,7 @@ class CoordExpTrainer(Trainer):
                 "steps", hint="Set training.packing: false, or train with DDP or DeepSpeed (training.deepspeed).")
         self.stats = StepStats()
         self.padding_rows_run = 0  # DeepSpeed: gradient-free rows this rank ran so ranks' collectives pair up
+        self._scoring_copy = GatheredDecodeModel()  # ZeRO-3: evaluation scores rollouts on whole weights
         self.run_log = RunLog(self.args.output_dir, self.args.process_index)
         settings = PipelineSettings.of(run, self.args, rollout_log_every=rollout_log_every)
         self.pipeline = MicroStepPipeline(host, backend, settings, stats=self.stats, run_log=self.run_log,
@@ -337,6 +339,9 @@ class CoordExpTrainer(Trainer):
 
         step = int(self.state.global_step)
         model = self.accelerator.unwrap_model(self.model)
+        if zero3_partitioned(model):  # scoring forwards differ per rank: a whole copy, gathered while ranks agree
+            with full_parameters(model):
+                model = self._scoring_copy.model_for(model)
         for chunk in self.pipeline.eval_chunks(records, step, positions):
             yield chunk, score_samples(model, self.host, chunk.records, chunk.samples, step=step,
                                        batch_size=self.run.rollout_matching.decode_batch_size)
