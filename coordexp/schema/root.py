@@ -11,7 +11,7 @@ from coordexp.schema.errors import ConfigIssue, RuleViolation, raise_violations
 from coordexp.schema.model import ModelConfig
 from coordexp.schema.rollout import RolloutMatchingConfig
 from coordexp.schema.template import TemplateConfig
-from coordexp.schema.training import TrainingConfig, evaluation_data_violations
+from coordexp.schema.training import TrainingConfig, deepspeed_violations, evaluation_data_violations
 from coordexp.schema.tuner import TunerConfig
 
 __all__ = ["CoordExpConfig", "config_warnings"]
@@ -66,6 +66,10 @@ class CoordExpConfig(StrictModel):
                 )
             )
         violations += evaluation_data_violations(self.training, self.data.val_jsonl)
+        violations += deepspeed_violations(
+            self.training, adapter=self.tuner.train_type == "lora", colocate_offload=rm.offload.enabled and (
+                rm.rollout_backend == "vllm" and rm.vllm.mode == "colocate"),
+            rolls_out=self.custom.trainer_variant == "stage2_rollout_aligned" or self.data.val_jsonl is not None)
         raise_violations(violations)
         return self
 

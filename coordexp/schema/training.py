@@ -8,6 +8,7 @@ typed from transformers' own dataclass (``hf_surface.py``) and passed through, o
 
 from __future__ import annotations
 
+import json
 from typing import Literal, Optional
 
 from pydantic import Field, create_model, field_validator, model_validator
@@ -31,7 +32,7 @@ from coordexp.schema.hf_surface import passthrough_fields, refused_fields
 from coordexp.schema.hf_training_fields import HF_TRAINING_FIELDS, REPORT_TO_CHOICES
 
 __all__ = ["TrainingConfig", "SchedulerKwargs", "DEEPSPEED_PRESETS", "HF_PASSTHROUGH", "BEST_MODEL_METRICS",
-           "TOKEN_METRICS", "best_model_metric"]
+           "TOKEN_METRICS", "best_model_metric", "zero_stage", "deepspeed_violations"]
 
 DEEPSPEED_PRESETS = ("zero2", "zero3")
 """Shipped DeepSpeed configs (coordexp/runtime/train/deepspeed/<name>.json, "auto" values filled by transformers)."""
@@ -240,6 +241,44 @@ def best_model_metric(name: str) -> str | None:
         if name.startswith(prefix):
             name = name[len(prefix):]
     return name if name in BEST_MODEL_METRICS else None
+
+
+def zero_stage(deepspeed: Optional[str]) -> Optional[int]:
+    """The ZeRO stage of ``training.deepspeed``: 2 / 3 for the presets, a JSON file's ``zero_optimization.stage``
+    (None when it cannot be read here: the launch reports that file)."""
+    if deepspeed is None:
+        return None
+    if deepspeed in DEEPSPEED_PRESETS:
+        return int(deepspeed.removeprefix("zero"))
+    try:
+        with open(deepspeed, encoding="utf-8") as handle:
+            stage = json.load(handle).get("zero_optimization", {}).get("stage")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return stage if isinstance(stage, int) and not isinstance(stage, bool) else None
+
+
+def deepspeed_violations(training: "_OwnedTrainingFields", *, adapter: bool, rolls_out: bool,
+                         colocate_offload: bool) -> list[RuleViolation]:
+    """DeepSpeed with what cannot be made correct under it (docs/design.md, decision 14): vLLM colocate's offload
+    (it moves storage ZeRO owns), and ZeRO-3 with an adapter whose rollouts read merged weights (the merge copies
+    adapted layers, which hold one rank's shard under ZeRO-3)."""
+    stage = zero_stage(training.deepspeed)
+    out = []
+    if training.deepspeed is not None and colocate_offload:
+        out.append(RuleViolation(
+            "rollout_matching.offload.enabled", "rollout_matching.offload moves the model's weights and optimizer "
+            "state off the GPU around colocated rollouts, but under training.deepspeed ZeRO owns that storage",
+            "Set rollout_matching.offload.enabled: false, and use DeepSpeed's own offload_optimizer / "
+            "offload_param in a DeepSpeed JSON config (training.deepspeed: ./ds.json)."))
+    if stage == 3 and adapter and rolls_out:
+        out.append(RuleViolation(
+            "training.deepspeed", "ZeRO-3 with tuner.train_type: lora is refused when the run rolls out (stage 2, "
+            "or evaluation): rollouts read the adapter merged into copies of its layers, and under ZeRO-3 those "
+            "layers hold only one rank's shard",
+            "Use training.deepspeed: zero2 (an adapter's frozen base needs no partitioning), or tuner.train_type: "
+            "full with zero3."))
+    return out
 
 
 def evaluation_data_violations(training: "_OwnedTrainingFields", val_jsonl: Optional[str]) -> list[RuleViolation]:
