@@ -13,6 +13,8 @@ emitted), the tiny tokenizer and Qwen3-VL's image processor; nothing is download
 - decode tokens/s at ``--decode-batch`` rows: plain ``generate`` (dynamic cache), the device's default
   (``hf_generate`` unset: a compiled static cache on CUDA, with the first call's cost), a DoRA adapter decoded
   unmerged and through merged weights (the default);
+- forward + backward of one row: full fine-tuning, DoRA as PEFT builds it by default, coordexp's DoRA defaults
+  (``runtime/model/adapter_speed.py``), and model-dtype adapters;
 - three stage-2 runs of the project's own trainer (``build_trainer``; HF rollouts; one warm-up step, then
   ``--steps`` timed): full fine-tuning (ViT frozen) packed, DoRA r16 packed, DoRA r16 padded: the step split
   (rollout, host, forward, backward, other), rollout tokens/s, trained tokens/s over forward+backward, fill ratio,
@@ -163,6 +165,61 @@ def decode_rate(model: Any, tokenizer: Any, requests: list, *, new_tokens: int, 
     return {"first_call_s": first, "seconds": best, "tokens": tokens, "tokens_per_s": tokens / best}
 
 
+# -- DoRA's training cost ----------------------------------------------------------------------------------------
+def fwd_bwd_seconds(model: Any, ids: Any, device: str, repeats: int) -> float:
+    """Best of ``repeats`` forward + backward passes over one row of ``ids`` (logits at its last quarter only, as
+    the trainer keeps the supervised positions only)."""
+    model.train()
+    keep = max(1, ids.shape[1] // 4)
+    best = float("inf")
+    for attempt in range(repeats + 1):  # the first is a warm-up
+        model.zero_grad(set_to_none=True)
+        sync(device)
+        start = time.perf_counter()
+        logits = model(input_ids=ids, attention_mask=ids.new_ones(ids.shape), logits_to_keep=keep).logits
+        logits.float().logsumexp(-1).mean().backward()
+        sync(device)
+        if attempt:
+            best = min(best, time.perf_counter() - start)
+    model.zero_grad(set_to_none=True)
+    return best
+
+
+def dora_cost(model: Any, coord_ids: list[int], device: str, *, tokens: int, repeats: int) -> dict:
+    """Forward + backward seconds of one ``tokens``-token row: full fine-tuning (ViT frozen), DoRA r16 as PEFT
+    builds it by default (dropout 0.05, float32 adapters, the norm per forward), coordexp's default DoRA (no
+    dropout, float32 adapters, the norm once per optimizer step) and the same with model-dtype adapters."""
+    import copy
+
+    import torch
+
+    from coordexp.runtime.model.tuner import apply_tuner, lora_config
+    from coordexp.schema.tuner import TunerConfig
+
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 1000, (1, tokens), generator=generator).to(device)
+    dora = TunerConfig(train_type="lora", use_dora=True, lora_rank=16, lora_alpha=32)
+    figures = {"full fine-tuning": fwd_bwd_seconds(apply_tuner(model, TunerConfig()), ids, device, repeats)}
+    from peft import get_peft_model
+
+    peft_default = copy.deepcopy(model)
+    config = lora_config(peft_default, dora, coord_ids)
+    config.lora_dropout = 0.05
+    peft_default = get_peft_model(peft_default, config)  # PEFT's defaults, no coordexp cache
+    figures["DoRA, PEFT defaults (dropout 0.05)"] = fwd_bwd_seconds(peft_default, ids, device, repeats)
+    del peft_default
+    for name, tuner in (("DoRA, coordexp default", dora),
+                        ("DoRA, coordexp, adapter_dtype: model", dora.model_copy(update={"adapter_dtype": "model"}))):
+        policy = apply_tuner(copy.deepcopy(model), tuner, coord_ids)
+        figures[name] = fwd_bwd_seconds(policy, ids, device, repeats)
+        del policy
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    base = figures["full fine-tuning"]
+    return {name: {"seconds": value, "over_full": value / base} for name, value in figures.items()}
+
+
 # -- trainer runs ----------------------------------------------------------------------------------------------
 def run_config(tmp: Path, model_dir: Path, data: Any, name: str, *, packing: bool, dora: bool, args: Any,
                dtype: str) -> Path:
@@ -247,13 +304,14 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--decode-batch", type=int, default=32)
     parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--row-tokens", type=int, default=4096, help="tokens of the DoRA-cost row")
     parser.add_argument("--images", type=int, default=48)
     parser.add_argument("--image-px", type=int, default=448)
     parser.add_argument("--smoke", action="store_true", help="CPU, toy size, a few tokens: the test suite's run")
     args = parser.parse_args()
     if args.smoke:
         args.size, args.device, args.steps, args.batch, args.new_tokens = "toy", "cpu", 1, 2, 8
-        args.decode_batch, args.decode_tokens, args.images, args.image_px = 2, 6, 4, 64
+        args.decode_batch, args.decode_tokens, args.images, args.image_px, args.row_tokens = 2, 6, 4, 64, 64
 
     import torch
 
@@ -302,13 +360,15 @@ def main() -> None:
         decode["device default (hf_generate unset)"] = decode_rate(
             model, tokenizer, requests, new_tokens=args.decode_tokens, device=device, hf_generate=HfGenerateConfig())
 
+        coord_ids = CoordVocab.from_tokenizer(tokenizer).ids
+        results["dora_cost"] = dora_cost(model, coord_ids, device, tokens=args.row_tokens, repeats=3)
         runs: dict[str, dict] = {}
         full = apply_tuner(model, run.tuner)  # full fine-tuning: the vision tower frozen
         runs["full, packed"], _ = train_run(packed_run, full, processor, device)
 
         dora_run = load_contract(run_config(tmp, model_dir, data, "dora", packing=True, dora=True, args=args,
                                             dtype="bfloat16" if on_cuda else "float32"))
-        dora = apply_tuner(full.requires_grad_(False), dora_run.tuner, CoordVocab.from_tokenizer(tokenizer).ids)
+        dora = apply_tuner(full.requires_grad_(False), dora_run.tuner, coord_ids)
         decode["DoRA r16 unmerged (dynamic cache)"] = decode_rate(
             dora, tokenizer, requests, new_tokens=args.decode_tokens, device=device,
             hf_generate=HfGenerateConfig(static_cache=False, compile=False, merge_adapter=False))
@@ -350,6 +410,9 @@ def report(results: dict, args: Any, shape: Shape) -> None:
     for name, figures in results["decode"].items():
         print(f"  {name:<38} {figures['tokens_per_s']:>9,.0f} "
               f"{figures['tokens_per_s'] / bandwidth['decode_limit_tokens_per_s']:>8.1%} {figures['first_call_s']:>13.1f}")
+    print(f"\nForward + backward of one {args.row_tokens}-token row (DoRA r16 on every Linear of the language model)")
+    for name, figures in results["dora_cost"].items():
+        print(f"  {name:<38} {figures['seconds']:>8.3f} s {figures['over_full']:>6.2f}x full")
     print(f"\nStage-2 steps (batch {args.batch}, {args.new_tokens} new tokens, HF rollouts, {args.steps} timed steps)")
     print(f"  {'run':<18} {'step s':>7} {'rollout':>8} {'host':>6} {'fwd':>6} {'bwd':>6} {'other':>6} "
           f"{'roll tok/s':>10} {'train tok/s':>11} {'fill':>5} {'peak GiB':>8}")

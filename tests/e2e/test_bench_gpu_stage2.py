@@ -56,6 +56,13 @@ def test_the_smoke_run_prints_consistent_figures():
                                       "DoRA r16 unmerged (dynamic cache)", "DoRA r16 merged (default)"}
     for figures in summary["decode"].values():
         assert figures["tokens"] > 0 and figures["tokens_per_s"] == pytest.approx(figures["tokens"] / figures["seconds"])
+    cost = summary["dora_cost"]
+    assert list(cost) == ["full fine-tuning", "DoRA, PEFT defaults (dropout 0.05)", "DoRA, coordexp default",
+                          "DoRA, coordexp, adapter_dtype: model"]
+    assert cost["full fine-tuning"]["over_full"] == 1.0
+    for figures in cost.values():
+        assert figures["seconds"] > 0
+        assert figures["over_full"] == pytest.approx(figures["seconds"] / cost["full fine-tuning"]["seconds"])
     runs = summary["runs"]
     assert set(runs) == {"full, packed", "DoRA r16, packed", "DoRA r16, padded"}
     for name, run in runs.items():
