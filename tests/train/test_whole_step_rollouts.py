@@ -105,3 +105,20 @@ def test_overlap_prefetches_the_rest_of_a_step_in_one_call_at_the_same_versions(
     events = [(kind, key, version) for kind, key, version, _ in pipe.prefetcher.events]
     assert events == [("request", (1, 0), 0), ("take", (1, 0), 0), ("request", (1, 1), 1), ("take", (1, 1), 1)]
     assert not backend.sync_during_generation and pipe.sync_points == [0, 1]
+
+
+def test_a_step_larger_than_decode_batch_size_is_said_once(host, records, tmp_path, caplog):
+    import logging
+
+    steps = [[tuple(records[0:2]), tuple(records[2:4]), tuple(records[4:6])]] * 3
+    with caplog.at_level(logging.WARNING, logger="coordexp.train"):
+        _train(_pipeline(host, tmp_path / "small", SeedRecorder(host.tokenizer)), steps, planned=True)
+    advice = [r.getMessage() for r in caplog.records if "decode_batch_size" in r.getMessage()]
+    assert len(advice) == 1 and "6 prompts" in advice[0] and "3 calls of at most 2" in advice[0]
+    caplog.clear()
+    wide = MicroStepPipeline(host, SeedRecorder(host.tokenizer), PipelineSettings(seed=11, per_device_batch=2,
+                                                                                 decode_batch_size=6),
+                             stats=StepStats(), run_log=RunLog(tmp_path / "wide", 0), policy=lambda: "policy")
+    with caplog.at_level(logging.WARNING, logger="coordexp.train"):
+        _train(wide, steps, planned=True)
+    assert not [r for r in caplog.records if "decode_batch_size" in r.getMessage()]

@@ -188,6 +188,7 @@ class MicroStepPipeline:
         self._rolled: dict[tuple[int, int], RolledOut] = {}  # micro-steps rolled out ahead by a whole-step call
         self._in_flight: list[RolledOut] = []  # the micro-steps of the prefetch in flight (keyed by the first)
         self._fill_advised = False
+        self._calls_advised = False
 
     @property
     def backend(self) -> "RolloutBackend | None":
@@ -294,10 +295,28 @@ class MicroStepPipeline:
         ahead = {part.key for part in self._in_flight} | set(self._rolled)
         group = [own] + [self._planned_share(plan) for plan in self._planned
                          if plan.key[0] == step and plan.key > key and plan.key not in ahead]
+        self._advise_call_size_once(sum(len(part.records) for part in group))
         outputs, metadata, _ = generate_with_metadata(self.backend, _group_requests(group))
         first, *rest = _split(group, outputs, metadata, step)
         self._rolled.update((part.key, part) for part in rest)
         return first
+
+    def _advise_call_size_once(self, prompts: int) -> None:
+        """Said once: a step's prompts reach the engine in several calls because ``decode_batch_size`` (or, in
+        server mode, this rank's chunk of it) is smaller than the step; an engine decodes a larger batch faster."""
+        if self._calls_advised or self.settings.rank != 0:
+            return
+        self._calls_advised = True
+        metadata = self.backend.run_metadata() if self.backend is not None else {}
+        cap = int(metadata.get("per_rank_chunk") or self.settings.decode_batch_size)
+        if prompts <= cap:
+            return
+        calls = -(-prompts // cap)
+        logger.warning("one optimizer step rolls out %d prompts, which reach the rollout engine in %d calls of at most "
+                       "%d (rollout_matching.decode_batch_size %d%s); a larger decode_batch_size (memory permitting) "
+                       "sends the whole step at once. Said once.", prompts, calls, cap,
+                       self.settings.decode_batch_size, ", spread over the servers' world size" if
+                       "per_rank_chunk" in metadata else "")
 
     def _prefetch_after(self, key: tuple[int, int], step: int) -> None:
         """Request, with the weights the server holds now (overlap), the next planned micro-steps not rolled out
