@@ -153,7 +153,8 @@ def run_hf_generate(model_dir: Path, data: Path, *, batch: int, new_tokens: int,
     from coordexp.schema.rollout import DecodingConfig, HfGenerateConfig, RepeatTerminateConfig
     from coordexp.schema.template import TemplateConfig
 
-    settings = {"off": HfGenerateConfig(), "static": HfGenerateConfig(static_cache=True),
+    settings = {"off": HfGenerateConfig(static_cache=False, compile=False),  # unset would follow the device
+                "static": HfGenerateConfig(static_cache=True, compile=False),
                 "static+compile": HfGenerateConfig(static_cache=True, compile=True)}
     cuda = torch.cuda.is_available()
     processor = load_processor(model_dir)
