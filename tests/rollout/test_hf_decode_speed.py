@@ -148,6 +148,43 @@ def test_an_update_is_merged_once_at_the_next_sync_point_into_the_same_tensors(q
     assert _tokens(backend.generate(requests_)) == expected
 
 
+def test_trained_coord_rows_are_in_the_merged_decode(qwen3_model_dir, processor, requests_):
+    """Coord rows trained as PEFT trainable tokens (tuner.train_coord_rows) are written into the twin's embedding
+    and head: the decode equals merge_and_unload's, the trainable-token wrappers never run, the policy is intact."""
+    from coordexp.runtime.core.tokens import CoordVocab
+
+    coord_ids = CoordVocab.from_tokenizer(processor.tokenizer).ids
+    policy = apply_tuner(_plain(qwen3_model_dir), TunerConfig(train_type="lora", use_dora=True, lora_rank=4,
+                                                              lora_alpha=8), coord_ids)
+    _randomise_adapters_(policy, seed=5)
+    with torch.no_grad():  # move the coord rows (a fresh delta is zero), strongly enough to change the decode
+        for name, parameter in policy.named_parameters():
+            if ".trainable_tokens_delta." in name:
+                parameter.add_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(2)))
+    wrappers = [m for m in policy.modules() if hasattr(m, "token_adapter")]
+    assert wrappers
+    before = _bits(policy)
+    calls = [0]
+    handles = [m.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1)) for m in wrappers]
+    lora = LoraCalls(policy)
+    try:
+        got = _tokens(_backend(policy, processor).generate(requests_))
+    finally:
+        lora.close()
+        for handle in handles:
+            handle.remove()
+    assert calls[0] == 0 and lora.count == 0
+    assert got == _tokens(_backend(copy.deepcopy(policy).merge_and_unload(), processor).generate(requests_))
+    for name, value in before.items():
+        assert torch.equal(dict(policy.named_parameters())[name].detach(), value), name
+    rows_off = copy.deepcopy(policy)
+    with torch.no_grad():
+        for name, parameter in rows_off.named_parameters():
+            if ".trainable_tokens_delta." in name:
+                parameter.zero_()
+    assert got != _tokens(_backend(rows_off.merge_and_unload(), processor).generate(requests_))  # the rows matter
+
+
 def test_merge_adapter_false_decodes_through_the_adapter_layers(qwen3_model_dir, processor, requests_):
     policy = _adapter_policy(qwen3_model_dir, use_dora=False)
     backend = _backend(policy, processor, hf_generate=HfGenerateConfig(merge_adapter=False))
