@@ -280,3 +280,32 @@ def test_compiled_static_cache_decode_gives_the_dynamic_caches_tokens_greedy_and
         for name in ("_compiled_call", "_last_compile_config", "_previous_max_cache_length"):
             model.__dict__.pop(name, None)
         torch._dynamo.reset()
+
+
+def test_eval_of_a_saved_adapter_decodes_merged_weights_merged_once(write_config, tiny_model_dir, tmp_path,
+                                                                    monkeypatch):
+    """``coordexp eval --checkpoint ADAPTER`` never trains: its rollouts decode a plain merged model, merged once
+    for every chunk."""
+    from coordexp.runtime.rollout.weight_export import is_peft
+    from coordexp.runtime.train.evaluate import run_evaluation
+    from coordexp.schema.contract import load_contract
+
+    adapter_dir = tmp_path / "adapter"
+    _adapter_policy(tiny_model_dir, use_dora=True).save_pretrained(str(adapter_dir))
+    run = load_contract(write_config({"tuner": {"train_type": "lora", "use_dora": True, "lora_rank": 4,
+                                                "lora_alpha": 8},
+                                      "rollout_matching": {"decode_batch_size": 1, "max_new_tokens": 6}}))
+    seen = []
+    real = HfRolloutBackend._generate_chunk
+
+    def watched(self, chunk):
+        model = self.decode_model()
+        from peft.tuners.lora import LoraLayer
+
+        adapted = is_peft(model) or any(isinstance(m, LoraLayer) for m in model.modules())
+        seen.append((adapted, self.merged.merges))
+        return real(self, chunk)
+
+    monkeypatch.setattr(HfRolloutBackend, "_generate_chunk", watched)
+    run_evaluation(run, split="train", limit=3, out_dir=tmp_path / "eval", png_count=0, adapter=adapter_dir)
+    assert seen == [(False, 1)] * 3  # three chunks, one merge, never the adapter layers

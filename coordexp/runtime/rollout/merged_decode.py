@@ -59,6 +59,7 @@ def plain_structure(policy: Any) -> Any:
     twin = copy.deepcopy(base, shared)
     for attribute in ("_compiled_call", "_last_compile_config", "_previous_max_cache_length"):
         twin.__dict__.pop(attribute, None)  # a compiled decode belongs to the module it was compiled for
+    twin.__dict__.pop("peft_config", None)  # PEFT's mark on the model it wraps: the twin is a plain model
     aux, tuner_layer = _peft_wrapper_classes()
     while True:  # outermost wrappers first; a wrapper inside a wrapper is found on the next pass
         replaced: list[str] = []
