@@ -10,9 +10,10 @@ language model, the vision tower with DeepStack, vocabulary 151,936; tokens past
 emitted), the tiny tokenizer and Qwen3-VL's image processor; nothing is downloaded. Synthetic 448 px images with
 1-8 shapes. bf16 and sdpa on CUDA (float32 on CPU). Printed:
 - the card and the copy bandwidth measured on it; the decode limit it implies (weights read once per decode step);
-- decode tokens/s at ``--decode-batch`` rows: plain ``generate`` (dynamic cache), the device's default
-  (``hf_generate`` unset: a compiled static cache on CUDA, with the first call's cost), a DoRA adapter decoded
-  unmerged and through merged weights (the default);
+- decode tokens/s at ``--decode-batch`` rows, as at a training step's sync point (an adapter's weights change and
+  are merged again inside the timing): plain ``generate`` (dynamic cache), the device's default (``hf_generate``
+  unset: a compiled static cache on CUDA, with the first call's cost), a DoRA adapter decoded unmerged and through
+  merged weights (the default), and the DoRA/full ratios of a step's rollout time;
 - forward + backward of one row: full fine-tuning, DoRA as PEFT builds it by default, coordexp's DoRA defaults
   (``runtime/model/adapter_speed.py``), and model-dtype adapters;
 - three stage-2 runs of the project's own trainer (``build_trainer``; HF rollouts; one warm-up step, then
@@ -24,6 +25,7 @@ emitted), the tiny tokenizer and Qwen3-VL's image processor; nothing is download
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import sys
@@ -139,30 +141,49 @@ def weight_bytes(model: Any) -> int:
 
 
 # -- decode ----------------------------------------------------------------------------------------------------
-def decode_rate(model: Any, tokenizer: Any, requests: list, *, new_tokens: int, hf_generate: Any, device: str,
-                repeats: int = 1) -> dict:
-    """Generated tokens/s of the HF rollout backend over ``requests`` in one chunk (greedy): the first call
-    (compilation, a merge) timed apart from the best of ``repeats`` later calls."""
+def decode_table(variants: dict[str, tuple[Any, Any]], tokenizer: Any, requests: list, *, new_tokens: int,
+                 device: str, rounds: int) -> dict:
+    """Generated tokens/s of the HF rollout backend per ``(model, hf_generate)`` variant over ``requests`` in one
+    chunk (greedy), as at a training step's sync point: an adapter model's weights are nudged in place before every
+    call (an optimizer step) and ``sync_weights`` runs inside the timing (the merge is part of the wait). The first
+    call (compilation, the first merge) is timed apart; then ``rounds`` rounds with the variants interleaved in
+    rotating order (a busy spell of a shared machine hits them all), best of each."""
+    import torch
+
     from coordexp.runtime.rollout.hf import HfRolloutBackend
+    from coordexp.runtime.rollout.weight_export import is_peft
     from coordexp.schema.rollout import DecodingConfig, RepeatTerminateConfig
 
-    backend = HfRolloutBackend(model, tokenizer, decode_batch_size=len(requests), max_new_tokens=new_tokens,
-                               decoding=DecodingConfig(), repeat_terminate=RepeatTerminateConfig(),
-                               hf_generate=hf_generate)
-    start = time.perf_counter()
-    backend.generate(requests)
-    sync(device)
-    first = time.perf_counter() - start
-    best, tokens = float("inf"), 0
-    for _ in range(repeats):
+    backends, figures = {}, {}
+    for name, (model, hf_generate) in variants.items():
+        backends[name] = HfRolloutBackend(model, tokenizer, decode_batch_size=len(requests), max_new_tokens=new_tokens,
+                                          decoding=DecodingConfig(), repeat_terminate=RepeatTerminateConfig(),
+                                          hf_generate=hf_generate)
         start = time.perf_counter()
-        outputs = backend.generate(requests)
+        backends[name].generate(requests)
         sync(device)
-        seconds = time.perf_counter() - start
-        if seconds < best:
-            best, tokens = seconds, sum(len(o.response_token_ids) for o in outputs)
-    backend.close()
-    return {"first_call_s": first, "seconds": best, "tokens": tokens, "tokens_per_s": tokens / best}
+        figures[name] = {"first_call_s": time.perf_counter() - start, "seconds": float("inf"), "tokens": 0}
+    names = list(variants)
+    for attempt in range(rounds):
+        for name in names[attempt % len(names):] + names[:attempt % len(names)]:
+            model, backend = variants[name][0], backends[name]
+            if is_peft(model):
+                with torch.no_grad():
+                    for parameter_name, parameter in model.named_parameters():
+                        if ".lora_B." in parameter_name:
+                            parameter.add_(1e-4)
+            sync(device)
+            start = time.perf_counter()
+            backend.sync_weights(model)
+            outputs = backend.generate(requests)
+            sync(device)
+            seconds = time.perf_counter() - start
+            if seconds < figures[name]["seconds"]:
+                figures[name].update(seconds=seconds, tokens=sum(len(o.response_token_ids) for o in outputs))
+    for name, backend in backends.items():
+        backend.close()
+        figures[name]["tokens_per_s"] = figures[name]["tokens"] / figures[name]["seconds"]
+    return figures
 
 
 # -- DoRA's training cost ----------------------------------------------------------------------------------------
@@ -304,6 +325,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--decode-batch", type=int, default=32)
     parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved timed rounds of the decode table")
+    parser.add_argument("--threads", type=int, default=None, help="CPU: torch threads (1 steadies shared machines)")
     parser.add_argument("--row-tokens", type=int, default=4096, help="tokens of the DoRA-cost row")
     parser.add_argument("--images", type=int, default=48)
     parser.add_argument("--image-px", type=int, default=448)
@@ -312,6 +335,7 @@ def main() -> None:
     if args.smoke:
         args.size, args.device, args.steps, args.batch, args.new_tokens = "toy", "cpu", 1, 2, 8
         args.decode_batch, args.decode_tokens, args.images, args.image_px, args.row_tokens = 2, 6, 4, 64, 64
+        args.rounds = 1
 
     import torch
 
@@ -323,8 +347,11 @@ def main() -> None:
     from coordexp.runtime.model.data import load_records
     from coordexp.schema.contract import load_contract
     from coordexp.schema.rollout import HfGenerateConfig
+    from coordexp.schema.tuner import TunerConfig
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     on_cuda = device.startswith("cuda")
     dtype = torch.bfloat16 if on_cuda else torch.float32
     card = torch.cuda.get_device_name(0) if on_cuda else "CPU"
@@ -353,14 +380,22 @@ def main() -> None:
         records = load_records(data.train_jsonl)
         requests = requests_for(processor, records, args.decode_batch, run.template)
         results["prompt_tokens"] = sum(r.prompt.prompt_len for r in requests) / len(requests)
-        decode: dict[str, dict] = {}
-        decode["plain generate (dynamic cache)"] = decode_rate(
-            model, tokenizer, requests, new_tokens=args.decode_tokens, device=device,
-            hf_generate=HfGenerateConfig(static_cache=False, compile=False))
-        decode["device default (hf_generate unset)"] = decode_rate(
-            model, tokenizer, requests, new_tokens=args.decode_tokens, device=device, hf_generate=HfGenerateConfig())
-
         coord_ids = CoordVocab.from_tokenizer(tokenizer).ids
+        adapter = apply_tuner(copy.deepcopy(model), TunerConfig(train_type="lora", use_dora=True, lora_rank=16,
+                                                                  lora_alpha=32), coord_ids)
+        with torch.no_grad():  # a trained adapter (a fresh lora_B is zero)
+            for name, parameter in adapter.named_parameters():
+                if ".lora_B." in name:
+                    parameter.normal_(0.0, 0.01)
+        decode = decode_table({
+            "plain generate (dynamic cache)": (model, HfGenerateConfig(static_cache=False, compile=False)),
+            "device default (hf_generate unset)": (model, HfGenerateConfig()),
+            "DoRA r16 unmerged (dynamic cache)": (adapter, HfGenerateConfig(static_cache=False, compile=False,
+                                                                             merge_adapter=False)),
+            "DoRA r16 merged (default)": (adapter, HfGenerateConfig()),
+        }, tokenizer, requests, new_tokens=args.decode_tokens, device=device, rounds=args.rounds)
+        del adapter
+        gc.collect()
         results["dora_cost"] = dora_cost(model, coord_ids, device, tokens=args.row_tokens, repeats=3)
         runs: dict[str, dict] = {}
         full = apply_tuner(model, run.tuner)  # full fine-tuning: the vision tower frozen
@@ -369,11 +404,6 @@ def main() -> None:
         dora_run = load_contract(run_config(tmp, model_dir, data, "dora", packing=True, dora=True, args=args,
                                             dtype="bfloat16" if on_cuda else "float32"))
         dora = apply_tuner(full.requires_grad_(False), dora_run.tuner, coord_ids)
-        decode["DoRA r16 unmerged (dynamic cache)"] = decode_rate(
-            dora, tokenizer, requests, new_tokens=args.decode_tokens, device=device,
-            hf_generate=HfGenerateConfig(static_cache=False, compile=False, merge_adapter=False))
-        decode["DoRA r16 merged (default)"] = decode_rate(
-            dora, tokenizer, requests, new_tokens=args.decode_tokens, device=device, hf_generate=HfGenerateConfig())
         runs["DoRA r16, packed"], backend = train_run(tmp / "dora.yaml", dora, processor, device)
         padded = run_config(tmp, model_dir, data, "dora_padded", packing=False, dora=True, args=args,
                             dtype="bfloat16" if on_cuda else "float32")
@@ -383,12 +413,14 @@ def main() -> None:
 
     full_run, dora_packed, dora_padded = runs["full, packed"], runs["DoRA r16, packed"], runs["DoRA r16, padded"]
     plain = decode["plain generate (dynamic cache)"]["tokens_per_s"]
+    default = decode["device default (hf_generate unset)"]["tokens_per_s"]
     results["ratios"] = {
         "dora_over_full_compute_per_token": dora_packed["compute_s_per_token"] / full_run["compute_s_per_token"]
         if full_run["compute_s_per_token"] else None,
         "dora_over_full_rollout_s": (dora_packed["split_s"]["rollout"] / full_run["split_s"]["rollout"])
         if full_run["split_s"]["rollout"] else None,
-        "dora_merged_over_plain_decode": decode["DoRA r16 merged (default)"]["tokens_per_s"] / plain,
+        "dora_rollout_s_over_full_default": default / decode["DoRA r16 merged (default)"]["tokens_per_s"],
+        "dora_unmerged_rollout_s_over_full_plain": plain / decode["DoRA r16 unmerged (dynamic cache)"]["tokens_per_s"],
         "default_over_plain_decode": decode["device default (hf_generate unset)"]["tokens_per_s"] / plain,
         "packed_over_padded_trained_tokens_per_s": dora_packed["trained_tokens_per_s"]
         / max(dora_padded["trained_tokens_per_s"], 1e-9),

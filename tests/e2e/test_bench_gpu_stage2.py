@@ -54,8 +54,11 @@ def test_the_smoke_run_prints_consistent_figures():
     assert limit == pytest.approx(2 * summary["bandwidth"]["bytes_per_s"] / summary["model"]["weight_bytes"])
     assert set(summary["decode"]) == {"plain generate (dynamic cache)", "device default (hf_generate unset)",
                                       "DoRA r16 unmerged (dynamic cache)", "DoRA r16 merged (default)"}
-    for figures in summary["decode"].values():
+    decode = summary["decode"]
+    for figures in decode.values():
         assert figures["tokens"] > 0 and figures["tokens_per_s"] == pytest.approx(figures["tokens"] / figures["seconds"])
+    assert summary["ratios"]["dora_rollout_s_over_full_default"] == pytest.approx(
+        decode["device default (hf_generate unset)"]["tokens_per_s"] / decode["DoRA r16 merged (default)"]["tokens_per_s"])
     cost = summary["dora_cost"]
     assert list(cost) == ["full fine-tuning", "DoRA, PEFT defaults (dropout 0.05)", "DoRA, coordexp default",
                           "DoRA, coordexp, adapter_dtype: model"]
