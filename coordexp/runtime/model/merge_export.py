@@ -36,13 +36,12 @@ class ExportError(UserInputError, RuntimeError):
 @dataclass(frozen=True)
 class ExportPlan:
     """What :func:`write_merged` does, every input checked: the adapter, the base, the processor to save, the
-    real OUT_DIR (symlinks resolved), the nearest folder that exists, and what to tell the user (``notes``)."""
+    real OUT_DIR (symlinks resolved) and what to tell the user (``notes``)."""
 
     adapter_dir: Path
     base: Path
     processor: Any
     out_dir: Path
-    existing_parent: Path
     notes: tuple[str, ...]
 
 
@@ -53,9 +52,20 @@ def _name_max(folder: Path) -> int:
         return 255
 
 
-def _check_out_dir(out_dir: Path) -> tuple[Path, Path]:
-    """(the directory to write, the nearest existing folder above or at it); an :class:`ExportError` when OUT_DIR
-    cannot be a new or empty directory. Nothing is created."""
+def _check_out_dir(out_dir: Path) -> Path:
+    """The directory to write (symlinks resolved); an :class:`ExportError` when OUT_DIR cannot be a new or empty
+    directory or nothing can be created beside it. Nothing is left behind."""
+    target, above = _out_target(out_dir)
+    try:  # the only sure test: create (and remove) a folder where the scratch folder will be created
+        os.rmdir(tempfile.mkdtemp(prefix=".coordexp-probe-", dir=above))
+    except OSError as exc:
+        raise ExportError(f"OUT_DIR {out_dir}: nothing can be created in {above} ({exc.strerror or exc})",
+                          hint=_OUT_HINT) from None
+    return target
+
+
+def _out_target(out_dir: Path) -> tuple[Path, Path]:
+    """(the directory to write, the nearest existing folder above it); refusals as :func:`_check_out_dir`."""
     try:
         info = os.lstat(out_dir)
     except (FileNotFoundError, NotADirectoryError):  # new, or under a file (said below)
@@ -69,17 +79,18 @@ def _check_out_dir(out_dir: Path) -> tuple[Path, Path]:
             loop = isinstance(exc, RuntimeError) or getattr(exc, "errno", None) == errno.ELOOP
             why = "a symlink loop" if loop else f"a dangling symlink (to {os.readlink(out_dir)[:200]!r})"
             raise ExportError(f"OUT_DIR {out_dir} is {why}", hint=_OUT_HINT) from None
-        return _check_out_dir(target)
+        return _out_target(target)
     if info is not None:
         if not stat.S_ISDIR(info.st_mode):
             raise ExportError(f"OUT_DIR {out_dir} exists and is not a directory", hint=_OUT_HINT)
         try:
-            empty = not any(os.scandir(out_dir))
+            with os.scandir(out_dir) as entries:
+                empty = not any(entries)
         except OSError as exc:
             raise ExportError(f"OUT_DIR {out_dir}: cannot list it ({exc.strerror or exc})", hint=_OUT_HINT) from None
         if not empty:
             raise ExportError(f"OUT_DIR {out_dir} already exists and is not an empty directory", hint=_OUT_HINT)
-        return out_dir.absolute(), out_dir.absolute()
+        return out_dir.absolute(), out_dir.absolute().parent
     path = out_dir.absolute()
     missing: list[str] = []
     above = path
@@ -98,11 +109,6 @@ def _check_out_dir(out_dir: Path) -> tuple[Path, Path]:
         if len(os.fsencode(name)) > limit:
             raise ExportError(f"OUT_DIR {out_dir}: the name {name[:40]!r}... has {len(os.fsencode(name))} bytes; "
                               f"the file system takes at most {limit}", hint=_OUT_HINT)
-    try:  # the only sure test: create (and remove) a folder where the merged one will be created
-        os.rmdir(tempfile.mkdtemp(prefix=".coordexp-probe-", dir=real_above))
-    except OSError as exc:
-        raise ExportError(f"OUT_DIR {out_dir}: nothing can be created in {above} ({exc.strerror or exc})",
-                          hint=_OUT_HINT) from None
     return real_above.joinpath(*reversed(missing)), real_above
 
 
@@ -151,14 +157,14 @@ def plan_export(adapter_dir: str | Path, out_dir: str | Path, *, base: str | Pat
     read_adapter_config(adapter_dir)
     check_adapter_dir(adapter_dir)
     load_adapter_weights(adapter_dir)  # readable, finite: before the base loads
-    target, existing = _check_out_dir(out_dir)
+    target = _check_out_dir(out_dir)
     if _same_path(str(adapter_dir), target) or target == adapter_dir.absolute():
         raise ExportError("ADAPTER_DIR and OUT_DIR are the same directory", hint="write to a new directory")
     with hub_offline():
         chosen, notes = _check_base(adapter_dir, Path(base) if base is not None else None)
         own = any(os.path.lexists(adapter_dir / name) for name in ("tokenizer.json", "tokenizer_config.json"))
         processor = load_checked_processor(adapter_dir if own else chosen)
-    return ExportPlan(adapter_dir, chosen, processor, target, existing, notes)
+    return ExportPlan(adapter_dir, chosen, processor, target, notes)
 
 
 def _non_finite(state: dict[str, Any]) -> tuple[str, int] | None:

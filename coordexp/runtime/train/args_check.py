@@ -29,8 +29,8 @@ MACHINE_FIELDS = ("tf32",)
 _HINT = ("transformers refuses it when training starts; fix the field named (coordexp checked the real "
          "TrainingArguments before loading the model)")
 _WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_LOADER_NAMES = {"prefetch_factor": "dataloader_prefetch_factor", "persistent_workers": "dataloader_persistent_workers",
-                 "multiprocessing_context": "dataloader_multiprocessing_context", "num_workers": "dataloader_num_workers"}
+_LOADER_NAMES = {name: f"dataloader_{name}"  # DataLoader's words for the training fields
+                 for name in ("prefetch_factor", "persistent_workers", "multiprocessing_context", "num_workers")}
 
 
 def needs_machine_check(run: "RunContract") -> bool:
