@@ -88,14 +88,14 @@ def _compile_checks(args: Any) -> None:
 
 def training_argument_issues(run: "RunContract", *, machine: bool = True) -> list[ConfigIssue]:
     """Every refusal of the run's training arguments, each at its dotted path; ``machine=False`` leaves out what
-    depends on this machine (:data:`MACHINE_FIELDS`). DeepSpeed is checked by its own launch code; coordexp's own
-    errors (a :class:`~coordexp.errors.CoordexpError` from resolving the arguments) pass through unchanged."""
+    depends on this machine (:data:`MACHINE_FIELDS`). The arguments are built exactly as the run builds them
+    (DeepSpeed included): building them sets up the process's device and distributed state, which must be the
+    run's own. coordexp's own errors (a :class:`~coordexp.errors.CoordexpError` from resolving the arguments)
+    pass through unchanged."""
     from coordexp.errors import CoordexpError
     from coordexp.runtime.train.launch import training_arguments
 
-    overrides: dict[str, Any] = {"deepspeed": None}
-    if not machine:
-        overrides.update({name: None for name in MACHINE_FIELDS})
+    overrides: dict[str, Any] = {} if machine else {name: None for name in MACHINE_FIELDS}
     try:
         args = training_arguments(run, **overrides)
     except CoordexpError:
