@@ -93,6 +93,7 @@ def _set_config(folder: Path, raw_value: str, key: str) -> None:
     ("r", "true", '"r"'),
     ("target_modules", "5", '"target_modules"'),
     ("target_modules", '"(.+)+Q"', '"target_modules"'),
+    ("target_modules", '"' + ".*" * 30 + 'Q"', "took more than"),
     ("lora_alpha", "NaN", '"lora_alpha"'),
     ("lora_alpha", "Infinity", '"lora_alpha"'),
     ("lora_alpha", "-8", '"lora_alpha"'),

@@ -215,6 +215,21 @@ def hub_offline() -> Iterator[None]:
         constants.HF_HUB_OFFLINE = before
 
 
+def _bounded_patterns(model: Any, config: Any, folder: Path) -> None:
+    """A regex ``target_modules`` / ``exclude_modules`` matched against the base's module names within the time
+    budget before PEFT runs it unbounded (schema/regex_guard.py)."""
+    from coordexp.schema.regex_guard import RegexCostError, compile_bounded, fullmatching
+
+    names = [name for name, _ in model.named_modules()]
+    for key in ("target_modules", "exclude_modules"):
+        pattern = getattr(config, key, None)
+        if isinstance(pattern, str):
+            try:
+                fullmatching(compile_bounded(pattern), names)
+            except RegexCostError as exc:
+                raise AdapterDirError(f'{folder / ADAPTER_CONFIG}: "{key}" is a regex that {exc}', hint=_HINT) from None
+
+
 def attach_adapter(model: Any, adapter_dir: str | Path, *, trainable: bool = False) -> Any:
     """``model`` (the base) wrapped in the PEFT adapter saved in ``adapter_dir``: config and weights read and
     checked here, then loaded into a fresh ``PeftModel``; an adapter that does not fit the base (targets it lacks,
@@ -225,6 +240,7 @@ def attach_adapter(model: Any, adapter_dir: str | Path, *, trainable: bool = Fal
     folder = Path(adapter_dir)
     config = adapter_peft_config(folder, trainable=trainable)
     weights = load_adapter_weights(folder)
+    _bounded_patterns(model, config, folder)
     fit = "the adapter does not belong to this base model"
     try:
         peft_model = PeftModel(model, config)
