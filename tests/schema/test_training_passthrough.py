@@ -61,13 +61,14 @@ def tiny_config(tmp_path, tiny_model_dir, dataset):
 
 @pytest.fixture
 def no_model(monkeypatch):
-    """Loading the model fails the test: every refusal here comes before it."""
-    from coordexp.runtime.model import policy
+    """Loading the model fails the test: every refusal here comes before it (patched where the launch looks it
+    up, after importing the launch module, so no module keeps the refusing stand-in after the test)."""
+    from coordexp.runtime.train import launch
 
     def refuse(*args, **kwargs):
         raise AssertionError("the model started loading although the training arguments are refused")
 
-    monkeypatch.setattr(policy, "load_policy", refuse)
+    monkeypatch.setattr(launch, "load_policy", refuse)
 
 
 @pytest.mark.parametrize("case", list(CASES))
