@@ -141,7 +141,9 @@ def test_spec_scenario_fn_keys_start_above_an_invalid_max_index(tiny_tokenizer, 
     assert target.append_text.startswith(', "object_10": {"desc": "sign", "poly": [')
     y_train = tiny_tokenizer.decode(list(target.ids[:-1]))
     assert json.loads(y_train)["object_10"]["desc"] == "sign"
-    assert target.ids[: target.prefix_len] == parse.prefix_ids
+    # the rollout's fused '"]}}' was cut to '"]}' and is encoded together with the append: only it changes
+    assert target.joined_text == '"]}' and target.prefix_len == parse.n_kept < len(parse.prefix_ids)
+    assert target.ids[: target.prefix_len] == parse.response_ids[: parse.n_kept]
     assert target.ids[-1] == tiny_tokenizer.eos_token_id
     assert len(target.ids) == target.prefix_len + target.append_len + 1
 
@@ -156,11 +158,13 @@ def test_supervision_of_the_baseline(tiny_tokenizer, coord_vocab, build):
     assert sup.coord_targets.tolist() == [102, 98, 205, 199, 10, 20, 200, 20, 200, 220]
     assert [coord_vocab.bin_of(target.ids[p]) for p in tail_coord] == [10, 20, 200, 20, 200, 220]
     assert sup.bbox_slots.tolist() == [[0, 1, 2, 3]]  # the poly FN has no box slots
-    # CE: every tail token except coord and desc-value tokens, plus EOS, all weight 1; nothing in the prefix
+    # CE: every tail token except coord and desc-value tokens, plus EOS, all weight 1; nothing in the prefix. The
+    # first tail token '"]},' also closes the invalid object_9, so it is not taught either.
     assert sup.ce_positions.min() >= target.prefix_len
     assert np.all(sup.ce_weights == 1.0)
     ce_text = "".join(_decoded(tiny_tokenizer, target, sup.ce_positions))
-    assert ce_text == ', "object_10": {"desc": "", "poly": ["", "", "", "", "", ""]}}<|im_end|>'
+    assert ce_text == ' "object_10": {"desc": "", "poly": ["", "", "", "", "", ""]}}<|im_end|>'
+    assert tiny_tokenizer.decode([target.ids[target.prefix_len]]) == '"]},'
     assert sup.ce_positions[-1] == len(target.ids) - 1
     check_supervision_in_span(target)
 
@@ -175,8 +179,8 @@ def test_module_weights_add_desc_and_matched_prefix_structure(tiny_tokenizer, bu
     prefix_struct = "".join(_decoded(tiny_tokenizer, target, by_weight[0.5]))
     assert prefix_struct == '{"object_2": {"desc": "", "bbox_2d": ["", "", "", ""]},'  # the comma is fused into "]},'
     assert all(p >= target.prefix_len for p in by_weight[1.0])
-    # the unmatched (invalid) object_9 is never supervised
-    span = range(*parse.objects[1].token_span)
+    # the unmatched (invalid) object_9 is never supervised (its kept tokens, and the tail token closing it)
+    span = range(parse.objects[1].token_span[0], target.prefix_len + 1)
     assert not set(span) & set(sup.ce_positions.tolist()) and not set(span) & set(sup.coord_positions.tolist())
 
 

@@ -139,9 +139,13 @@ def test_parse_and_rebuild_random_rollouts(tiny_tokenizer, coord_vocab, piece_ta
     target = build_train_target(parse, gt, pairs, targets, tiny_tokenizer, coord_vocab, field_order=order,
                                 token_ce=weights, eos_id=tiny_tokenizer.eos_token_id)
     check_supervision_in_span(target)
-    assert target.ids[: target.prefix_len] == parse.prefix_ids
-    # the cached segment-wise encoding of the append equals encoding the append text as a whole
-    assert target.ids[target.prefix_len : -1] == tuple(tiny_tokenizer.encode(target.append_text, add_special_tokens=False))
+    # the rollout's own ids are kept; only a cut token the parser re-encoded joins the append (encoded with it)
+    assert target.prefix_len in (parse.n_kept, len(parse.prefix_ids))
+    assert target.ids[: target.prefix_len] == parse.prefix_ids[: target.prefix_len]
+    assert piece_table.text_of(parse.prefix_ids[target.prefix_len :]) == target.joined_text.encode()
+    # the cached segment-wise encoding of the append equals encoding the joined text as a whole
+    assert target.ids[target.prefix_len : -1] == tuple(
+        tiny_tokenizer.encode(target.joined_text + target.append_text, add_special_tokens=False))
     assert target.fn_gt_indices == tuple(sorted(set(range(len(gt))) - set(gts)))
     y_text = tiny_tokenizer.decode(list(target.ids[:-1]))
     loaded = loads_coord_json(y_text)

@@ -50,6 +50,25 @@ def test_gt_sample_supervises_every_assistant_token(ctx, record):
     assert sample.counters is None
 
 
+def test_gt_sample_is_tokenized_as_the_tokenizer_tokenizes_the_whole_serialization(ctx, record):
+    """Stage 1 trains the sequence a plain SFT of the serialization trains (regression: it was ``{`` + ``"object``
+    where the tokenizer writes ``{"`` + ``object``, a split the model then never emits at inference)."""
+    sample = build_gt_sample(record, encode_prompt(ctx.processor, record, ctx.template), ctx)
+    expected = ctx.tokenizer.encode(serialize_objects(record.objects), add_special_tokens=False)
+    assert list(sample.target.ids) == expected + [ctx.eos_id]
+
+
+def test_a_fully_matched_rollout_trains_on_its_own_tokens(ctx, record):
+    """Nothing to append: ``Y_train`` is the rollout itself plus EOS, token for token (regression: the fused
+    closing token was cut and re-split, e.g. ``"]}}`` -> ``"]}`` + ``}``, a tokenization the model never emits)."""
+    prompt = encode_prompt(ctx.processor, record, ctx.template)
+    text = serialize_objects(record.objects)
+    ids = ctx.tokenizer.encode(text, add_special_tokens=False)
+    sample = build_rollout_sample(record, prompt, _rollout(ctx, prompt, text), ctx)
+    assert sample.counters.matched == len(record.objects) and sample.target.n_fn_appended == 0
+    assert list(sample.target.ids) == ids + [ctx.eos_id]
+
+
 def test_rollout_sample_counts_add_up_and_y_train_reparses(ctx, record):
     prompt = encode_prompt(ctx.processor, record, ctx.template)
     gt0 = record.objects[0]

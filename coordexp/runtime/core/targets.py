@@ -18,7 +18,9 @@ from coordexp.runtime.core.pieces import PieceTable
 from coordexp.runtime.core.serialize import (  # re-exported: the stable import path is coordexp.runtime.core.targets
     FieldOrder,
     RenderedAppend,
+    append_lead,
     render_append,
+    render_entries,
     serialize_append,
     serialize_objects,
     validate_gt_object,
@@ -41,7 +43,9 @@ __all__ = [
 class TrainTarget:
     """One sample's canonical teacher-forced sequence and what each of its tokens is trained on.
 
-    ``ids = prefix ids (unchanged) + append ids + (eos,)``: ``len(ids) == prefix_len + append_len + 1``.
+    ``ids = prefix ids (unchanged) + append ids + (eos,)``: ``len(ids) == prefix_len + append_len + 1``. The append
+    ids encode ``joined_text + append_text``: the text of a cut token the parser re-encoded (or of the ``{``
+    fallback), then SerializeAppend(FN), as one string (docs/design.md, target construction).
     """
 
     ids: tuple[int, ...]
@@ -56,6 +60,7 @@ class TrainTarget:
     prefix_fallback: str | None
     cut_fallbacks: int
     truncated: bool
+    joined_text: str = ""
 
     @property
     def n_fn_appended(self) -> int:
@@ -176,16 +181,19 @@ def _ce_weights(
     append_len: int,
     coord_at: np.ndarray,
     desc_at: np.ndarray,
+    unsupervised_head: int = 0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Sorted CE positions and float32 weights: matched prefix structure, FN-tail structure (1), FN descs, EOS (1).
 
-    Later groups overwrite earlier ones at a shared position, except FN descs, which only fill free positions.
+    Later groups overwrite earlier ones at a shared position, except FN descs, which only fill free positions. The
+    first ``unsupervised_head`` append tokens hold bytes of an entry that is not a valid object: never trained.
     """
     n = prefix_len + append_len + 1
     weight = np.full(n, np.nan)
     struct_weight = float(token_ce.rollout_matched_prefix_struct_weight)
     if struct_weight > 0:
-        prefix_struct = [pos for p, _ in pairs for pos in parse.objects[p].struct_token_positions]
+        prefix_struct = [pos for p, _ in pairs for pos in parse.objects[p].struct_token_positions
+                         if pos < prefix_len or pos >= len(parse.prefix_ids)]  # a joined cut token is tail now
         outside = [pos for pos in prefix_struct if not 0 <= pos < n]
         if outside:
             raise ValueError(
@@ -196,6 +204,7 @@ def _ce_weights(
     tail_struct = np.ones(append_len, dtype=bool)
     tail_struct[coord_at] = False
     tail_struct[desc_at] = False
+    tail_struct[:unsupervised_head] = False
     weight[prefix_len + np.flatnonzero(tail_struct)] = 1.0
     desc_weight = float(token_ce.rollout_fn_desc_weight)
     if desc_weight > 0:
@@ -204,6 +213,38 @@ def _ce_weights(
     weight[n - 1] = 1.0
     positions = np.flatnonzero(~np.isnan(weight))
     return positions, weight[positions].astype(np.float32)
+
+
+def _join_at_cut(parse: RolloutParse, table: PieceTable) -> tuple[tuple[int, ...], str]:
+    """``(kept ids, joined text)``: the rollout ids kept unchanged, and the text of the re-encoded cut token (or of
+    the ``{`` fallback) that is encoded TOGETHER with the append, so the join is tokenized as the tokenizer
+    tokenizes the whole text (``"]}}`` stays one token when nothing is appended), never as ``"]}`` + ``}``
+    (docs/design.md, target construction). Only a replacement the parser chose is joined; kept ids never change."""
+    replaced = parse.prefix_ids[parse.n_kept:]
+    if not replaced:
+        return parse.prefix_ids, ""
+    try:
+        joined = table.text_of(replaced).decode("utf-8")
+    except UnicodeDecodeError:  # a partial UTF-8 piece: keep the parser's replacement as its own tokens
+        return parse.prefix_ids, ""
+    return parse.prefix_ids[: parse.n_kept], joined
+
+
+def _tokens_closing_an_invalid_entry(parse: RolloutParse, joined: str, append_ids: Sequence[int],
+                                     table: PieceTable) -> int:
+    """How many leading append tokens overlap ``joined`` when it closes an entry that is not a valid object (an
+    invalid object, or a dict under a key that is no ``object_N``): their closing must not be taught."""
+    if not joined or parse.n_kept == 0:  # nothing joined, or the "{" fallback (all of it is the tail)
+        return 0
+    last = parse.objects[-1] if parse.objects else None
+    if last is not None and last.valid and last.token_span[1] == len(parse.prefix_ids):
+        return 0
+    n_bytes, covered = len(joined.encode("utf-8")), 0
+    for count, token in enumerate(append_ids, start=1):
+        covered += len(table.pieces[token])
+        if covered >= n_bytes:
+            return count
+    return len(append_ids)
 
 
 def encode_append(rendered: RenderedAppend, tokenizer: Any, vocab: CoordVocab, table: PieceTable) -> tuple[int, ...]:
@@ -247,13 +288,17 @@ def build_train_target(
     matched_gt = {g for _, g in pairs}
     fn = tuple(g for g in range(len(gt_objects)) if g not in matched_gt)
     start_index = (parse.max_object_index or 0) + 1
-    rendered = render_append([gt_objects[g] for g in fn], start_index, parse.prefix_text, field_order)
+    kept_ids, joined = _join_at_cut(parse, table)
+    fn_objects = [gt_objects[g] for g in fn]
+    rendered = render_entries(fn_objects, start_index, field_order,
+                              lead=joined + append_lead(parse.prefix_text, len(fn_objects)), tail="}")
     append_ids = encode_append(rendered, tokenizer, vocab, table)
     coord_at, desc_at, _ = _append_token_layout(append_ids, rendered, table, vocab)
 
-    prefix_len, append_len = len(parse.prefix_ids), len(append_ids)
-    ids = parse.prefix_ids + append_ids + (eos_id,)
-    ce_positions, ce_weights = _ce_weights(parse, pairs, token_ce, prefix_len, append_len, coord_at, desc_at)
+    prefix_len, append_len = len(kept_ids), len(append_ids)
+    ids = kept_ids + append_ids + (eos_id,)
+    ce_positions, ce_weights = _ce_weights(parse, pairs, token_ce, prefix_len, append_len, coord_at, desc_at,
+                                           _tokens_closing_an_invalid_entry(parse, joined, append_ids, table))
 
     # Coord slots: the matched predictions' slots in pair order, then the FN tail's; bbox_slots index them.
     coord_positions: list[int] = []
@@ -286,7 +331,8 @@ def build_train_target(
         matched_pairs=tuple(pairs),
         fn_gt_indices=fn,
         start_index=start_index,
-        append_text=rendered.text,
+        append_text=rendered.text[len(joined):],
+        joined_text=joined,
         n_ambiguous=parse.n_ambiguous,
         prefix_fallback=parse.prefix_fallback,
         cut_fallbacks=parse.cut_fallbacks,

@@ -173,11 +173,10 @@ def build_rollout_sample(
 def build_gt_sample(record: "DetectionRecord", prompt: EncodedPrompt, ctx: HostContext) -> SampleTarget:
     """Stage 1 for one sample: the GT serialization, every token supervised (the opening ``{`` included).
 
-    Built through the same target builder as stage 2 (an empty rollout prefix ``{`` with every GT object appended),
-    so stage 1 and stage 2 tails tokenize identically.
+    Built through the same target builder as stage 2 (the empty prefix ``{`` with every GT object appended, encoded
+    together as the tokenizer encodes the whole text), so stage 1 and stage 2 tails tokenize identically.
     """
-    open_brace = ctx.tokenizer.encode("{", add_special_tokens=False)
-    parse = parse_rollout(open_brace, ctx.tokenizer, ctx.vocab, piece_table=ctx.pieces)
+    parse = parse_rollout((), ctx.tokenizer, ctx.vocab, piece_table=ctx.pieces)
     target = build_train_target(
         parse,
         list(record.objects),
@@ -190,14 +189,6 @@ def build_gt_sample(record: "DetectionRecord", prompt: EncodedPrompt, ctx: HostC
         eos_id=ctx.eos_id,
         piece_table=ctx.pieces,
     )
-    sup = target.supervision
-    prefix = np.arange(target.prefix_len, dtype=np.int64)
-    supervision = replace(
-        sup,
-        ce_positions=np.concatenate([prefix, np.asarray(sup.ce_positions, dtype=np.int64)]),
-        ce_weights=np.concatenate([np.ones(len(prefix), np.float32), np.asarray(sup.ce_weights, np.float32)]),
-    )
-    target = replace(target, supervision=supervision)
     encoded = encode_teacher_forced(ctx.processor, record, ctx.template, target.ids, prompt=prompt,
                                     max_length=ctx.max_length)
     _check_span(record.source, target, encoded)
