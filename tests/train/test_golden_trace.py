@@ -15,14 +15,14 @@ from coordexp.runtime.train.launch import build_trainer
 from coordexp.schema.contract import load_contract
 
 GOLDEN = [
-    {"loss": 15.86002254486084, "grad_norm": 22.955859271969143, "loss/token_ce": 10.33451223373413,
-     "loss/coord_reg": 5.525510311126709, "rollout/matched": 0.0, "rollout/pred_valid": 0.0,
-     "rollout/fn_appended": 2.0, "tokens/trained": 584},
-    {"loss": 19.406230926513672, "grad_norm": 10.499366652059749, "loss/token_ce": 8.756433963775635,
-     "loss/coord_reg": 10.649795532226562, "rollout/matched": 0.0, "rollout/pred_valid": 0.0,
+    {"loss": 15.436052322387695, "grad_norm": 22.098421454330712, "loss/token_ce": 9.846339225769043,
+     "loss/coord_reg": 5.589712142944336, "rollout/matched": 0.0, "rollout/pred_valid": 0.0,
+     "rollout/fn_appended": 2.0, "tokens/trained": 583},
+    {"loss": 19.464670181274414, "grad_norm": 10.171780506149728, "loss/token_ce": 8.706114292144775,
+     "loss/coord_reg": 10.758556842803955, "rollout/matched": 0.0, "rollout/pred_valid": 0.0,
      "rollout/fn_appended": 15.0, "tokens/trained": 1177},
-    {"loss": 8.53164005279541, "grad_norm": 13.156416740512734, "loss/token_ce": 3.651440978050232,
-     "loss/coord_reg": 4.880198955535889, "rollout/matched": 0.0, "rollout/pred_valid": 0.0,
+    {"loss": 8.798175811767578, "grad_norm": 13.002225800800494, "loss/token_ce": 3.742384672164917,
+     "loss/coord_reg": 5.05579137802124, "rollout/matched": 0.0, "rollout/pred_valid": 0.0,
      "rollout/fn_appended": 2.0, "tokens/trained": 576},
 ]
 
