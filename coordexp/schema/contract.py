@@ -152,6 +152,7 @@ class RolloutMatchingContract:
     packing: PackingContract
     overlap: OverlapConfig  # actor-learner overlap (server mode only; validated in the schema)
     hf_generate: HfGenerateConfig = field(default_factory=HfGenerateConfig)  # static KV cache / compiled decode
+    gt_step_share: float = 0.0  # share of stage-2 optimizer steps trained on the GT serialization (channel A)
 
     @property
     def offload_active(self) -> bool:
@@ -299,6 +300,7 @@ def build_contract(cfg: CoordExpConfig) -> RunContract:
         packing=packing,
         overlap=rm.overlap,
         hf_generate=rm.hf_generate,
+        gt_step_share=rm.gt_step_share,
     )
     data = cfg.data
     if data.image_root is None:

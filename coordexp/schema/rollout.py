@@ -13,6 +13,7 @@ from coordexp.schema.base import (
     MAX_SECONDS,
     MAX_TOKENS,
     BatchSize,
+    Probability,
     StrictModel,
     TokenLength,
     float_in,
@@ -299,6 +300,10 @@ class RolloutMatchingConfig(StrictModel):
     pipeline: Optional[PipelineConfig] = Field(None, description="Loss modules; required (no implicit default).")
     matching: MatchingConfig = Field(default_factory=MatchingConfig)
     ot: OtConfig = Field(default_factory=OtConfig)
+    gt_step_share: Probability = Field(
+        0.0, description="Share of stage-2 optimizer steps that train the ground-truth serialization (channel A: "
+        "stage-1 targets, no rollout) instead of rollouts, spread evenly over the run; 0 = rollouts only, the spec's "
+        "stage 2 (docs/design.md, decision 15).")
 
     @model_validator(mode="after")
     def _backend_rules(self) -> "RolloutMatchingConfig":

@@ -1,22 +1,27 @@
 """The stage-2 micro-step pipeline without an HF Trainer (docs/design.md, decision 14): one weight-sync point per
 optimizer step whatever the evaluation chunking, sample age measured when a sample trains and bounded, prompts
 encoded once with prefetch, no prefetch past ``max_steps``, and an interrupted run that does not wait on a hung
-generation."""
+generation; ground-truth steps of stage 2 train the stage-1 targets and never touch the backend."""
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from coordexp.runtime.core.distribution import is_gt_step
 from coordexp.runtime.core.serialize import serialize_objects
+from coordexp.runtime.model.encoding import encode_prompt
 from coordexp.runtime.model.data import load_records
 from coordexp.runtime.rollout.base import RolloutBackend, RolloutOutput
 from coordexp.runtime.train import pipeline as pipeline_module
-from coordexp.runtime.train.metrics import StepStats
+from coordexp.runtime.train.metrics import StepStats, WindowContext, step_log_values
 from coordexp.runtime.train.pipeline import MicroStepPipeline, PipelineSettings
-from coordexp.runtime.train.rollout_step import HostContext
+from coordexp.runtime.train.rollout_step import HostContext, build_gt_sample
 from coordexp.runtime.train.run_log import RunLog
 from coordexp.schema.contract import load_contract
 from testkit import REPO
@@ -181,3 +186,53 @@ def test_an_interrupted_run_does_not_wait_for_a_hung_generation(host, records, t
     pipe.close(interrupted=True)  # returns although the generation is still blocked
     assert not pipe.prefetcher.in_flight and backend.generating == 1
     gate.set()
+
+
+# -- ground-truth steps (rollout_matching.gt_step_share, docs/design.md, decision 15) ------------------------
+@settings(max_examples=200, deadline=None)
+@given(share=st.floats(0.0, 1.0), n=st.integers(0, 400), start=st.integers(0, 10_000))
+def test_every_window_of_steps_holds_its_share_of_gt_steps(share, n, start):
+    picked = sum(is_gt_step(k, share) for k in range(start, start + n))
+    assert abs(picked - n * share) <= 1.0 + 1e-9  # evenly spread: any n consecutive steps, within one step
+    assert [is_gt_step(k, share) for k in range(start, start + n)] == [is_gt_step(k, share) for k in range(start, start + n)]
+
+
+@pytest.mark.parametrize("share, expected", [(0.0, []), (0.25, [3, 7, 11]), (0.5, [1, 3, 5, 7, 9, 11]),
+                                             (1.0, list(range(12)))])
+def test_the_gt_steps_of_simple_shares(share, expected):
+    assert [k for k in range(12) if is_gt_step(k, share)] == expected
+    assert sum(is_gt_step(k, share) for k in range(1000)) == math.floor(1000 * share)
+
+
+def test_gt_steps_train_the_ground_truth_and_never_call_the_backend(host, records, tmp_path):
+    backend = GroundTruthBackend(host.tokenizer)
+    pipe = make(host, tmp_path, backend, per_device_batch=2, decode_batch_size=4, gt_step_share=0.5)
+    by_step = {}
+    for step in range(4):
+        by_step[step] = [pipe.samples(records[2 * micro:2 * micro + 2], step) for micro in range(2)]
+    # steps 1 and 3 are ground-truth steps: no sync, no generation (steps 0 and 2: one call per micro-step, unplanned)
+    assert pipe.sync_points == [0, 2] and backend.calls == [2, 2, 2, 2]
+    for step in (1, 3):
+        for micro, samples in enumerate(by_step[step]):
+            part = records[2 * micro:2 * micro + 2]
+            expected = [build_gt_sample(r, encode_prompt(host.processor, r, host.template), host) for r in part]
+            assert [s.target.ids for s in samples] == [e.target.ids for e in expected]
+            assert all(s.counters is None and s.policy_version is None for s in samples)
+    assert all(s.counters is not None for step in (0, 2) for samples in by_step[step] for s in samples)
+    assert pipe.stats.gt_micro_steps == 4
+    logs = step_log_values(pipe.stats, WindowContext(world_size=1, device="cpu", stage2=True, buffered=None,
+                                                     packing_length=0, min_fill_ratio=0.0, fallback_events=None,
+                                                     is_main=True))
+    assert logs["stage2/gt_micro_steps"] == 4.0
+
+
+def test_rollout_seeds_do_not_depend_on_the_gt_steps(host, records, tmp_path):
+    """A rollout step draws the seeds it would draw in a run without ground-truth steps (and a resumed run too)."""
+    seeds = {}
+    for share in (0.0, 0.5):
+        pipe = make(host, tmp_path / str(share), GroundTruthBackend(host.tokenizer), per_device_batch=2,
+                    gt_step_share=share)
+        for step in range(4):
+            pipe.samples(records[:2], step)
+        seeds[share] = pipe.stats.seeds
+    assert seeds[0.5] == seeds[0.0][0:2] + seeds[0.0][4:6]  # steps 0 and 2 of the rollout-only run

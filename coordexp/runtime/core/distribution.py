@@ -14,6 +14,7 @@ concurrent load on server ``i`` never exceeds ``decode_batch_size x w_i`` (see d
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Sequence
 
 from coordexp.errors import ExternalSystemError
@@ -33,6 +34,7 @@ __all__ = [
     "split_contiguous",
     "plan_rounds",
     "consecutive_seed_runs",
+    "is_gt_step",
 ]
 
 SEED_MASK = 0x7FFFFFFF
@@ -185,3 +187,13 @@ def consecutive_seed_runs(seeds: Sequence[int], start: int, stop: int) -> list[t
     if stop > start:
         runs.append((begin, stop))
     return runs
+
+
+def is_gt_step(global_step: int, share: float) -> bool:
+    """Whether optimizer step ``global_step`` trains the ground-truth serialization instead of rollouts
+    (``rollout_matching.gt_step_share``): steps ``k`` with ``floor((k + 1) * share) > floor(k * share)``, so the first
+    ``n`` steps hold exactly ``floor(n * share)`` of them, evenly spread, and a resumed run picks the same steps."""
+    if share <= 0:
+        return False
+    exact = Fraction(share).limit_denominator(1_000_000)
+    return (global_step + 1) * exact.numerator // exact.denominator > global_step * exact.numerator // exact.denominator

@@ -39,6 +39,7 @@ class StepStats:
         self.seeds: list[int] = []  # this rank's training rollout seeds, in order
         self.staleness: list[int] = []  # per TRAINED sample: optimizer steps since the policy that generated it
         self.stale_dropped = 0  # carried samples dropped for being older than the staleness bound
+        self.gt_micro_steps = 0  # stage 2: micro-steps that trained the GT serialization (rollout_matching.gt_step_share)
         self.token_types = TokenTypeSums()  # trained positions per token type (training.token_type_metrics)
 
     def timed(self, stage: str, seconds: float) -> None:
@@ -117,11 +118,12 @@ def step_log_values(stats: StepStats, ctx: WindowContext) -> dict[str, float]:
         return logs
     # optimizer steps between the generating policy and the trained one, per trained sample (all ranks)
     (worst,) = reduced([float(max(stats.staleness, default=0))], "max")
-    total, count, dropped = reduced([float(sum(stats.staleness)), float(len(stats.staleness)),
-                                     float(stats.stale_dropped)])
+    total, count, dropped, gt_steps = reduced([float(sum(stats.staleness)), float(len(stats.staleness)),
+                                               float(stats.stale_dropped), float(stats.gt_micro_steps)])
     if count:
         logs["rollout/staleness_max"], logs["rollout/staleness_mean"] = worst, total / count
     logs["rollout/stale_dropped"] = dropped
+    logs["stage2/gt_micro_steps"] = gt_steps  # all ranks: micro-steps that trained the ground truth, not rollouts
     counters = sum_counters(stats.counters) if stats.counters else RolloutCounters()
     if ctx.world_size > 1 and torch.distributed.is_initialized():
         tensor = counters.to_tensor().to(ctx.device)

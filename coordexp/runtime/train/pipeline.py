@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
-from coordexp.runtime.core.distribution import eval_rollout_seed, train_request_seeds
+from coordexp.runtime.core.distribution import eval_rollout_seed, is_gt_step, train_request_seeds
 from coordexp.runtime.core.packing import CarryBuffer
 from coordexp.runtime.model.encoding import encode_prompt
 from coordexp.runtime.rollout.base import RolloutRequest
@@ -67,6 +67,7 @@ class PipelineSettings:
     max_steps: int = -1  # <= 0: not known (epochs)
     rollout_log_dir: str | None = None  # where rank 0 appends rollouts.jsonl; None: not this rank
     rollout_log_every: int = 0
+    gt_step_share: float = 0.0  # stage 2: share of optimizer steps trained on the GT serialization (no rollout)
 
     @classmethod
     def of(cls, run: "RunContract", args: Any, *, rollout_log_every: int = 0) -> "PipelineSettings":
@@ -79,8 +80,12 @@ class PipelineSettings:
             packing_length=rm.packing.packing_length if rm.packing.enabled else None,
             packing_buffer=int(rm.packing.buffer), min_fill_ratio=float(rm.packing.min_fill_ratio),
             max_steps=int(args.max_steps), rollout_log_dir=str(args.output_dir) if args.process_index == 0 else None,
-            rollout_log_every=int(rollout_log_every),
+            rollout_log_every=int(rollout_log_every), gt_step_share=float(rm.gt_step_share) if stage2 else 0.0,
         )
+
+    def rolls_out(self, step: int) -> bool:
+        """Whether optimizer step ``step`` trains rollouts (stage 2 and not one of the ground-truth steps)."""
+        return self.stage2 and not is_gt_step(step, self.gt_step_share)
 
 
 @dataclass(frozen=True)
@@ -238,9 +243,11 @@ class MicroStepPipeline:
 
     # -- training ----------------------------------------------------------------------------------------------
     def samples(self, records: Sequence["DetectionRecord"], step: int) -> list[SampleTarget]:
-        """This micro-step's per-sample targets: rollouts (stage 2) or the GT serialization (stage 1)."""
+        """This micro-step's per-sample targets: rollouts (stage 2) or the GT serialization (stage 1, and the
+        ground-truth steps of stage 2: ``rollout_matching.gt_step_share``, docs/design.md, decision 15)."""
         records = list(records)
-        if not self.settings.stage2:
+        if not self.settings.rolls_out(step):
+            self.stats.gt_micro_steps += int(self.settings.stage2)
             prompts = encode_prompts(self.host, records)
             return [build_gt_sample(r, p, self.host) for r, p in zip(records, prompts, strict=True)]
         micro = self.next_micro_step(step)
@@ -323,7 +330,8 @@ class MicroStepPipeline:
         yet: the rest of this step in one call, else the next step's first micro-step."""
         if self.prefetcher is None or self.prefetcher.in_flight:
             return
-        pending = [plan for plan in self._planned if plan.key > key and plan.key not in self._rolled]
+        pending = [plan for plan in self._planned if plan.key > key and plan.key not in self._rolled
+                   and self.settings.rolls_out(plan.key[0])]
         if not pending:
             return
         group = [self._planned_share(plan) for plan in pending if plan.key[0] == pending[0].key[0]]
