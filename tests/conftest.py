@@ -19,6 +19,16 @@ from coordexp.schema.loader import deep_merge
 from testkit import REPO, STAGE2_CONFIG, StubServer
 
 
+@pytest.fixture(autouse=True)
+def _deepspeed_state_stays_in_its_test():
+    """A test that builds a DeepSpeed trainer in this process must not hand DeepSpeed to the tests after it (CI ran
+    plain stage-2 tests, and the processes they start, under ZeRO-2 after tests/e2e/test_upstream_recipe.py)."""
+    from coordexp.runtime.train.deepspeed import process_state_restored
+
+    with process_state_restored():
+        yield
+
+
 @pytest.fixture
 def stage2_config() -> dict:
     """A fresh deep copy of a minimal valid stage-2 config (mutate freely)."""

@@ -160,13 +160,16 @@ def run_training(
     """Train, save the final model (with its processor) to ``training.output_dir`` and return the log history."""
     from transformers.trainer_callback import PrinterCallback
 
-    trainer = build_trainer(run, callbacks=callbacks, rollout_log_every=rollout_log_every)
-    if not print_logs:
-        trainer.remove_callback(PrinterCallback)  # raw log dicts on stdout; the CLI shows its own progress
-    try:
-        trainer.train(resume_from_checkpoint=resume_from)
-        trainer.save_model()
-    finally:
-        if trainer.backend is not None:
-            trainer.backend.close()
+    from coordexp.runtime.train.deepspeed import process_state_restored
+
+    with process_state_restored():
+        trainer = build_trainer(run, callbacks=callbacks, rollout_log_every=rollout_log_every)
+        if not print_logs:
+            trainer.remove_callback(PrinterCallback)  # raw log dicts on stdout; the CLI shows its own progress
+        try:
+            trainer.train(resume_from_checkpoint=resume_from)
+            trainer.save_model()
+        finally:
+            if trainer.backend is not None:
+                trainer.backend.close()
     return TrainOutcome(Path(run.training.output_dir), trainer.state.global_step, tuple(trainer.state.log_history))

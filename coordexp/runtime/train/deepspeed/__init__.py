@@ -5,13 +5,15 @@ coordexp's per-part parameter groups and the configured schedule are the ones De
 from __future__ import annotations
 
 import os
+import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from coordexp.errors import UserInputError
 
 __all__ = ["PRESET_DIR", "preset_names", "resolve_deepspeed", "skip_cpu_shm_op", "single_process_rendezvous",
-           "uses_deepspeed", "backward_row", "padding_rows"]
+           "uses_deepspeed", "backward_row", "padding_rows", "process_state_restored"]
 
 PRESET_DIR = Path(__file__).resolve().parent
 
@@ -57,6 +59,57 @@ def single_process_rendezvous() -> None:
     for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
                         ("MASTER_PORT", str(port))):
         os.environ.setdefault(name, value)
+
+
+_RUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_DEEPSPEED")
+
+
+@contextmanager
+def process_state_restored() -> Iterator[None]:
+    """A DeepSpeed run leaves process-wide state behind: the launcher variables a single-process run sets,
+    accelerate's ``ACCELERATE_USE_DEEPSPEED`` and shared DeepSpeed state, transformers' global DeepSpeed config and a
+    world-of-1 process group. Restored on exit, so the next run in this process, or a process it starts, does not
+    inherit DeepSpeed (a second run in a notebook, a benchmark, the test suite)."""
+    env = {name: os.environ.get(name) for name in _RUN_ENV}
+    had_group = _process_group_initialized()
+    try:
+        yield
+    finally:
+        deepspeed_ran = (os.environ.get("ACCELERATE_USE_DEEPSPEED") != env["ACCELERATE_USE_DEEPSPEED"]
+                         or _accelerate_state_is_deepspeed())
+        for name, value in env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        if deepspeed_ran:
+            _forget_deepspeed(destroy_group=not had_group)
+
+
+def _process_group_initialized() -> bool:
+    dist = sys.modules.get("torch.distributed")  # not imported: no group (and no torch import for a schema check)
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
+def _accelerate_state_is_deepspeed() -> bool:
+    state = sys.modules.get("accelerate.state")
+    if state is None:
+        return False
+    kind = state.AcceleratorState._shared_state.get("distributed_type")
+    return str(getattr(kind, "name", kind)) == "DEEPSPEED"
+
+
+def _forget_deepspeed(*, destroy_group: bool) -> None:
+    from accelerate.state import AcceleratorState
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    if destroy_group and _process_group_initialized():
+        import torch.distributed as dist
+
+        if dist.get_world_size() == 1:  # the single-process rendezvous's group; a launcher's ranks keep theirs
+            dist.destroy_process_group()
 
 
 def uses_deepspeed(accelerator: Any) -> bool:
