@@ -35,6 +35,7 @@ from coordexp.cli.frame import (
     print_invalid_report,
     report_exception,
     safe,
+    write_result,
 )
 from coordexp.cli.preflight import register as register_preflight
 from coordexp.cli.serve import register as register_serve
@@ -97,7 +98,7 @@ def validate(
             if print_contract:
                 item["contract"] = contract
             payload.append(item)
-        sys.stdout.write(json.dumps(payload, indent=2) + "\n")
+        write_result(json.dumps(payload, indent=2) + "\n")
     else:
         for shown, report, contract in results:
             top = report.path

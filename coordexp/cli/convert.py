@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
 
 from coordexp.cli.file_guard import check_output_file, read_source_text, write_atomic
-from coordexp.cli.frame import EXIT_OK, guarded, out, safe
+from coordexp.cli.frame import EXIT_OK, guarded, out, safe, write_result
 from coordexp.errors import UserInputError
 
 __all__ = ["register", "convert_app", "to_jsonl", "to_results"]
@@ -87,7 +86,7 @@ def _check_records(records: list[dict[str, Any]], origins: list[str], source: Pa
 
 def _report(as_json: bool, payload: dict[str, Any], lines: list[str]) -> None:
     if as_json:
-        sys.stdout.write(json.dumps({"ok": True, **payload}, indent=2) + "\n")
+        write_result(json.dumps({"ok": True, **payload}, indent=2) + "\n")
     else:
         for line in lines:
             out.print(line)

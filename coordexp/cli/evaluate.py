@@ -13,7 +13,6 @@ import dataclasses
 import json
 import os
 import stat
-import sys
 import tempfile
 from pathlib import Path
 from typing import Annotated, Any, Iterable, Optional
@@ -21,7 +20,7 @@ from typing import Annotated, Any, Iterable, Optional
 import typer
 
 from coordexp.cli.file_guard import check_output_dir, check_output_file, same_file
-from coordexp.cli.frame import EXIT_OK, err, guarded, load_run, out, safe
+from coordexp.cli.frame import EXIT_OK, err, guarded, load_run, out, safe, write_result
 from coordexp.errors import UserInputError
 
 __all__ = ["register", "evaluate", "resolve_checkpoint"]
@@ -150,7 +149,7 @@ def evaluate(
                             log=lambda message: console.print(f"[cyan]eval[/cyan] {safe(message)}"))
     if as_json:
         shown_adapter = None if adapter is None else str(adapter)
-        sys.stdout.write(json.dumps({"ok": True, "model": str(model_dir), "adapter": shown_adapter, "split": split,
+        write_result(json.dumps({"ok": True, "model": str(model_dir), "adapter": shown_adapter, "split": split,
                                      **report.to_dict()}, indent=2) + "\n")
         raise typer.Exit(EXIT_OK)
     print_report(report)

@@ -27,7 +27,7 @@ import re
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, Callable, NoReturn, Optional, TypeVar
+from typing import Any, Callable, NoReturn, Optional, TextIO, TypeVar
 
 import typer
 from rich.console import Console
@@ -46,13 +46,21 @@ from coordexp.errors import (
 __all__ = [
     "EXIT_OK", "EXIT_INTERNAL", "EXIT_INVALID", "EXIT_EXTERNAL", "EXIT_INTERRUPTED", "DEBUG_ENV",
     "out", "err", "safe", "plain", "is_rank_zero", "fail", "issue_line", "print_invalid_report", "load_run",
-    "guarded", "report_exception", "error_payload",
+    "guarded", "report_exception", "error_payload", "write_result",
 ]
 
 EXIT_INTERRUPTED = 130
 DEBUG_ENV = "COORDEXP_DEBUG"
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
+_result_stream: Optional[TextIO] = None  # stdout while a --json command runs (sys.stdout is then stderr)
+
+
+def write_result(text: str) -> None:
+    """The one way a command's machine-read result reaches stdout. While a ``--json`` command runs, ``sys.stdout``
+    points at stderr, so what libraries print there (DeepSpeed's logger, raw log lines) cannot corrupt the JSON a
+    launcher parses."""
+    (_result_stream or sys.stdout).write(text)
 
 # C0 (but newline/tab, handled below), DEL, C1 (0x9b is a one-byte CSI on some terminals), the Unicode line and
 # paragraph separators, and the bidirectional overrides/isolates that can reorder what a reader sees.
@@ -143,7 +151,7 @@ def load_run(path: Path, *, as_json: bool = False) -> Any:
             err.print("  [red]•[/red] " + issue_line(issue, report.path))
         err.print(f"[dim]Nothing was loaded. Fix the file (`coordexp validate {safe(path)}`).[/dim]")
         if as_json:
-            sys.stdout.write(json.dumps({"ok": False, "exit_code": EXIT_INVALID, "path": str(path),
+            write_result(json.dumps({"ok": False, "exit_code": EXIT_INVALID, "path": str(path),
                                          "errors": [i.to_dict() for i in errors]}, indent=2) + "\n")
     raise typer.Exit(EXIT_INVALID)
 
@@ -183,7 +191,7 @@ def report_exception(exc: BaseException, *, as_json: bool = False) -> int:
         message = getattr(exc, "message", None)
         err.print(f"{prefix}[red]✗[/red] {_sentence(message if isinstance(message, str) else str(exc), exc.hint)}")
     if as_json:
-        sys.stdout.write(json.dumps(error_payload(exc), indent=2) + "\n")
+        write_result(json.dumps(error_payload(exc), indent=2) + "\n")
     return code
 
 
@@ -193,6 +201,11 @@ def guarded(command: F) -> F:
 
     @functools.wraps(command)
     def run(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("as_json"):
+            return _with_stdout_for_results_only(run_guarded, *args, **kwargs)
+        return run_guarded(*args, **kwargs)
+
+    def run_guarded(*args: Any, **kwargs: Any) -> Any:
         try:
             return command(*args, **kwargs)
         except _PASS_THROUGH:
@@ -204,3 +217,13 @@ def guarded(command: F) -> F:
             raise typer.Exit(report_exception(exc, as_json=bool(kwargs.get("as_json")))) from None
 
     return run  # type: ignore[return-value]
+
+
+def _with_stdout_for_results_only(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    global _result_stream
+    saved, outer = sys.stdout, _result_stream
+    _result_stream, sys.stdout = saved, sys.stderr
+    try:
+        return call(*args, **kwargs)
+    finally:
+        sys.stdout, _result_stream = saved, outer

@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from coordexp.cli.frame import guarded, out, safe
+from coordexp.cli.frame import guarded, out, safe, write_result
 
 __all__ = ["register", "preflight"]
 
@@ -40,7 +40,7 @@ def preflight(
     report = run_preflight(config, learner_world_size=learner_world_size, health_timeout_s=health_timeout_s,
                            launch=launch, server_world_size=server_world_size, num_gpus=gpus)
     if as_json:
-        print(json.dumps(report.to_dict(), indent=2))
+        write_result(json.dumps(report.to_dict(), indent=2) + "\n")
     else:
         for check in report.checks:
             mark = "[green]✓[/green]" if check.ok else "[red]✗[/red]"

@@ -14,7 +14,8 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from coordexp.cli.frame import EXIT_INTERRUPTED, EXIT_OK, err, fail, guarded, is_rank_zero, load_run, out, safe
+from coordexp.cli.frame import (EXIT_INTERRUPTED, EXIT_OK, err, fail, guarded, is_rank_zero, load_run, out, safe,
+                                 write_result)
 
 __all__ = ["register", "train", "show_rollouts", "resolve_resume"]
 
@@ -107,7 +108,7 @@ def train(
         message = (f"{resume_from} already reached training.max_steps ({run.training.max_steps}) at step {done}; "
                    "nothing to train (raise max_steps to train on)")
         if as_json:
-            sys.stdout.write(json.dumps({"ok": True, "already_finished": True, "global_step": done,
+            write_result(json.dumps({"ok": True, "already_finished": True, "global_step": done,
                                          "checkpoint": resume_from}, indent=2) + "\n")
         elif is_rank_zero():
             out.print(f"[green]✓[/green] {safe(message)}")
@@ -136,7 +137,7 @@ def train(
     summary["global_step"] = outcome.global_step
     summary["output_dir"] = str(outcome.output_dir)
     if as_json:
-        sys.stdout.write(json.dumps(summary, indent=2) + "\n")
+        write_result(json.dumps(summary, indent=2) + "\n")
         raise typer.Exit(EXIT_OK)
     from rich.table import Table
 
