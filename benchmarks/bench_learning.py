@@ -1,24 +1,32 @@
-"""Does stage 2 make the detector better? Stage 1 to a fixed budget, then from that one checkpoint K steps of
-stage 2 and, for comparison, K steps of stage 1 continued (same batch, same learning rate, same schedule); COCO
-AP/AP50 and the rollout counters of all three on held-out images, plus trained tokens and wall time.
+"""Does stage 2 make the detector better? Per seed: stage 1 to a fixed budget, then from that one checkpoint K steps
+of stage 2 and, for comparison, K steps of stage 1 continued (same batch, optimizer, learning rate and schedule:
+the budget is K optimizer steps of the same records; trained tokens and wall time are reported next to it), and
+any ``--variant`` continuations; COCO AP/AP50 and the rollout counters of every run on held-out images. Several
+seeds (data, model and training seed together); per-seed rows and the mean and spread over seeds are printed.
 
-It reports what it measures, whichever way it goes. Defaults: the measured recipe of docs/design.md (decision 10):
-2,048 position-coded synthetic images of 1-2 rectangles/triangles, the demo's tiny model and configs
-(examples/demo_stage*.yaml), stage 1 for 1,500 steps at lr 1e-3 (about 5 minutes on 2 CPU cores; measured stage-1
-box AP50 15.4% on 64 held-out images, 5.6 minutes for the whole run); ``--train-jsonl/--val-jsonl`` run it on
-any converted COCO-style set (then ``--model`` must name a checkpoint whose processor fits those images).
-Everything is written under ``--workdir``.
+It reports what it measures, whichever way it goes. Defaults: the documented recipe of docs/design.md (decision 15):
+the ``shapes`` task (2,048 position-coded synthetic images of 1-2 rectangles/triangles, decision 10), the demo's tiny
+model and configs (examples/demo_stage*.yaml), stage 1 for 1,500 steps at lr 1e-3, continuations at lr 2e-5 for 200
+steps (stage 2 as demo_stage2.yaml says: every other step trains the ground truth), 256 held-out images, 3 seeds;
+``stage2_rollout_only`` is the same stage 2 with rollouts at every step (the spec's). ``--task dense`` holds 3-6
+objects per image (long outputs where stage 1's rollouts miss and repeat).
+``--train-jsonl/--val-jsonl`` run it on any converted COCO-style set (then ``--model`` must name a checkpoint whose
+processor fits those images). Everything is written under ``--workdir``.
 
-    python benchmarks/bench_learning.py                       # the documented recipe (CPU, about 6 minutes)
+    python benchmarks/bench_learning.py                       # the documented recipe (CPU, about 25 minutes)
+    python benchmarks/bench_learning.py --seed 10             # seeds 10, 11, 12
+    python benchmarks/bench_learning.py --variant sampled=rollout_matching.decoding.temperature:0.7
     python benchmarks/bench_learning.py --stage1-steps 4 --k 2 --n-train 16 --n-val 4 --max-new-tokens 48  # smoke
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import shutil
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -27,16 +35,57 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
+# (min objects, max objects, image side, max new tokens) per task
+TASKS = {"shapes": (1, 2, 112, 128), "dense": (3, 6, 112, 384)}
+FIGURES = ("AP", "AP50", "parse_valid_rate", "match_rate", "fp_per_image", "fn_per_image", "truncation_rate")
+
+
+def _variant(text: str) -> tuple[str, list[tuple[list[str], Any]]]:
+    """``NAME=dotted.key:value;...`` -> (NAME, [(key path, value)]); values are YAML scalars, a number in the path
+    indexes a list (``rollout_matching.pipeline.objective.0.config.rollout_fn_desc_weight:0``)."""
+    name, _, spec = text.partition("=")
+    if not name or not spec:
+        raise argparse.ArgumentTypeError(f"--variant {text!r}: write NAME=dotted.key:value[;dotted.key:value]")
+    overrides = []
+    for item in spec.split(";"):
+        key, sep, value = item.partition(":")
+        if not sep or not key.strip():
+            raise argparse.ArgumentTypeError(f"--variant {text!r}: {item!r} is not dotted.key:value")
+        overrides.append((key.strip().split("."), yaml.safe_load(value)))
+    return name, overrides
+
+
+def _override(config: dict[str, Any], base: dict[str, Any], keys: list[str], value: Any) -> None:
+    """Set ``keys`` in ``config``; a list on the way is first copied whole from the merged ``base`` (``extends``
+    replaces lists), so one entry of the base's pipeline can change."""
+    node: Any = config
+    ref: Any = base
+    for depth, key in enumerate(keys):
+        index: Any = int(key) if isinstance(node, list) else key
+        if depth == len(keys) - 1:
+            node[index] = value
+            return
+        if isinstance(ref, list):
+            ref = ref[index] if isinstance(index, int) and index < len(ref) else None
+        else:
+            ref = ref.get(index) if isinstance(ref, dict) else None
+        if isinstance(node, dict) and index not in node:
+            node[index] = copy.deepcopy(ref) if isinstance(ref, list) else {}
+        node = node[index]
 
 
 def _args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", type=Path, default=ROOT / ".coordexp" / "bench_learning")
+    p.add_argument("--seed", type=int, default=0, help="first seed; the run uses --n-seeds consecutive seeds")
+    p.add_argument("--n-seeds", type=int, default=3)
+    p.add_argument("--task", default="shapes", choices=tuple(TASKS),
+                   help="shapes: 1-2 objects per image; dense: 3-6 (sets --min/--max-objects, --max-new-tokens)")
     p.add_argument("--n-train", type=int, default=2048)
-    p.add_argument("--n-val", type=int, default=64, help="held-out images every checkpoint is evaluated on")
-    p.add_argument("--image-size", type=int, default=112)
-    p.add_argument("--min-objects", type=int, default=1)
-    p.add_argument("--max-objects", type=int, default=2)
+    p.add_argument("--n-val", type=int, default=256, help="held-out images every checkpoint is evaluated on")
+    p.add_argument("--image-size", type=int, default=None)
+    p.add_argument("--min-objects", type=int, default=None)
+    p.add_argument("--max-objects", type=int, default=None)
     p.add_argument("--shapes", default="rectangle,triangle")
     p.add_argument("--position-code", type=float, default=100.0,
                    help="amplitude (8-bit levels) of the synthetic images' pixel position code; 0 = none")
@@ -52,30 +101,40 @@ def _args() -> argparse.Namespace:
     p.add_argument("--stage1-steps", type=int, default=1500)
     p.add_argument("--stage1-lr", type=float, default=1e-3)
     p.add_argument("--stage1-batch", type=int, default=8)
-    p.add_argument("--k", type=int, default=40, help="steps of stage 2 and of stage 1 continued")
-    p.add_argument("--continue-lr", type=float, default=2e-4, help="constant lr of both continuations")
+    p.add_argument("--k", type=int, default=200, help="optimizer steps of every continuation")
+    p.add_argument("--continue-lr", type=float, default=2e-5, help="constant lr of every continuation")
     p.add_argument("--continue-batch", type=int, default=4)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--score", default="logprob", choices=("logprob", "mean_logprob", "constant"))
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--variant", type=_variant, action="append", default=[], metavar="NAME=KEY:VALUE[;KEY:VALUE]",
+                   help="one more stage-2 continuation with these config overrides (dotted keys), e.g. "
+                   "sampled=rollout_matching.decoding.temperature:0.7; repeatable")
+    p.add_argument("--no-stage1-continued", action="store_true", help="skip the stage-1 continuation")
+    p.add_argument("--no-rollout-only", action="store_true",
+                   help="skip stage2_rollout_only (the recipe's stage 2 with rollouts at every step, gt_step_share 0)")
     p.add_argument("--train-jsonl", type=Path, help="a converted COCO-style train set (instead of synthetic shapes)")
     p.add_argument("--val-jsonl", type=Path, help="its held-out split")
     p.add_argument("--model", type=Path, help="starting checkpoint (default: build the demo's tiny model)")
-    return p.parse_args()
+    args = p.parse_args()
+    low, high, side, tokens = TASKS[args.task]
+    args.min_objects = low if args.min_objects is None else args.min_objects
+    args.max_objects = high if args.max_objects is None else args.max_objects
+    args.image_size = side if args.image_size is None else args.image_size
+    args.max_new_tokens = tokens if args.max_new_tokens is None else args.max_new_tokens
+    return args
 
 
-def _assets(args: argparse.Namespace) -> tuple[Path, Path, Path]:
-    """(model dir, train jsonl, val jsonl): the given ones, or the tiny model and synthetic shapes built here."""
+def _assets(args: argparse.Namespace, work: Path, seed: int) -> tuple[Path, Path, Path]:
+    """(model dir, train jsonl, val jsonl): the given ones, or the tiny model and synthetic shapes of ``seed``."""
     from coordexp.runtime.toy.synthetic import write_synthetic_dataset
     from coordexp.runtime.toy.tiny_model import build_tiny_model
 
-    work = args.workdir
     model = args.model
     if model is None:
         model = work / "model"
         if not (model / "config.json").is_file():
-            build_tiny_model(model, family=args.family, seed=args.seed, hidden_size=args.hidden, num_layers=args.layers, init_std=0.02,
-                             vision_init_std=args.vision_init_std, smooth_coord_embeddings=True,
+            build_tiny_model(model, family=args.family, seed=seed, hidden_size=args.hidden, num_layers=args.layers,
+                             init_std=0.02, vision_init_std=args.vision_init_std, smooth_coord_embeddings=True,
                              rope_theta=args.rope_theta, vision_depth=args.vision_depth,
                              vision_width=args.vision_width)
     if args.train_jsonl is not None:
@@ -84,15 +143,15 @@ def _assets(args: argparse.Namespace) -> tuple[Path, Path, Path]:
         return model, args.train_jsonl.resolve(), args.val_jsonl.resolve()
     data = work / "data"
     if not (data / "val.jsonl").is_file():
-        write_synthetic_dataset(data, n_train=args.n_train, n_val=args.n_val, seed=args.seed,
+        write_synthetic_dataset(data, n_train=args.n_train, n_val=args.n_val, seed=seed,
                                 image_size=(args.image_size, args.image_size), min_objects=args.min_objects,
                                 max_objects=args.max_objects, shapes=tuple(args.shapes.split(",")),
                                 position_code=args.position_code)
     return model, data / "train.jsonl", data / "val.jsonl"
 
 
-def _config(args: argparse.Namespace, name: str, base: str, model: Path, train: Path, val: Path,
-            training: dict[str, Any]) -> Path:
+def _config(args: argparse.Namespace, work: Path, name: str, base: str, model: Path, train: Path, val: Path,
+            seed: int, training: dict[str, Any], overrides: list[tuple[list[str], Any]] = ()) -> Path:
     # the whole image at the family's resolution: its side rounded up to whole merged tokens (28 px, Qwen3-VL 32 px)
     merged = 32 if args.family == "qwen3_vl" else 28
     pixels = (-(-args.image_size // merged) * merged) ** 2
@@ -101,11 +160,17 @@ def _config(args: argparse.Namespace, name: str, base: str, model: Path, train: 
         "model": {"path": str(model)},
         "template": {"max_pixels": pixels, "min_pixels": min(3136, pixels)},
         "data": {"train_jsonl": str(train), "val_jsonl": str(val), "image_root": None},
-        "training": {"output_dir": str(args.workdir / name), "seed": args.seed, "save_steps": 1_000_000, "logging_steps": 1,
+        "training": {"output_dir": str(work / name), "seed": seed, "save_steps": 1_000_000, "logging_steps": 1,
                      "eval_steps": None, **training},
         "rollout_matching": {"max_new_tokens": args.max_new_tokens},
     }
-    path = args.workdir / f"{name}.yaml"
+    if overrides:
+        from coordexp.schema.loader import load_merged
+
+        merged = load_merged(EXAMPLES / base).data
+        for keys, value in overrides:
+            _override(config, merged, keys, value)
+    path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
     return path
 
@@ -139,24 +204,109 @@ def _train(config: Path) -> dict[str, Any]:
             "final_loss": next((h["loss"] for h in reversed(history) if "loss" in h), None)}
 
 
-def _evaluate(args: argparse.Namespace, config: Path, name: str) -> dict[str, Any]:
+def _evaluate(args: argparse.Namespace, work: Path, config: Path, name: str) -> dict[str, Any]:
     from coordexp.runtime.train.evaluate import run_evaluation
     from coordexp.schema.contract import load_contract
 
     run = load_contract(config)
     run = dataclasses.replace(run, model=run.model.model_copy(update={"path": run.training.output_dir}))
     started = time.perf_counter()
-    report = run_evaluation(run, split="val", score=args.score, out_dir=args.workdir / f"eval_{name}", png_count=2)
+    report = run_evaluation(run, split="val", score=args.score, out_dir=work / f"eval_{name}", png_count=2)
     ratios = report.counters.ratios()
     return {"AP": report.bbox["AP"], "AP50": report.bbox["AP50"], "AR100": report.bbox["AR100"],
             "mask_AP50": None if report.segm is None else report.segm["AP50"],
-            "parse_valid_rate": ratios["parse_valid_rate"], "match_rate": ratios["match_rate"],
+            **{k: ratios[k] for k in FIGURES[2:]},
+            "dropped": dict(report.counters.dropped_by_reason),
             "valid_objects": report.counters.pred_valid, "gt_objects": report.counters.gt_objects,
             "eval_s": time.perf_counter() - started}
 
 
+def run_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    """Stage 1, then every continuation from its checkpoint, each trained and evaluated; the seed's figures."""
+    work = args.workdir / f"seed{seed}"
+    work.mkdir(parents=True, exist_ok=True)
+    model, train, val = _assets(args, work, seed)
+    stage1_dir = work / "stage1"
+    plan = [("stage1", _config(args, work, "stage1", "demo_stage1.yaml", model, train, val, seed, {
+        "max_steps": args.stage1_steps, "learning_rate": args.stage1_lr,
+        "per_device_train_batch_size": args.stage1_batch}))]
+    continued = {"max_steps": args.k, "learning_rate": args.continue_lr, "lr_scheduler_type": "constant",
+                 "warmup_ratio": 0.0, "per_device_train_batch_size": args.continue_batch}
+    plan.append(("stage2", _config(args, work, "stage2", "demo_stage2.yaml", stage1_dir, train, val, seed, continued)))
+    if not args.no_rollout_only:  # the spec's stage 2: every step trains rollouts
+        plan.append(("stage2_rollout_only", _config(args, work, "stage2_rollout_only", "demo_stage2.yaml", stage1_dir,
+                                                    train, val, seed, continued,
+                                                    [(["rollout_matching", "gt_step_share"], 0.0)])))
+    if not args.no_stage1_continued:
+        plan.append(("stage1_continued", _config(args, work, "stage1_continued", "demo_stage1.yaml", stage1_dir,
+                                                 train, val, seed, continued)))
+    for name, overrides in args.variant:
+        plan.append((name, _config(args, work, name, "demo_stage2.yaml", stage1_dir, train, val, seed, continued,
+                                   overrides)))
+    runs: dict[str, dict[str, Any]] = {}
+    for name, config in plan:
+        print(f"[bench_learning] seed {seed}: training {name} ...", flush=True)
+        runs[name] = {"train": _train(config)}
+        runs[name]["eval"] = e = _evaluate(args, work, config, name)
+        print(f"[bench_learning] seed {seed} {name}: AP {_pct(e['AP'])} AP50 {_pct(e['AP50'])} "
+              f"parse {_pct(e['parse_valid_rate'])} match {_pct(e['match_rate'])}", flush=True)
+    return {"seed": seed, "runs": runs}
+
+
 def _pct(value: Any) -> str:
     return "-" if value is None else f"{100 * value:.1f}"
+
+
+def _spread(values: list[float]) -> dict[str, float | None]:
+    values = [v for v in values if v is not None]
+    if not values:
+        return {"mean": None, "std": None, "min": None, "max": None}
+    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "min": min(values), "max": max(values)}
+
+
+def summarize(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean, sample standard deviation, min and max over seeds of every figure of every run, and of the paired
+    differences of each continuation against stage 1 continued (the same seed's checkpoint)."""
+    names = list(per_seed[0]["runs"])
+    summary: dict[str, Any] = {}
+    for name in names:
+        rows = [s["runs"][name] for s in per_seed]
+        summary[name] = {k: _spread([r["eval"][k] for r in rows]) for k in FIGURES}
+        summary[name]["trained_tokens"] = _spread([r["train"]["trained_tokens"] for r in rows])
+        summary[name]["wall_s"] = _spread([r["train"]["wall_s"] for r in rows])
+    if "stage1_continued" in names:
+        for name in names:
+            if name in ("stage1", "stage1_continued"):
+                continue
+            summary[f"{name} - stage1_continued"] = {
+                k: _spread([None if s["runs"][name]["eval"][k] is None or s["runs"]["stage1_continued"]["eval"][k] is None
+                            else s["runs"][name]["eval"][k] - s["runs"]["stage1_continued"]["eval"][k]
+                            for s in per_seed]) for k in FIGURES[:4]}
+    return summary
+
+
+def _table(per_seed: list[dict[str, Any]], summary: dict[str, Any], args: argparse.Namespace) -> None:
+    print(f"\ntask {args.task}; held-out images per seed: {args.n_val}; box AP in percent (COCO); continuations: "
+          f"{args.k} optimizer steps of {args.continue_batch} records at lr {args.continue_lr:g} (constant) each")
+    header = (f"{'seed':>5} {'run':<18}{'steps':>7}{'AP':>7}{'AP50':>7}{'parse%':>8}{'match%':>8}{'FP/img':>8}"
+              f"{'FN/img':>8}{'trunc%':>8}{'tokens':>10}{'train s':>9}")
+    print(header)
+    for s in per_seed:
+        for name, figures in s["runs"].items():
+            t, e = figures["train"], figures["eval"]
+            print(f"{s['seed']:>5} {name:<18}{t['steps']:>7}{_pct(e['AP']):>7}{_pct(e['AP50']):>7}"
+                  f"{_pct(e['parse_valid_rate']):>8}{_pct(e['match_rate']):>8}{e['fp_per_image'] or 0:>8.2f}"
+                  f"{e['fn_per_image'] or 0:>8.2f}{_pct(e['truncation_rate']):>8}{t['trained_tokens']:>10}"
+                  f"{t['wall_s']:>9.0f}")
+    print(f"\nmean +- std over {len(per_seed)} seeds")
+    print(f"{'run':<34}{'AP':>18}{'AP50':>18}{'parse%':>18}{'match%':>18}")
+    for name, figures in summary.items():
+        cells = []
+        for k in FIGURES[:4]:
+            f = figures[k]
+            cells.append("-" if f["mean"] is None else f"{100 * f['mean']:.1f}+-{100 * f['std']:.1f}")
+        print(f"{name:<34}" + "".join(f"{c:>18}" for c in cells))
 
 
 def main() -> None:
@@ -164,36 +314,14 @@ def main() -> None:
     args.workdir = args.workdir.resolve()
     args.workdir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    model, train, val = _assets(args)
-    stage1 = _config(args, "stage1", "demo_stage1.yaml", model, train, val, {
-        "max_steps": args.stage1_steps, "learning_rate": args.stage1_lr,
-        "per_device_train_batch_size": args.stage1_batch})
-    continued = {"max_steps": args.k, "learning_rate": args.continue_lr, "lr_scheduler_type": "constant",
-                 "warmup_ratio": 0.0, "per_device_train_batch_size": args.continue_batch}
-    stage1_dir = args.workdir / "stage1"
-    stage2 = _config(args, "stage2", "demo_stage2.yaml", stage1_dir, train, val, continued)
-    stage1_more = _config(args, "stage1_continued", "demo_stage1.yaml", stage1_dir, train, val, continued)
-
-    runs: dict[str, dict[str, Any]] = {}
-    for name, config in (("stage1", stage1), ("stage2", stage2), ("stage1_continued", stage1_more)):
-        print(f"[bench_learning] training {name} ...", flush=True)
-        runs[name] = {"train": _train(config)}
-        runs[name]["eval"] = _evaluate(args, config, name)
-        e = runs[name]["eval"]
-        print(f"[bench_learning] {name}: AP {_pct(e['AP'])} AP50 {_pct(e['AP50'])} match {_pct(e['match_rate'])}",
-              flush=True)
-
-    print(f"\nheld-out images: {args.n_val}; box AP in percent (COCO); continuations: {args.k} steps each")
-    header = f"{'run':<18}{'steps':>7}{'AP':>7}{'AP50':>7}{'AR100':>7}{'parse%':>8}{'match%':>8}{'tokens':>10}{'train s':>9}"
-    print(header)
-    for name, figures in runs.items():
-        t, e = figures["train"], figures["eval"]
-        print(f"{name:<18}{t['steps']:>7}{_pct(e['AP']):>7}{_pct(e['AP50']):>7}{_pct(e['AR100']):>7}"
-              f"{_pct(e['parse_valid_rate']):>8}{_pct(e['match_rate']):>8}{t['trained_tokens']:>10}{t['wall_s']:>9.0f}")
-    summary = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "runs": runs,
-               "total_s": time.perf_counter() - started}
-    (args.workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-    print("JSON " + json.dumps(summary))
+    per_seed = [run_seed(args, seed) for seed in range(args.seed, args.seed + max(1, args.n_seeds))]
+    summary = summarize(per_seed)
+    _table(per_seed, summary, args)
+    printable = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    printable["variant"] = [[name, [[".".join(k), v] for k, v in overrides]] for name, overrides in args.variant]
+    result = {"args": printable, "seeds": per_seed, "summary": summary, "total_s": time.perf_counter() - started}
+    (args.workdir / "summary.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    print("JSON " + json.dumps(result))
 
 
 if __name__ == "__main__":

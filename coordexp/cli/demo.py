@@ -7,19 +7,18 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
 
-from coordexp.cli.frame import EXIT_OK, err, guarded, load_run, out, safe
+from coordexp.cli.frame import EXIT_OK, err, guarded, load_run, out, safe, write_result
 
 __all__ = ["register", "demo", "EXAMPLES_DIR"]
 
 EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"
-QUICK_STEPS = {"stage1": 4, "stage2": 2, "eval_records": 4, "eval_every": 2, "n_train": 16}
+QUICK_STEPS = {"stage1": 4, "stage2": 2, "eval_records": 4, "summary_records": 4, "eval_every": 2, "n_train": 16}
 
 
 def _pct(value: Optional[float]) -> str:
@@ -57,6 +56,7 @@ def demo(
                 stage1_max_steps=QUICK_STEPS["stage1"],
                 stage2_max_steps=QUICK_STEPS["stage2"],
                 eval_records=QUICK_STEPS["eval_records"],
+                summary_records=QUICK_STEPS["summary_records"],
                 stage1_eval_every=QUICK_STEPS["eval_every"],
                 n_train=QUICK_STEPS["n_train"],
             )
@@ -75,7 +75,7 @@ def demo(
     summary = result_to_dict(result)
     summary["seconds"]["total"] = total
     if as_json:
-        sys.stdout.write(json.dumps(summary, indent=2) + "\n")
+        write_result(json.dumps(summary, indent=2) + "\n")
         raise typer.Exit(EXIT_OK)
     _print_summary(result, total)
 

@@ -1,38 +1,53 @@
-"""benchmarks/bench_learning.py stays runnable: a tiny budget end to end (stage 1, then stage 2 and stage 1
-continued from the same checkpoint), one consistent JSON summary. Its numbers are never asserted."""
+"""benchmarks/bench_learning.py stays runnable: a tiny budget end to end over two seeds (per seed: stage 1, then
+stage 2, the rollout-only stage 2, stage 1 continued and a --variant, all from that seed's stage-1 checkpoint), one
+consistent JSON summary whose spread is computed from the per-seed rows. Its numbers are never asserted."""
 
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-def test_learning_benchmark_reports_three_runs_from_one_checkpoint(tmp_path):
+def test_learning_benchmark_reports_every_run_of_every_seed_from_one_checkpoint(tmp_path):
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_learning.py"), "--workdir", str(tmp_path),
-         "--stage1-steps", "2", "--k", "1", "--n-train", "8", "--n-val", "2", "--max-new-tokens", "24",
-         "--score", "constant"],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
+         "--seed", "5", "--n-seeds", "2", "--stage1-steps", "2", "--k", "1", "--n-train", "8", "--n-val", "2",
+         "--max-new-tokens", "24", "--score", "constant",
+         "--variant", "no_fn_desc=rollout_matching.pipeline.objective.0.config.rollout_fn_desc_weight:0"],
+        capture_output=True, text=True, timeout=900, cwd=ROOT,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [line for line in out.stdout.splitlines() if line.startswith("JSON ")]
     assert len(lines) == 1, out.stdout[-3000:]
-    runs = json.loads(lines[0][len("JSON "):])["runs"]
-    assert list(runs) == ["stage1", "stage2", "stage1_continued"]
-    assert [runs[name]["train"]["steps"] for name in runs] == [2, 1, 1]
-    for figures in runs.values():
-        assert figures["train"]["trained_tokens"] > 0 and figures["train"]["wall_s"] > 0
-        ev = figures["eval"]
-        assert ev["gt_objects"] > 0 and all(0.0 <= ev[k] <= 1.0 for k in ("AP", "AP50", "AR100"))
-    # both continuations started from the stage-1 checkpoint
-    for name in ("stage2", "stage1_continued"):
-        config = (tmp_path / f"{name}.yaml").read_text()
-        assert str(tmp_path / "stage1") in config
-    assert (tmp_path / "eval_stage2" / "coco_results.json").is_file()
+    result = json.loads(lines[0][len("JSON "):])
+    names = ["stage1", "stage2", "stage2_rollout_only", "stage1_continued", "no_fn_desc"]
+    assert [s["seed"] for s in result["seeds"]] == [5, 6]
+    for seed in result["seeds"]:
+        runs = seed["runs"]
+        assert list(runs) == names
+        assert [runs[name]["train"]["steps"] for name in names] == [2, 1, 1, 1, 1]
+        for figures in runs.values():
+            assert figures["train"]["trained_tokens"] > 0 and figures["train"]["wall_s"] > 0
+            ev = figures["eval"]
+            assert ev["gt_objects"] > 0 and all(0.0 <= ev[k] <= 1.0 for k in ("AP", "AP50", "AR100"))
+        work = tmp_path / f"seed{seed['seed']}"
+        for name in names[1:]:  # every continuation started from this seed's stage-1 checkpoint
+            config = yaml.safe_load((work / f"{name}.yaml").read_text())
+            assert config["model"]["path"] == str(work / "stage1") and config["training"]["seed"] == seed["seed"]
+        assert yaml.safe_load((work / "stage2_rollout_only.yaml").read_text())["rollout_matching"]["gt_step_share"] == 0
+        variant = yaml.safe_load((work / "no_fn_desc.yaml").read_text())["rollout_matching"]["pipeline"]["objective"]
+        assert variant[0]["config"]["rollout_fn_desc_weight"] == 0 and variant[1]["name"] == "coord_reg"
+    ap50 = [s["runs"]["stage2"]["eval"]["AP50"] for s in result["seeds"]]
+    assert result["summary"]["stage2"]["AP50"]["mean"] == pytest.approx(statistics.fmean(ap50))
+    paired = [s["runs"]["stage2"]["eval"]["AP50"] - s["runs"]["stage1_continued"]["eval"]["AP50"] for s in result["seeds"]]
+    assert result["summary"]["stage2 - stage1_continued"]["AP50"]["mean"] == pytest.approx(statistics.fmean(paired))
+    assert (tmp_path / "seed5" / "eval_stage2" / "coco_results.json").is_file()

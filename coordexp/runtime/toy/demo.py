@@ -55,7 +55,7 @@ class DemoPlan:
     stage1_config: Path
     stage2_config: Path
     n_train: int = 1024
-    n_val: int = 16
+    n_val: int = 64
     data_seed: int = 0
     min_objects: int = 1
     max_objects: int = 2
@@ -70,7 +70,8 @@ class DemoPlan:
     stage1_eval_every: int = 100
     stage1_target_parse_rate: float = 0.8
     stage1_target_match_rate: float = 0.5
-    eval_records: int = 16
+    eval_records: int = 16  # the stage-1 checks roll these out every stage1_eval_every steps
+    summary_records: int = 64  # the before/after table: more images, so one object moves a rate by 1-2 points
     png_count: int = 4
 
     def model_build(self) -> dict[str, Any]:
@@ -315,7 +316,7 @@ def run_demo(
     _claim_output_dir(run2.training.output_dir)
     trainer2 = build_trainer(run2, callbacks=callbacks_for("stage 2"), rollout_log_every=run2.training.logging_steps)
     trainer2.remove_callback(PrinterCallback)
-    records = _val_records(trainer2, plan.eval_records)
+    records = _val_records(trainer2, plan.summary_records)
     try:
         trainer2.rollout_log_every = 1  # log every evaluation rollout (the PNGs come from the final one)
         before = evaluate(trainer2, records, with_loss=True)
