@@ -153,6 +153,7 @@ class RolloutMatchingContract:
     overlap: OverlapConfig  # actor-learner overlap (server mode only; validated in the schema)
     hf_generate: HfGenerateConfig = field(default_factory=HfGenerateConfig)  # static KV cache / compiled decode
     gt_step_share: float = 0.0  # share of stage-2 optimizer steps trained on the GT serialization (channel A)
+    trailing_unmatched: Literal["keep", "drop"] = "keep"  # the prefix ends after the last matched object when "drop"
 
     @property
     def offload_active(self) -> bool:
@@ -301,6 +302,7 @@ def build_contract(cfg: CoordExpConfig) -> RunContract:
         overlap=rm.overlap,
         hf_generate=rm.hf_generate,
         gt_step_share=rm.gt_step_share,
+        trailing_unmatched=rm.trailing_unmatched,
     )
     data = cfg.data
     if data.image_root is None:

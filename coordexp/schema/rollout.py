@@ -304,6 +304,11 @@ class RolloutMatchingConfig(StrictModel):
         0.0, description="Share of stage-2 optimizer steps that train the ground-truth serialization (channel A: "
         "stage-1 targets, no rollout) instead of rollouts, spread evenly over the run; 0 = rollouts only, the spec's "
         "stage 2 (docs/design.md, decision 15).")
+    trailing_unmatched: Literal["keep", "drop"] = Field(
+        "keep", description="The rollout's objects after its last matched one (FPs, invalid entries): keep = the "
+        "spec (the prefix ends after the last complete object; FN append or EOS follows them); drop = the prefix ends "
+        "after the last matched object ('{' when none matched), so Y_train never teaches going on past objects that "
+        "matched nothing (docs/design.md, decision 15).")
 
     @model_validator(mode="after")
     def _backend_rules(self) -> "RolloutMatchingConfig":

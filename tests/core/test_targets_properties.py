@@ -6,11 +6,12 @@ import json
 from dataclasses import dataclass
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from coordexp.runtime.core.objects import DetObject
-from coordexp.runtime.core.parsing import parse_rollout
+from coordexp.runtime.core.parsing import cut_after_objects, parse_rollout
 from coordexp.runtime.core.serialize import loads_coord_json
 from coordexp.runtime.core.targets import build_train_target, check_supervision_in_span
 from coordexp.schema.pipeline import TokenCeConfig
@@ -283,3 +284,37 @@ def test_arbitrary_token_soup_never_crashes_and_stays_append_ready(tiny_tokenize
     assert parse.prefix_text.rstrip()[-1] in "{}"
     for obj in parse.valid_objects:
         assert [coord_vocab.bin_of(parse.prefix_ids[i]) for i in obj.coord_token_indices] == list(obj.coords)
+
+
+# --- cut_after_objects: a shorter suffix-only trim (rollout_matching.trailing_unmatched: drop)
+
+
+@given(case=rollouts(), data=st.data())
+@SETTINGS
+def test_a_cut_keeps_the_first_entries_and_the_rollouts_ids(tiny_tokenizer, coord_vocab, piece_table, case, data):
+    lead, entries, ending = case
+    ids = tiny_tokenizer.encode(lead + "{" + ", ".join(e.text for e in entries) + ending, add_special_tokens=False)
+    parse = parse_rollout(ids, tiny_tokenizer, coord_vocab)
+    n = data.draw(st.integers(0, len(parse.objects)))
+    cut = cut_after_objects(parse, n, tiny_tokenizer, coord_vocab, piece_table=piece_table)
+
+    assert len(cut.objects) == n
+    for mine, theirs in zip(cut.objects, parse.objects):
+        assert (mine.key, mine.valid, mine.coords, mine.coord_token_indices) == (
+            theirs.key, theirs.valid, theirs.coords, theirs.coord_token_indices)
+    assert cut.prefix_ids[: cut.n_kept] == tuple(ids[: cut.n_kept])  # a prefix of the rollout, last token at most
+    assert cut.n_kept <= parse.n_kept and cut.prefix_text.rstrip()[-1] in "{},"
+    assert (cut.truncated, cut.stopped_at_eos, dict(cut.dropped_by_reason)) == (
+        parse.truncated, parse.stopped_at_eos, dict(parse.dropped_by_reason))  # the rollout's telemetry
+    if n == len(parse.objects):
+        assert cut is parse
+    again = parse_rollout(cut.prefix_ids, tiny_tokenizer, coord_vocab)  # the prefix holds the kept entries, no more
+    assert [o.key for o in again.objects] == [o.key for o in cut.objects]
+
+
+def test_a_count_outside_the_entries_is_refused(tiny_tokenizer, coord_vocab):
+    parse = parse_rollout(tiny_tokenizer.encode('{"object_1": {"desc": "a", "bbox_2d": '
+                                                '["<|coord_1|>", "<|coord_2|>", "<|coord_3|>", "<|coord_4|>"]}}',
+                                                add_special_tokens=False), tiny_tokenizer, coord_vocab)
+    with pytest.raises(ValueError, match="n_objects 2"):
+        cut_after_objects(parse, 2, tiny_tokenizer, coord_vocab)

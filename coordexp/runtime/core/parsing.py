@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from bisect import bisect_right
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import Any, Literal, Mapping, Sequence
 
@@ -485,3 +485,27 @@ def _fallback_parse(ids, table, stopped, fallback, dropped, *, truncated: bool) 
         cut_fallbacks=0,
         dropped_by_reason=MappingProxyType(dropped),
     )
+
+
+def cut_after_objects(parse: RolloutParse, n_objects: int, tokenizer: Any, vocab: CoordVocab, *,
+                      piece_table: PieceTable | None = None) -> RolloutParse:
+    """``parse`` with its prefix cut right after its first ``n_objects`` entries (the empty prefix ``{`` for 0): a
+    shorter suffix-only trim of the same rollout, realised as the parser realises its own cut (earlier ids
+    unchanged, at most the cut token re-encoded). What the rollout held beyond the cut (truncation, EOS, drop
+    counts) is kept for telemetry. ``rollout_matching.trailing_unmatched: drop`` (docs/design.md, decision 15)."""
+    if not 0 <= n_objects <= len(parse.objects):
+        raise ValueError(f"n_objects {n_objects} must lie in [0, {len(parse.objects)}] (the parsed entries)")
+    if n_objects == len(parse.objects):
+        return parse
+    end = parse.objects[n_objects - 1].token_span[1] if n_objects else 0
+    cut = parse_rollout(parse.response_ids[:end], tokenizer, vocab, piece_table=piece_table)
+    if [_identity(o) for o in cut.objects] != [_identity(o) for o in parse.objects[:n_objects]]:
+        raise ValueError(f"cutting after {n_objects} entries changed them; the parse is not of these response ids")
+    return replace(cut, response_ids=parse.response_ids, truncated=parse.truncated,
+                   stopped_at_eos=parse.stopped_at_eos, prefix_fallback=parse.prefix_fallback,
+                   cut_fallbacks=parse.cut_fallbacks, dropped_by_reason=parse.dropped_by_reason)
+
+
+def _identity(obj: ParsedObject) -> tuple:
+    """What a cut must not change about an entry it keeps (its last token may be re-encoded, its coord slots not)."""
+    return obj.key, obj.valid, obj.coords, obj.coord_token_indices, obj.token_span[0]

@@ -70,6 +70,7 @@ _SCALAR_FIELDS: tuple[str, ...] = (
     "decode_beam",
     "eos_stopped",
     "rollout_tokens",
+    "trailing_dropped",
 )
 _REASON_FIELDS: tuple[str, ...] = ("dropped_by_reason", "prefix_fallbacks_by_reason")
 
@@ -99,6 +100,7 @@ class RolloutCounters:
     decode_beam: int = 0
     eos_stopped: int = 0  # rollouts that ended with the end-of-turn token (not by the length limit)
     rollout_tokens: int = 0  # generated tokens, summed
+    trailing_dropped: int = 0  # parsed entries after the last matched one, cut from Y_train (trailing_unmatched: drop)
 
     def __post_init__(self) -> None:
         for name in _SCALAR_FIELDS:
@@ -140,6 +142,7 @@ class RolloutCounters:
         eos_stopped: bool,
         rollout_tokens: int,
         cut_fallbacks: int = 0,
+        trailing_dropped: int = 0,
     ) -> "RolloutCounters":
         """Counters of one rollout. ``drop_reasons`` lists one reason per non-valid parsed object; the
         :data:`AMBIGUOUS_REASON` entries count as ambiguous-excluded. ``fp`` is derived as valid - matched.
@@ -178,6 +181,7 @@ class RolloutCounters:
             decode_beam=int(decode_mode == "beam"),
             eos_stopped=int(eos_stopped),
             rollout_tokens=rollout_tokens,
+            trailing_dropped=trailing_dropped,
         )
 
     def merge(self, other: "RolloutCounters") -> "RolloutCounters":
@@ -217,6 +221,7 @@ class RolloutCounters:
             "gating_rejections_per_image": self.gating_rejections,
             "rollout_tokens_per_image": self.rollout_tokens,
             "prefix_fallbacks_per_image": self.prefix_fallbacks,
+            "trailing_dropped_per_image": self.trailing_dropped,
         }
         per_sample_rate = {
             "truncation_rate": self.truncated_rollouts,

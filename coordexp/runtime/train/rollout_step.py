@@ -22,7 +22,7 @@ from coordexp.runtime.model.encoding import (
 from coordexp.runtime.core.matching import MatchResult, match_objects
 from coordexp.runtime.core.objects import TokenSupervision
 from coordexp.runtime.core.ot import pair_coord_targets
-from coordexp.runtime.core.parsing import RolloutParse, parse_rollout
+from coordexp.runtime.core.parsing import RolloutParse, cut_after_objects, parse_rollout
 from coordexp.runtime.core.pieces import PieceTable
 from coordexp.runtime.core.targets import TrainTarget, build_train_target
 from coordexp.runtime.core.telemetry import RolloutCounters
@@ -139,8 +139,12 @@ def build_rollout_sample(
     gts = list(record.objects)
     match = match_objects(preds, gts, ctx.rollout.matching)
     pair_targets = pair_coord_targets(preds, gts, match.pairs, ctx.rollout.ot)
+    target_parse = parse
+    if ctx.rollout.trailing_unmatched == "drop":
+        kept = max((valid_positions[p] + 1 for p, _ in match.pairs), default=0)
+        target_parse = cut_after_objects(parse, kept, ctx.tokenizer, ctx.vocab, piece_table=ctx.pieces)
     target = build_train_target(
-        parse,
+        target_parse,
         gts,
         [(valid_positions[p], g) for p, g in match.pairs],
         [pair_targets[pair] for pair in match.pairs],
@@ -166,6 +170,7 @@ def build_rollout_sample(
         eos_stopped=parse.stopped_at_eos,
         rollout_tokens=len(rollout.response_token_ids),
         cut_fallbacks=parse.cut_fallbacks,
+        trailing_dropped=len(parse.objects) - len(target_parse.objects),
     )
     return SampleTarget(encoded, target, counters, parse, match, valid_positions)
 
