@@ -1,7 +1,8 @@
 """A DeepSpeed run inside a process that goes on afterwards (a notebook, a benchmark, this test suite): the run must
 hand the process back as it found it. CI once ran the plain stage-2 tests after tests/e2e/test_upstream_recipe.py
 under that run's ZeRO-2 (accelerate's ACCELERATE_USE_DEEPSPEED and shared state, the single-process launcher
-variables, a world-of-1 process group): 13 failures, and the processes those tests started inherited DeepSpeed."""
+variables): 13 failures, and the processes those tests started inherited DeepSpeed; then destroying the world-of-1
+process group broke the upstream recipe's resume, a second DeepSpeed run in the same process."""
 
 from __future__ import annotations
 
@@ -22,7 +23,6 @@ TRAINING = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, 
 
 
 def test_a_deepspeed_run_leaves_the_process_as_it_found_it(write_config, tmp_path):
-    import torch.distributed as dist
     from transformers.integrations.deepspeed import deepspeed_config
 
     from coordexp.runtime.train.launch import build_trainer, run_training
@@ -36,7 +36,8 @@ def test_a_deepspeed_run_leaves_the_process_as_it_found_it(write_config, tmp_pat
     assert outcome.global_step == 1
     assert {name: os.environ.get(name) for name in PROCESS_ENV} == before
     assert deepspeed_config() is None
-    assert not (dist.is_available() and dist.is_initialized())
+    again = run_training(load_contract(zero2), print_logs=False)  # a second DeepSpeed run joins the process group
+    assert again.global_step == 1
 
     plain = write_config({"training": {**TRAINING, "output_dir": str(tmp_path / "plain")}, "rollout_matching": rollout},
                          name="plain.yaml")

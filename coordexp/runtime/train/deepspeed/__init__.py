@@ -66,12 +66,12 @@ _RUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "A
 
 @contextmanager
 def process_state_restored() -> Iterator[None]:
-    """A DeepSpeed run leaves process-wide state behind: the launcher variables a single-process run sets,
-    accelerate's ``ACCELERATE_USE_DEEPSPEED`` and shared DeepSpeed state, transformers' global DeepSpeed config and a
-    world-of-1 process group. Restored on exit, so the next run in this process, or a process it starts, does not
-    inherit DeepSpeed (a second run in a notebook, a benchmark, the test suite)."""
+    """A DeepSpeed run leaves process-wide state behind: the launcher variables a single-process run sets, and
+    accelerate's ``ACCELERATE_USE_DEEPSPEED`` and shared DeepSpeed state, and transformers' global DeepSpeed config.
+    Restored on exit, so the next run in this process, or a process it starts, does not inherit DeepSpeed (a second
+    run in a notebook, a benchmark, the test suite). The process group stays: DeepSpeed's communication layer keeps
+    it, and a second DeepSpeed run in the same process joins it again."""
     env = {name: os.environ.get(name) for name in _RUN_ENV}
-    had_group = _process_group_initialized()
     try:
         yield
     finally:
@@ -83,12 +83,7 @@ def process_state_restored() -> Iterator[None]:
             else:
                 os.environ[name] = value
         if deepspeed_ran:
-            _forget_deepspeed(destroy_group=not had_group)
-
-
-def _process_group_initialized() -> bool:
-    dist = sys.modules.get("torch.distributed")  # not imported: no group (and no torch import for a schema check)
-    return dist is not None and dist.is_available() and dist.is_initialized()
+            _forget_deepspeed()
 
 
 def _accelerate_state_is_deepspeed() -> bool:
@@ -99,17 +94,12 @@ def _accelerate_state_is_deepspeed() -> bool:
     return str(getattr(kind, "name", kind)) == "DEEPSPEED"
 
 
-def _forget_deepspeed(*, destroy_group: bool) -> None:
+def _forget_deepspeed() -> None:
     from accelerate.state import AcceleratorState
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     unset_hf_deepspeed_config()
     AcceleratorState._reset_state(reset_partial_state=True)
-    if destroy_group and _process_group_initialized():
-        import torch.distributed as dist
-
-        if dist.get_world_size() == 1:  # the single-process rendezvous's group; a launcher's ranks keep theirs
-            dist.destroy_process_group()
 
 
 def uses_deepspeed(accelerator: Any) -> bool:
