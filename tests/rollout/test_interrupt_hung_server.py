@@ -118,7 +118,8 @@ def test_ctrl_c_during_a_hung_generation_exits_130_promptly(tmp_path, write_conf
         try:
             code = train.wait(timeout=EXIT_BOUND_S)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"coordexp train was still running {EXIT_BOUND_S:.0f} s after Ctrl-C with a hung /infer/")
+            pytest.fail(f"coordexp train was still running {EXIT_BOUND_S:.0f} s after Ctrl-C with a hung /infer/; "
+                        f"its log ends:\n{(tmp_path / 'train.log').read_text()[-3000:]}")
         output = (tmp_path / "train.log").read_text()
         assert code == 130, output[-3000:]
         assert "interrupted" in output and "Traceback" not in output

@@ -183,9 +183,8 @@ def test_stage2_trains_three_steps_with_colocated_vllm_rollouts(write_run_config
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == 3 and all(math.isfinite(v) for v in losses)
     assert all(h["rollout/samples"] == 4 for h in trainer.state.log_history if "loss" in h)
-    # a push before the first rollout and after each optimizer step that preceded a rollout; micro-steps between
-    # optimizer steps reuse the pushed weights
-    assert backend.pushes == 3 and backend.skipped_pushes == 3
+    # one rollout call per optimizer step (both micro-steps' prompts): a push before each, none skipped
+    assert backend.pushes == 3 and backend.skipped_pushes == 0
     backend.sync_weights(trainer.model)
     after = backend.generate(rollout_requests)
     assert backend.pushes == 4  # the last optimizer step
