@@ -82,6 +82,12 @@ _LEFT_OUT = {
     "custom.token_type_metrics": "upstream took a mapping with enabled: true/false; set training.token_type_metrics",
     "custom.extra": "upstream's free-form extras have no owner in coordexp",
     "debug": "no debug mode: its output_dir and sample limits are not applied",
+    # stage2_ab.schedule.b_ratio is mapped in upstream_pre (rollout_matching.gt_step_share); the rest has no owner
+    "stage2_ab.n_softctx_iter": ("the ground-truth steps (rollout_matching.gt_step_share) train with plain teacher "
+                                 "forcing: no soft-context iterations"),
+    "stage2_ab.bbox_smoothl1_weight": "no box regression loss: coord_reg (soft CE, W1, gate) trains the coordinates",
+    "stage2_ab.channel_b": "rollout steps follow rollout_matching.*; no channel-B options",
+    "stage2_ab.schedule": "upstream took b_ratio in [0, 1]; set rollout_matching.gt_step_share (1 - b_ratio)",
     "rlhf": "no GKD / RLHF trainer",
     "deepspeed": "deepspeed.enabled must be true or false with a config name",
     "data.dataset_num_proc": "records are read in-process",
@@ -154,6 +160,7 @@ def upstream_pre(rw: Any) -> None:
     _best_model_metric(rw)
     _token_type_metrics(rw)
     _object_ordering(rw)
+    _stage2_ab(rw)
     for dotted, (value, why) in _REDUNDANT.items():
         found = _get(rw.data, dotted)
         if found is not _ABSENT and (value is None or found == value):
@@ -210,6 +217,27 @@ def _object_ordering(rw: Any) -> None:
         if rw.put("custom.object_ordering", "data.object_order", value.strip().lower()):
             _pop(rw.data, "custom.object_ordering")
             rw.m.changes.append(f"custom.object_ordering: {value} -> data.object_order: {value.strip().lower()}")
+
+
+def _stage2_ab(rw: Any) -> None:
+    """Upstream's ``stage2_ab_training``: channel B (rollout-matching) on a ``b_ratio`` share of the optimizer steps,
+    channel A (teacher forcing on the ground truth) on the others -> ``stage2_rollout_aligned`` with
+    ``rollout_matching.gt_step_share = 1 - b_ratio`` (docs/design.md, decision 15)."""
+    if _get(rw.data, "custom.trainer_variant") == "stage2_ab_training":  # then migrated as rollout_matching_sft is
+        rw.data["custom"]["trainer_variant"] = "rollout_matching_sft"
+        rw.m.changes.append("custom.trainer_variant: stage2_ab_training is rollout-matching SFT (channel B) with "
+                            "ground-truth steps (channel A) between them: rollout_matching_sft + "
+                            "rollout_matching.gt_step_share")
+    ratio = _get(rw.data, "stage2_ab.schedule.b_ratio")
+    if isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 0 <= ratio <= 1:
+        share = round(1.0 - float(ratio), 9)
+        if rw.put("stage2_ab.schedule.b_ratio", "rollout_matching.gt_step_share", share):
+            _pop(rw.data, "stage2_ab.schedule.b_ratio")
+            rw.m.changes.append(f"stage2_ab.schedule.b_ratio: {ratio} -> rollout_matching.gt_step_share: {share} "
+                                "(the share of steps that train the ground truth instead of rollouts)")
+    for dotted in ("stage2_ab.schedule", "stage2_ab"):  # emptied by the mapping: nothing left to report
+        if _get(rw.data, dotted) == {}:
+            _pop(rw.data, dotted)
 
 
 _COORD_ROWS = "tuner.train_coord_rows"

@@ -244,3 +244,46 @@ def test_no_upstream_key_is_dropped_silently(tmp_path_factory, keys, in_parent):
     left = result.files[0].migration.left_out
     assert all(any(line.startswith(f"{k}:") for line in left) for k in keys), (keys, left)
     assert result.needs_user and validate_config_file(out).ok
+
+
+STAGE2_AB_BASE = {
+    "extends": "../base.yaml",
+    "model": {"model": "output/1-26/checkpoint-1516-merged"},
+    "tuner": {"train_type": "lora", "use_dora": True, "use_swift_lora": False, "target_modules": ["all-linear"],
+              "lora_rank": 16, "lora_alpha": 32, "lora_dropout": 0.0},
+    "training": {"per_device_train_batch_size": 1, "effective_batch_size": 64, "packing": True, "optimizer": "multimodal",
+                 "learning_rate": 2e-5, "vit_lr": 2e-5, "aligner_lr": 5e-5, "weight_decay": 0.0,
+                 "lr_scheduler_kwargs": {"min_lr": 1e-6}},
+    "data": {"dataloader_num_workers": 4},
+    "stage2_ab": {"schedule": {"b_ratio": 0.05}, "n_softctx_iter": 2, "bbox_smoothl1_weight": 2.0, "channel_b": {}},
+    "custom": {"trainer_variant": "stage2_ab_training", "train_jsonl": "public_data/lvis/train.coord.jsonl",
+               "val_jsonl": "public_data/lvis/val.coord.jsonl", "coord_soft_ce_w1": {"enabled": True}},
+    "rollout_matching": {"rollout_backend": "hf", "decode_batch_size": 4, "decode_mode": "greedy",
+                         "max_new_tokens": 3084, "candidate_top_k": 5, "maskiou_gate": 0.3, "fp_cost": 0.5,
+                         "fn_cost": 2, "ot_cost": "l2", "ot_epsilon": 10, "ot_iters": 1},
+}
+
+
+@pytest.mark.parametrize(("b_ratio", "share"), [(0.85, 0.15), (1.0, 0.0), (0.0, 1.0)])
+def test_a_stage2_ab_leaf_trains_rollouts_with_its_ground_truth_steps(tmp_path, b_ratio, share):
+    """Upstream's stage2_ab_training (channel B rollouts on b_ratio of the steps, channel A ground truth on the rest)
+    migrates to stage 2 with rollout_matching.gt_step_share = 1 - b_ratio; before, its trainer variant was refused."""
+    _tree(tmp_path)
+    base = tmp_path / "configs" / "stage2_ab" / "base.yaml"
+    leaf = tmp_path / "configs" / "stage2_ab" / "prod" / "ab_mixed.yaml"
+    leaf.parent.mkdir(parents=True)
+    base.write_text(yaml.safe_dump(STAGE2_AB_BASE, sort_keys=False))
+    leaf.write_text(yaml.safe_dump({"extends": "../base.yaml", "stage2_ab": {"schedule": {"b_ratio": b_ratio}},
+                                    "training": {"output_dir": "output/stage2_ab/prod/ab_mixed"}}, sort_keys=False))
+    out = tmp_path / "ab.yaml"
+    result = _run("migrate", str(leaf), "-o", str(out), "--base-dir", str(tmp_path))
+    assert result.exit_code == 2, result.output  # channel A's soft context and box loss are left out, said
+    text = " ".join(result.output.split())
+    for key in ("stage2_ab.n_softctx_iter", "stage2_ab.bbox_smoothl1_weight", "stage2_ab.channel_b"):
+        assert f"left out {key}:" in text
+    assert "stage2_ab.schedule" not in yaml.safe_load(out.read_text()).get("stage2_ab", {})
+    contract = _contract(out)
+    assert contract["trainer_variant"] == "stage2_rollout_aligned"
+    rollout = contract["rollout_matching"]
+    assert rollout["gt_step_share"] == pytest.approx(share)
+    assert [m["name"] for m in rollout["pipeline"]["objective"]] == ["token_ce", "coord_reg"]
