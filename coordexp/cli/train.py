@@ -56,6 +56,42 @@ def _finished(resume_from: Optional[str], max_steps: Optional[int]) -> Optional[
     return step if step >= max_steps else None
 
 
+INTERRUPT_GRACE_S = 20.0
+
+
+def _watch_for_interrupt(grace_s: float = INTERRUPT_GRACE_S) -> None:
+    """Ctrl-C ends the run within ``grace_s`` even when the main thread sits in a native call that does not return
+    to Python (where the KeyboardInterrupt would be raised): the signal's byte reaches a watcher thread through
+    ``signal.set_wakeup_fd`` at once; the normal path gets ``grace_s`` first, then the watcher dumps every thread's
+    stack to stderr (where it was stuck) and exits 130. A disposition the parent set (SIG_IGN) is left alone."""
+    import faulthandler
+    import os
+    import signal
+    import threading
+    import time
+
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    try:
+        signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    except ValueError:  # not the main thread: the normal path alone
+        os.close(read_fd)
+        os.close(write_fd)
+        return
+
+    def watch() -> None:
+        while signal.SIGINT not in os.read(read_fd, 64):
+            pass
+        time.sleep(grace_s)
+        err.print(f"interrupted (the main thread did not stop within {grace_s:.0f} s; its stack follows)")
+        faulthandler.dump_traceback(all_threads=True)
+        _exit_interrupted()
+
+    threading.Thread(target=watch, name="interrupt-watch", daemon=True).start()
+
+
 def _exit_interrupted() -> None:
     """Ctrl-C: end the process now with 130. A rollout thread blocked on a hung server (HTTP, up to its timeout)
     would otherwise hold interpreter exit, which joins worker threads; checkpoints are atomic and the run log is
@@ -121,6 +157,7 @@ def train(
     check_training_arguments(run)  # what transformers would refuse after the model loads: exit 2 now
 
     progress = ProgressCallback(err if as_json else None, title=f"{run.trainer_variant}: {safe(config.name)}")
+    _watch_for_interrupt()
     try:
         outcome = run_training(
             run,

@@ -1,0 +1,61 @@
+"""Ctrl-C ends ``coordexp train`` even when the main thread never gets back to Python to raise KeyboardInterrupt
+(a native call that retries through the signal, or a library that swallows the interrupt). CI saw the hung-server
+test's learner still running 90 s after Ctrl-C, with no "interrupted" printed (tests/rollout/
+test_interrupt_hung_server.py); the watcher makes that bounded and prints every thread's stack."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+STUCK = textwrap.dedent("""
+    import sys, time
+    from coordexp.cli.train import _watch_for_interrupt
+    _watch_for_interrupt(grace_s=1.0)
+    print("ready", flush=True)
+    def swallowing_everything():
+        while True:
+            try:
+                time.sleep(0.05)
+            except KeyboardInterrupt:  # what a library that retries on any exception does
+                pass
+    swallowing_everything()
+""")
+
+
+@pytest.mark.slow  # starts a process
+def test_a_main_thread_that_never_stops_still_exits_130_with_its_stack():
+    proc = subprocess.Popen([sys.executable, "-c", STUCK], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    stderr = proc.stderr.read()
+    assert code == 130, stderr
+    assert "interrupted" in stderr and "swallowing_everything" in stderr  # the stuck thread's stack is shown
+
+
+@pytest.mark.slow  # starts a process
+def test_an_ignored_sigint_stays_ignored():
+    """A parent that ignores SIGINT for its children (a background job) keeps them running through Ctrl-C."""
+    program = STUCK.replace("_watch_for_interrupt(grace_s=1.0)", "_watch_for_interrupt(grace_s=1.0)\n"
+                            "import signal; assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN")
+    proc = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
+        proc.send_signal(signal.SIGINT)
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(timeout=3)
+    finally:
+        proc.kill()
+        proc.wait()
