@@ -25,6 +25,10 @@ pytestmark = pytest.mark.slow
 
 SINGLE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 INFER_TIMEOUT_S = 400.0  # far longer than the exit bound below: an exit within it was not a timeout
+# `python -m coordexp` with SIGINT handled as at a terminal: a test runner started as a background job ignores SIGINT,
+# and its children inherit that (CI ran this test so and the learner never saw the Ctrl-C)
+AT_A_TERMINAL = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                 "sys.argv[0] = 'coordexp'; runpy.run_module('coordexp', run_name='__main__')")
 EXIT_BOUND_S = 90.0  # generous for a loaded 2-core box; the old code waited for the whole INFER_TIMEOUT_S
 
 
@@ -100,7 +104,7 @@ def test_ctrl_c_during_a_hung_generation_exits_130_promptly(tmp_path, write_conf
                                             "logging_steps": 1, "per_device_train_batch_size": 2, "packing": False},
                                "global_max_length": 1024, "rollout_matching": rollout}, name="learner.yaml")
         log = (tmp_path / "train.log").open("w")
-        train = subprocess.Popen([sys.executable, "-m", "coordexp", "train", str(config)], stdout=log,
+        train = subprocess.Popen([sys.executable, "-c", AT_A_TERMINAL, "train", str(config)], stdout=log,
                                  stderr=subprocess.STDOUT, env={**os.environ, **SINGLE_THREAD})
         run_log = tmp_path / "run" / "run_metadata.jsonl"
         # readiness: training has rolled out through the proxy (a train rollout is logged) ...
