@@ -76,9 +76,10 @@ def test_the_matched_objects_coord_slots_keep_their_targets(keep, drop, record):
     kept, _ = _sample(keep, record, text)
     dropped, _ = _sample(drop, record, text)
     n = len(first.coords)
-    for sample in (kept, dropped):  # the matched slots come first, with the same positions and target bins
-        assert sample.supervision.coord_positions[:n].tolist() == kept.supervision.coord_positions[:n].tolist()
-        assert sample.supervision.coord_targets[:n].tolist() == kept.supervision.coord_targets[:n].tolist()
+    # the matched slots come first, supervised towards the ground truth, at the same positions as without the cut
+    assert kept.supervision.coord_targets[:n].tolist() == pytest.approx(list(first.coords))
+    assert dropped.supervision.coord_positions[:n].tolist() == kept.supervision.coord_positions[:n].tolist()
+    assert dropped.supervision.coord_targets[:n].tolist() == kept.supervision.coord_targets[:n].tolist()
 
 
 def test_a_rollout_that_matched_nothing_trains_the_ground_truth(drop, record):

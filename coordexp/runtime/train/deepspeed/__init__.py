@@ -90,8 +90,12 @@ def _accelerate_state_is_deepspeed() -> bool:
     state = sys.modules.get("accelerate.state")
     if state is None:
         return False
-    kind = state.AcceleratorState._shared_state.get("distributed_type")
-    return str(getattr(kind, "name", kind)) == "DEEPSPEED"
+    return _names_deepspeed(state.AcceleratorState._shared_state.get("distributed_type"))
+
+
+def _names_deepspeed(distributed_type: Any) -> bool:
+    """Whether accelerate's ``DistributedType`` (the enum, or its name) is DeepSpeed."""
+    return str(getattr(distributed_type, "name", distributed_type)) == "DEEPSPEED"
 
 
 def _forget_deepspeed() -> None:
@@ -103,8 +107,7 @@ def _forget_deepspeed() -> None:
 
 
 def uses_deepspeed(accelerator: Any) -> bool:
-    distributed = getattr(accelerator, "distributed_type", None)
-    return str(getattr(distributed, "name", distributed)) == "DEEPSPEED"
+    return _names_deepspeed(getattr(accelerator, "distributed_type", None))
 
 
 def backward_row(accelerator: Any, loss: Any) -> None:
