@@ -55,6 +55,11 @@ def _variant(text: str) -> tuple[str, list[tuple[list[str], Any]]]:
     return name, overrides
 
 
+def _setting(text: str) -> tuple[list[str], Any]:
+    """``dotted.key:value`` -> (key path, YAML value), for ``--set``."""
+    return _variant(f"set={text}")[1][0]
+
+
 def _override(config: dict[str, Any], base: dict[str, Any], keys: list[str], value: Any) -> None:
     """Set ``keys`` in ``config``; a list on the way is first copied whole from the merged ``base`` (``extends``
     replaces lists), so one entry of the base's pipeline can change."""
@@ -105,10 +110,16 @@ def _args() -> argparse.Namespace:
     p.add_argument("--continue-lr", type=float, default=2e-5, help="constant lr of every continuation")
     p.add_argument("--continue-batch", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--decode-batch", type=int, default=None,
+                   help="rollout_matching.decode_batch_size of every run (evaluation decodes in chunks of it; on a GPU "
+                   "raise it: a chunk's decode time hardly grows with its rows); default: the example configs'")
     p.add_argument("--score", default="logprob", choices=("logprob", "mean_logprob", "constant"))
     p.add_argument("--variant", type=_variant, action="append", default=[], metavar="NAME=KEY:VALUE[;KEY:VALUE]",
                    help="one more stage-2 continuation with these config overrides (dotted keys), e.g. "
                    "sampled=rollout_matching.decoding.temperature:0.7; repeatable")
+    p.add_argument("--set", type=_setting, action="append", default=[], metavar="KEY:VALUE", dest="settings",
+                   help="a config override for every run, stage 1 included (dotted key), e.g. "
+                   "rollout_matching.hf_generate.compile:false; repeatable")
     p.add_argument("--no-stage1-continued", action="store_true", help="skip the stage-1 continuation")
     p.add_argument("--no-rollout-only", action="store_true",
                    help="skip stage2_rollout_only (the recipe's stage 2 with rollouts at every step, gt_step_share 0)")
@@ -164,6 +175,9 @@ def _config(args: argparse.Namespace, work: Path, name: str, base: str, model: P
                      "eval_steps": None, **training},
         "rollout_matching": {"max_new_tokens": args.max_new_tokens},
     }
+    if args.decode_batch is not None:
+        config["rollout_matching"]["decode_batch_size"] = args.decode_batch
+    overrides = [*args.settings, *overrides]
     if overrides:
         from coordexp.schema.loader import load_merged
 

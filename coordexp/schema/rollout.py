@@ -46,6 +46,9 @@ class DecodingConfig(StrictModel):
     top_k: int_in(-1, MAX_TOKENS) = Field(-1, description="-1 disables top-k; otherwise >= 1 (at most 2**20).")
     num_beams: int_in(1, MAX_BEAMS) = Field(1, description="> 1 runs beam search and trains on the best beam.")
     repetition_penalty: float_in(gt=0.0, le=100.0) = Field(1.0, description="1.0 disables the penalty.")
+    coord_group_greedy: bool = Field(
+        False, description="Greedy steps pick a coordinate when the coord tokens' total probability beats every "
+        "other token, then the likeliest bin (docs/design.md, decision 16); needs temperature 0 and num_beams 1.")
 
     @field_validator("top_k")
     @classmethod
@@ -53,6 +56,15 @@ class DecodingConfig(StrictModel):
         if value != -1 and value < 1:
             raise ValueError(f"top_k must be -1 (disabled) or >= 1 (got {value})")
         return value
+
+    @model_validator(mode="after")
+    def _group_greedy_is_greedy(self) -> "DecodingConfig":
+        if self.coord_group_greedy and (self.temperature > 0 or self.num_beams > 1):
+            raise ValueError(
+                f"coord_group_greedy changes greedy decoding only (temperature 0, num_beams 1; got temperature "
+                f"{self.temperature}, num_beams {self.num_beams}): sampling already draws a coordinate with the coord "
+                "tokens' total probability, and beam search ranks whole sequences; set it false or decode greedily")
+        return self
 
 
 class RepeatTerminateConfig(StrictModel):

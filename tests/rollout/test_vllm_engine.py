@@ -51,6 +51,22 @@ def test_greedy_rollouts_equal_hf_token_for_token_with_images(engine, model_dir,
     assert any(o.response_token_ids for o in vllm)
 
 
+def test_coord_group_greedy_equals_hf_token_for_token(engine, model_dir, processor, rollout_requests):
+    """decoding.coord_group_greedy through vLLM's processor (per-request opt-in) and HF's: the same ids, and not
+    plain greedy's (on this random model plain greedy writes text where the coord group outweighs it)."""
+    grouped = DecodingConfig(coord_group_greedy=True)
+    model = load_hf_model(model_dir)
+    hf = hf_rollouts(model, processor, rollout_requests, decoding=grouped)
+    mixed = [grouped, GREEDY, grouped, GREEDY]  # one request at a time, opting in or not
+    vllm = [engine.generate([r], decoding=d, max_new_tokens=MAX_NEW)[0] for r, d in zip(rollout_requests, mixed)]
+    batch = engine.generate(rollout_requests, decoding=grouped, max_new_tokens=MAX_NEW)
+    plain = hf_rollouts(model, processor, rollout_requests)
+    assert [o.response_token_ids for o in batch] == [o.response_token_ids for o in hf]
+    assert [o.response_token_ids for o in vllm[::2]] == [o.response_token_ids for o in hf[::2]]
+    assert [o.response_token_ids for o in vllm[1::2]] == [o.response_token_ids for o in plain[1::2]]
+    assert [o.response_token_ids for o in hf] != [o.response_token_ids for o in plain]
+
+
 def test_seeded_sampling_depends_on_the_request_seed_only(engine, rollout_requests):
     sampling = DecodingConfig(temperature=1.0, top_p=0.9, top_k=50)
     batch = engine.generate(rollout_requests, decoding=sampling, max_new_tokens=MAX_NEW)

@@ -9,6 +9,8 @@
   global RNG is never touched (HF ``generate`` takes no generator).
 - ``repetition_penalty`` is applied by :class:`PaddingAwareRepetitionPenalty` (prompt + generated ids, like vLLM),
   which ignores left padding so that batched and per-sample rollouts are identical.
+- ``decoding.coord_group_greedy`` is :class:`CoordGroupGreedy` (greedy picks the coordinate group by its mass first,
+  :mod:`coordexp.runtime.rollout.coord_group`), before the repeat guard, which may still force EOS.
 - ``repeat_terminate`` is :class:`RepeatGuardProcessor`: rows that trip :mod:`coordexp.runtime.core.repeat` get every
   logit but EOS set to -inf; the other rows continue.
 - Ids the policy must never emit are suppressed: padded embedding rows (``>= len(tokenizer)``) and the
@@ -37,6 +39,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from coordexp.runtime.rollout.coord_group import choose_coord_group, coord_id_tensor
 from coordexp.runtime.rollout.base import RolloutBackend, RolloutOutput, RolloutRequest, finish_output
 from coordexp.runtime.rollout.merged_decode import MergedDecodeModel
 from coordexp.runtime.rollout.weight_export import unwrap_model, zero3_partitioned
@@ -46,7 +49,7 @@ from coordexp.runtime.core.repeat import RepeatGuard, RepeatTracker, count_objec
 from coordexp.schema.contract import RunContract
 from coordexp.schema.rollout import DecodingConfig, HfGenerateConfig, RepeatTerminateConfig
 
-__all__ = ["HfRolloutBackend", "RepeatGuardProcessor", "SeededSampler", "PaddingAwareRepetitionPenalty",
+__all__ = ["HfRolloutBackend", "CoordGroupGreedy", "RepeatGuardProcessor", "SeededSampler", "PaddingAwareRepetitionPenalty",
            "CACHE_LENGTH_BUCKET", "row_bucket"]
 
 logger = logging.getLogger("coordexp.rollout.hf")
@@ -91,6 +94,17 @@ class RepeatGuardProcessor(LogitsProcessor):
         forced = scores.masked_fill(rows[:, None], float("-inf"))
         forced[rows, self.eos_token_id] = 0.0
         return forced
+
+
+class CoordGroupGreedy(LogitsProcessor):
+    """Leaves only the coord tokens where their total probability beats every other token (greedy decoding then
+    takes the likeliest bin); see :func:`~coordexp.runtime.rollout.coord_group.choose_coord_group`."""
+
+    def __init__(self, coord_ids: torch.Tensor):
+        self.coord_ids = coord_ids
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        return choose_coord_group(scores, self.coord_ids)
 
 
 class PaddingAwareRepetitionPenalty(LogitsProcessor):
@@ -178,6 +192,7 @@ class HfRolloutBackend(RolloutBackend):
         self.guard = repeat_terminate if isinstance(repeat_terminate, RepeatGuard) else RepeatGuard.from_config(
             repeat_terminate)
         self._pieces = PieceTable.for_tokenizer(tokenizer).pieces if self.guard.active else None
+        self._coord_ids: torch.Tensor | None = None  # built on the first coord_group_greedy decode
         end_of_turn = tokenizer.convert_tokens_to_ids(END_OF_TURN_TOKEN)
         if end_of_turn is None or end_of_turn == tokenizer.unk_token_id:
             raise ValueError(f"the tokenizer has no {END_OF_TURN_TOKEN} token; rollouts stop at the end of the "
@@ -347,6 +362,10 @@ class HfRolloutBackend(RolloutBackend):
         processors: list[LogitsProcessor] = []
         if self.decoding.repetition_penalty != 1.0:
             processors.append(PaddingAwareRepetitionPenalty(self.decoding.repetition_penalty, pad_lengths, beams))
+        if self.decoding.coord_group_greedy:
+            if self._coord_ids is None:
+                self._coord_ids = coord_id_tensor(self._tokenizer)
+            processors.append(CoordGroupGreedy(self._coord_ids))
         if self.guard.active:
             processors.append(RepeatGuardProcessor(self.guard, prompt_width=width, eos_token_id=self.end_of_turn_id,
                                                    pieces=self._pieces, rows_reorder=beams > 1))

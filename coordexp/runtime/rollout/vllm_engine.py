@@ -32,7 +32,8 @@ from coordexp.runtime.rollout.logprobs import TokenLogprob, from_vllm_steps
 from coordexp.runtime.model.encoding import IMAGE_PAD_TOKEN, EncodingError, load_images
 from coordexp.runtime.core.repeat import RepeatGuard
 from coordexp.runtime.rollout.vllm_import import VllmUnavailableError, import_vllm, visible_devices
-from coordexp.runtime.rollout.vllm_repeat import GUARD_ENV, ProcessorSettings, constructed_count, encode_settings
+from coordexp.runtime.rollout.vllm_repeat import (COORD_GROUP_ARG, GUARD_ENV, ProcessorSettings, constructed_count,
+                                                 encode_settings)
 
 from coordexp.schema.rollout import RepeatTerminateConfig
 
@@ -319,6 +320,7 @@ class VllmEngine:
             repetition_penalty=float(decoding.repetition_penalty), seed=None if greedy else int(seed),
             stop_token_ids=sorted(self.stop_ids), detokenize=False, skip_special_tokens=False,
             logprobs=None if logprobs is None else int(logprobs), flat_logprobs=logprobs is not None,
+            extra_args={COORD_GROUP_ARG: True} if decoding.coord_group_greedy else None,
         )
 
     def vllm_prompt(self, request: RolloutRequest) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The vLLM V1 logits processor of coordexp rollouts: repeat-aware EOS forcing and never-emit ids.
+"""The vLLM V1 logits processor of coordexp rollouts: never-emit ids, coord-group greedy and repeat-aware EOS forcing.
 
 vLLM V1 ignores per-request logits processors; a batch-level processor class is installed once, at engine start
 (``LLM(logits_processors=[cls])``, or ``coordexp.runtime.rollout.vllm_repeat:CoordexpLogitsProcessor`` by name in
@@ -8,6 +8,9 @@ processes inherit it). Per row it:
 
 - sets ids the policy must never emit to ``-inf``: padded vocabulary rows (``>= len(tokenizer)``) and the
   image/video placeholders (the same ids the HF backend suppresses);
+- for the requests whose ``SamplingParams.extra_args`` hold :data:`COORD_GROUP_ARG` (``decoding.coord_group_greedy``,
+  greedy requests only), leaves only the coord tokens where their total probability beats every other token
+  (:mod:`coordexp.runtime.rollout.coord_group`, the HF backend's rule);
 - when ``rollout_matching.repeat_terminate`` is active, keeps one :class:`~coordexp.runtime.core.repeat.RepeatTracker`
   per request (O(1) per generated id, the same pure definition as the HF processor) and forces EOS for exactly
   the rows whose generated ids trip the guard; the other rows continue.
@@ -24,10 +27,11 @@ from typing import Any, Sequence
 
 from coordexp.runtime.core.repeat import RepeatGuard, RepeatTracker
 
-__all__ = ["GUARD_ENV", "PROCESSOR_QUALNAME", "ProcessorSettings", "RowTrackers", "encode_settings", "decode_settings",
+__all__ = ["GUARD_ENV", "COORD_GROUP_ARG", "PROCESSOR_QUALNAME", "ProcessorSettings", "RowTrackers", "encode_settings", "decode_settings",
            "CoordexpLogitsProcessor", "processor_class", "constructed_count"]
 
 GUARD_ENV = "COORDEXP_VLLM_LOGITS_PROCESSOR"
+COORD_GROUP_ARG = "coordexp_coord_group_greedy"  # the SamplingParams.extra_args key a request opts in with
 PROCESSOR_QUALNAME = "coordexp.runtime.rollout.vllm_repeat:CoordexpLogitsProcessor"
 NEVER_EMIT_TOKENS = ("<|image_pad|>", "<|video_pad|>")
 _CONSTRUCTED = [0]
@@ -114,18 +118,39 @@ def _build_class() -> type:
 
                 pieces = PieceTable.for_tokenizer(tokenizer).pieces
             self.trackers = RowTrackers(settings.guard, pieces) if settings.guard.active else None
+            self.tokenizer = tokenizer
+            self.coord_ids: "torch.Tensor | None" = None  # built when the first request opts in
+            self.group_rows: dict[int, bool] = {}  # persistent-batch rows decoding with coord_group_greedy
             _CONSTRUCTED[0] += 1
 
         def is_argmax_invariant(self) -> bool:
             return False
 
+        def _group_entry(self, params: Any, _prompt_ids: Any, _output_ids: Any) -> bool | None:
+            if not (getattr(params, "extra_args", None) or {}).get(COORD_GROUP_ARG):
+                return None
+            if params.temperature > 0:
+                raise ValueError(f"{COORD_GROUP_ARG} is for greedy requests (temperature 0), got temperature "
+                                 f"{params.temperature}")
+            if self.coord_ids is None:
+                from coordexp.runtime.rollout.coord_group import coord_id_tensor
+
+                self.coord_ids = coord_id_tensor(self.tokenizer)
+            return True
+
         def update_state(self, batch_update: Any) -> None:
             if self.trackers is not None:
                 builtin.process_dict_updates(self.trackers.rows, batch_update, self.trackers.new_entry)
+            builtin.process_dict_updates(self.group_rows, batch_update, self._group_entry)
 
         def apply(self, logits: "torch.Tensor") -> "torch.Tensor":
             if self.never_ids.numel():
                 logits.index_fill_(1, self.never_ids.to(logits.device), float("-inf"))
+            if self.group_rows:
+                from coordexp.runtime.rollout.coord_group import choose_coord_group
+
+                rows = torch.tensor(sorted(self.group_rows), dtype=torch.long, device=logits.device)
+                logits[rows] = choose_coord_group(logits[rows], self.coord_ids)
             if self.trackers is None or not self.trackers.rows:
                 return logits
             tripped = self.trackers.tripped_rows()

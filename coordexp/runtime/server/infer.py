@@ -127,6 +127,9 @@ class InferPlanner:
             "repetition_penalty": base.repetition_penalty if config.repetition_penalty is None
             else config.repetition_penalty,
         }
+        # the server's own decoding.coord_group_greedy applies to the requests that decode greedily
+        decoding["coord_group_greedy"] = (base.coord_group_greedy and decoding["temperature"] == 0
+                                          and decoding["num_beams"] == 1)
         try:
             resolved = DecodingConfig.model_validate(decoding)
         except ValidationError as exc:
