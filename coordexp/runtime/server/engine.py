@@ -177,7 +177,8 @@ class HfEngine:
         """Teacher-forced log-probabilities of each output's tokens (response ids, then ``<|im_end|>`` when it
         stopped), one forward per request, with the sampling transforms of ``params`` applied as vLLM does for
         ``processed_logprobs``: repetition penalty over prompt + earlier tokens, then (sampling only) temperature,
-        top-k and top-p. The repeat guard's forced EOS and the never-emit suppression are not part of it."""
+        top-k and top-p, and ``coord_group_greedy``'s rule. The repeat guard's forced EOS and the never-emit
+        suppression are not part of it."""
         import torch
 
         model = self._require_model()
@@ -203,7 +204,8 @@ class HfEngine:
                     inputs["image_grid_thw"] = prompt.image_grid_thw.to(device)
                 start = int(prompt.input_ids.shape[0]) - 1
                 logits = model(**inputs).logits[0, start:start + len(generated)].float()
-                logprobs = processed_logprobs(logits, ids.to(device), start + 1, params.decoding)
+                logprobs = processed_logprobs(logits, ids.to(device), start + 1, params.decoding,
+                                              self._coord_ids() if params.decoding.coord_group_greedy else None)
                 chosen = torch.tensor(generated, device=logprobs.device)
                 values = logprobs.gather(1, chosen[:, None])[:, 0].tolist()
                 tops: list[tuple[tuple[int, float], ...]] = [()] * len(generated)
@@ -244,15 +246,21 @@ class HfEngine:
     def reset_caches(self) -> bool:
         return True  # generate() keeps no cache across calls
 
+    def _coord_ids(self) -> "torch.Tensor":
+        from coordexp.runtime.rollout.coord_group import coord_id_tensor
+
+        return coord_id_tensor(self._tokenizer)
+
     def close(self) -> None:
         self._backends.clear()
         self._model = None
 
 
 def processed_logprobs(logits: "torch.Tensor", ids: "torch.Tensor", first: int,
-                       decoding: DecodingConfig) -> "torch.Tensor":
+                       decoding: DecodingConfig, coord_ids: "torch.Tensor | None" = None) -> "torch.Tensor":
     """Log-softmax of ``logits`` (row s predicts ``ids[first + s]``) after the sampling transforms, in vLLM's order:
-    repetition penalty on every id in ``ids[:first + s]`` (divide positive logits, multiply negative ones), then,
+    repetition penalty on every id in ``ids[:first + s]`` (divide positive logits, multiply negative ones), then
+    ``decoding.coord_group_greedy``'s rule (with ``coord_ids``; the coordexp processor runs after the penalties), then,
     when sampling, temperature, top-k and top-p (kept set: the smallest prefix of the sorted distribution whose mass
     reaches ``top_p``; the rest is -inf)."""
     import torch
@@ -264,6 +272,12 @@ def processed_logprobs(logits: "torch.Tensor", ids: "torch.Tensor", first: int,
             seen = torch.unique(ids[:first + s])
             row = scores[s, seen]
             scores[s, seen] = torch.where(row > 0, row / penalty, row * penalty)
+    if decoding.coord_group_greedy:
+        if coord_ids is None:
+            raise ValueError("decoding.coord_group_greedy needs the coord token ids")
+        from coordexp.runtime.rollout.coord_group import choose_coord_group
+
+        scores = choose_coord_group(scores, coord_ids)
     if decoding.temperature > 0:
         scores = scores / float(decoding.temperature)
         if decoding.top_k > 0 and decoding.top_k < scores.shape[1]:
