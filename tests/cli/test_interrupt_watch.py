@@ -18,10 +18,13 @@ STUCK = textwrap.dedent("""
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as at a terminal, whatever the test runner ignores
     from coordexp.cli.train import _watch_for_interrupt
     _watch_for_interrupt(grace_s=1.0)
-    print("ready", flush=True)
     def swallowing_everything():
+        ready = False
         while True:
-            try:
+            try:  # "ready" is printed inside the try: a Ctrl-C right after it is swallowed too (CI hit that window)
+                if not ready:
+                    ready = True
+                    print("ready", flush=True)
                 time.sleep(0.05)
             except KeyboardInterrupt:  # what a library that retries on any exception does
                 pass
