@@ -32,5 +32,5 @@ def choose_coord_group(logits: torch.Tensor, coord_ids: torch.Tensor) -> torch.T
     group = torch.logsumexp(coords.float(), dim=-1)
     others = logits.index_fill(1, coord_ids, float("-inf")).amax(dim=-1).float()
     pick = group > others
-    only_coords = torch.full_like(logits, float("-inf")).index_copy_(1, coord_ids, coords)
-    return torch.where(pick[:, None], only_coords, logits)
+    # picked rows: all -inf, then the coord logits written back (a no-op for the other rows)
+    return logits.masked_fill(pick[:, None], float("-inf")).index_copy_(1, coord_ids, coords)
