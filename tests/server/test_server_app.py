@@ -314,6 +314,43 @@ def test_weight_endpoints_refuse_before_any_broadcast(client):
     assert client.post("/close_communicator/").json() == {"message": p.MESSAGE_CLOSE}
 
 
+def test_a_failed_rendezvous_is_never_broken_without_its_reason(run_contract, processor, tiny_model_dir, dataset,
+                                                                  monkeypatch):
+    """CI saw /coordexp/sync_status/ report "broken" with last_error null: the rendezvous marked the communicator
+    broken before the failure was recorded. Every status read while the group fails (here, from the listener's close,
+    which runs in between) shows either no failure yet or "broken" with its reason."""
+    from fastapi.testclient import TestClient
+
+    from coordexp.runtime.server import app as app_module
+    from coordexp.runtime.server.engine import GenerationParams, HfEngine
+
+    engine = HfEngine.from_contract(run_contract, model=load_model(tiny_model_dir), processor=processor)
+    app = app_module.create_app(engine, processor, run_contract.template, image_root=dataset.root,
+                                defaults=GenerationParams(16, DecodingConfig()), sync_timeout_s=1.0)
+    service = app.state.service
+    seen = []
+    close = app_module.ListenerGate.close
+
+    def close_and_look(self):
+        close(self)
+        seen.append(service.status())
+
+    monkeypatch.setattr(app_module.ListenerGate, "close", close_and_look)
+    with TestClient(app) as client:
+        port = _free_port()
+        reply = client.post("/init_communicator/", json={"host": "127.0.0.1", "port": port, "world_size": 2,
+                                                           "timeout_s": 1.0})
+        assert reply.status_code == 200, reply.text
+        deadline = time.monotonic() + 120
+        while service.status().communicator == "initializing" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        final = service.status()
+    assert final.communicator == "broken" and "could not form the group" in final.last_error
+    assert seen, "the listener was never closed"
+    for status in seen + [final]:
+        assert status.communicator != "broken" or status.last_error, status
+
+
 # ------------------------------------------------------------------------------------------------ real processes
 
 

@@ -100,9 +100,12 @@ class RolloutService:
         return self.worker.submit(fn)
 
     def queue_sync_op(self, op: str, fn: Callable[[], None],
-                      submit: Callable[[Callable[[], None]], Future] | None = None) -> Future:
+                      submit: Callable[[Callable[[], None]], Future] | None = None,
+                      breaks: Callable[[], bool] | None = None) -> Future:
         """Acknowledge-then-execute: ``fn`` runs in FIFO order (or through ``submit``, e.g. the rendezvous
-        runner); its outcome lands in the sync status."""
+        runner); its outcome lands in the sync status. The communicator turns "broken" on a failure that
+        ``breaks()`` says breaks it (default: a weight-sync error while a group exists), in the same locked update
+        as ``last_error``, so a status never shows "broken" without its reason."""
         with self._lock:
             self.pending += 1
             seq, self._seq = self._seq, self._seq + 1
@@ -110,19 +113,23 @@ class RolloutService:
         def task() -> None:
             started = time.perf_counter()
             error: str | None = None
+            broken = False
             try:
                 fn()
             except WeightSyncError as exc:
                 error = str(exc)
-                self.communicator = "broken" if self.receiver is not None else self.communicator
+                broken = breaks() if breaks is not None else self.receiver is not None
             except Exception as exc:  # noqa: BLE001 - every failure is reported, with its type
                 error = f"{type(exc).__name__}: {exc}"
+                broken = breaks() if breaks is not None else False
             with self._lock:
                 self.pending -= 1
                 self.completed += error is None
                 self.failed += error is not None
                 if error is not None:
                     self.last_error = f"{op} #{seq}: {error}"
+                    if broken:
+                        self.communicator = "broken"
                     log.error("weight-sync %s #%d failed: %s", op, seq, error)
                 self.recent.append(p.SyncOpRecord(seq=seq, op=op, ok=error is None, error=error,
                                                   seconds=round(time.perf_counter() - started, 4)))
@@ -224,10 +231,6 @@ class RolloutService:
             try:
                 join(listener)
                 gate.seal()  # the group has formed: its members stay connected, nobody new gets in
-            except Exception:
-                if self.receiver is receiver:
-                    self.communicator = "broken"
-                raise
             finally:
                 gate.close()
             if self.receiver is receiver:
@@ -237,7 +240,8 @@ class RolloutService:
 
         try:
             self._rendezvous = self.queue_sync_op("init_communicator", connect,
-                                                  lambda task: self.rendezvous.start(task, timeout_s))
+                                                  lambda task: self.rendezvous.start(task, timeout_s),
+                                                  breaks=lambda: self.receiver is receiver)
         except RendezvousBusy as exc:
             listener.close()
             gate.close()
