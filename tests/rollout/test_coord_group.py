@@ -19,6 +19,8 @@ from coordexp.runtime.rollout.registry import RolloutRequest
 from coordexp.schema.rollout import DecodingConfig, RepeatTerminateConfig
 from coordexp.schema.template import TemplateConfig
 
+from .conftest import load_hf_model
+
 TEMPLATE = TemplateConfig(system_prompt="Find shapes.", user_prompt="List them.", min_pixels=28 * 28 * 4,
                           max_pixels=28 * 28 * 16)
 
@@ -66,17 +68,8 @@ def test_a_spread_coordinate_beats_a_text_token_that_beats_each_bin():
 
 
 @pytest.fixture(scope="module")
-def model(tiny_model_dir):
-    from transformers import AutoModelForImageTextToText
-
-    return AutoModelForImageTextToText.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
-def processor(tiny_model_dir):
-    from coordexp.runtime.model.encoding import load_processor
-
-    return load_processor(tiny_model_dir)
+def model(model_dir):
+    return load_hf_model(model_dir)  # the tiny Qwen2-VL; ``processor`` is the rollout suite's, of the same model
 
 
 @pytest.fixture(scope="module")

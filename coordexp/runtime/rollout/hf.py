@@ -49,8 +49,8 @@ from coordexp.runtime.core.repeat import RepeatGuard, RepeatTracker, count_objec
 from coordexp.schema.contract import RunContract
 from coordexp.schema.rollout import DecodingConfig, HfGenerateConfig, RepeatTerminateConfig
 
-__all__ = ["HfRolloutBackend", "CoordGroupGreedy", "RepeatGuardProcessor", "SeededSampler", "PaddingAwareRepetitionPenalty",
-           "CACHE_LENGTH_BUCKET", "row_bucket"]
+__all__ = ["HfRolloutBackend", "CoordGroupGreedy", "RepeatGuardProcessor", "SeededSampler",
+           "PaddingAwareRepetitionPenalty", "CACHE_LENGTH_BUCKET", "row_bucket"]
 
 logger = logging.getLogger("coordexp.rollout.hf")
 END_OF_TURN_TOKEN = "<|im_end|>"

@@ -1,4 +1,4 @@
-"""The vLLM V1 logits processor of coordexp rollouts: never-emit ids, coord-group greedy and repeat-aware EOS forcing.
+"""The vLLM V1 logits processor of coordexp rollouts: never-emit ids, coord-group greedy, repeat-aware EOS forcing.
 
 vLLM V1 ignores per-request logits processors; a batch-level processor class is installed once, at engine start
 (``LLM(logits_processors=[cls])``, or ``coordexp.runtime.rollout.vllm_repeat:CoordexpLogitsProcessor`` by name in
@@ -27,8 +27,8 @@ from typing import Any, Sequence
 
 from coordexp.runtime.core.repeat import RepeatGuard, RepeatTracker
 
-__all__ = ["GUARD_ENV", "COORD_GROUP_ARG", "PROCESSOR_QUALNAME", "ProcessorSettings", "RowTrackers", "encode_settings", "decode_settings",
-           "CoordexpLogitsProcessor", "processor_class", "constructed_count"]
+__all__ = ["GUARD_ENV", "COORD_GROUP_ARG", "PROCESSOR_QUALNAME", "ProcessorSettings", "RowTrackers", "encode_settings",
+           "decode_settings", "CoordexpLogitsProcessor", "processor_class", "constructed_count"]
 
 GUARD_ENV = "COORDEXP_VLLM_LOGITS_PROCESSOR"
 COORD_GROUP_ARG = "coordexp_coord_group_greedy"  # the SamplingParams.extra_args key a request opts in with
@@ -97,6 +97,8 @@ def _build_class() -> type:
     builtin = import_vllm("vllm.v1.sample.logits_processor.builtin")
     import torch
 
+    from coordexp.runtime.rollout.coord_group import choose_coord_group, coord_id_tensor
+
     class CoordexpLogitsProcessor(vllm_lp.LogitsProcessor):
         """Never-emit ids and repeat-aware EOS forcing for every request of the engine (config-first)."""
 
@@ -133,8 +135,6 @@ def _build_class() -> type:
                 raise ValueError(f"{COORD_GROUP_ARG} is for greedy requests (temperature 0), got temperature "
                                  f"{params.temperature}")
             if self.coord_ids is None:
-                from coordexp.runtime.rollout.coord_group import coord_id_tensor
-
                 self.coord_ids = coord_id_tensor(self.tokenizer)
             return True
 
@@ -147,8 +147,6 @@ def _build_class() -> type:
             if self.never_ids.numel():
                 logits.index_fill_(1, self.never_ids.to(logits.device), float("-inf"))
             if self.group_rows:
-                from coordexp.runtime.rollout.coord_group import choose_coord_group
-
                 rows = torch.tensor(sorted(self.group_rows), dtype=torch.long, device=logits.device)
                 logits[rows] = choose_coord_group(logits[rows], self.coord_ids)
             if self.trackers is None or not self.trackers.rows:

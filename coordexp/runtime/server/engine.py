@@ -184,6 +184,7 @@ class HfEngine:
         model = self._require_model()
         stop_id = int(self._tokenizer.convert_tokens_to_ids("<|im_end|>"))
         device = self.device
+        coord_ids = self._coord_ids() if params.decoding.coord_group_greedy else None
         results: list[list[TokenLogprob]] = []
         with torch.no_grad():
             for request, output in zip(requests, outputs, strict=True):
@@ -204,8 +205,7 @@ class HfEngine:
                     inputs["image_grid_thw"] = prompt.image_grid_thw.to(device)
                 start = int(prompt.input_ids.shape[0]) - 1
                 logits = model(**inputs).logits[0, start:start + len(generated)].float()
-                logprobs = processed_logprobs(logits, ids.to(device), start + 1, params.decoding,
-                                              self._coord_ids() if params.decoding.coord_group_greedy else None)
+                logprobs = processed_logprobs(logits, ids.to(device), start + 1, params.decoding, coord_ids)
                 chosen = torch.tensor(generated, device=logprobs.device)
                 values = logprobs.gather(1, chosen[:, None])[:, 0].tolist()
                 tops: list[tuple[tuple[int, float], ...]] = [()] * len(generated)
