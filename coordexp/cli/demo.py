@@ -38,11 +38,18 @@ def demo(
         bool, typer.Option("--quick", help="Smoke run: a few steps per stage (also COORDEXP_DEMO_QUICK=1).")
     ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")] = False,
+    threads: Annotated[int, typer.Option(
+        "--threads", min=1, max=256,
+        help="torch CPU threads. 1 (the default) prints the same figures whatever the machine's core count; more "
+             "threads change float rounding, and a different stage-1 model follows (docs/design.md, decision 16).",
+    )] = 1,
 ) -> None:
     """Build the tiny model and data (reused when present), train stage 1 until rollouts parse, then stage 2 from
     that checkpoint; print before/after rollout health and the paths of rollout PNGs."""
     for path in (stage1, stage2):
         load_run(path, as_json=as_json)  # both files checked before anything is built or loaded
+
+    import torch
 
     from coordexp.runtime.toy.demo import DemoPlan, result_to_dict, run_demo
     from coordexp.runtime.train.progress import ProgressCallback
@@ -69,11 +76,17 @@ def demo(
     def log(message: str) -> None:
         console.print(f"[cyan]demo[/cyan] {safe(message)}")
 
-    started = time.monotonic()
-    result = run_demo(plan, callbacks_for=lambda stage: [ProgressCallback(console, title=safe(stage))], log=log)
-    total = time.monotonic() - started
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        started = time.monotonic()
+        result = run_demo(plan, callbacks_for=lambda stage: [ProgressCallback(console, title=safe(stage))], log=log)
+        total = time.monotonic() - started
+    finally:
+        torch.set_num_threads(before)  # an in-process caller (tests, notebooks) keeps its own setting
     summary = result_to_dict(result)
     summary["seconds"]["total"] = total
+    summary["threads"] = threads
     if as_json:
         write_result(json.dumps(summary, indent=2) + "\n")
         raise typer.Exit(EXIT_OK)

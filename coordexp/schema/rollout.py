@@ -47,8 +47,9 @@ class DecodingConfig(StrictModel):
     num_beams: int_in(1, MAX_BEAMS) = Field(1, description="> 1 runs beam search and trains on the best beam.")
     repetition_penalty: float_in(gt=0.0, le=100.0) = Field(1.0, description="1.0 disables the penalty.")
     coord_group_greedy: bool = Field(
-        False, description="Greedy steps pick a coordinate when the coord tokens' total probability beats every "
-        "other token, then the likeliest bin (docs/design.md, decision 16); needs temperature 0 and num_beams 1.")
+        False, description="Greedy steps pick a coordinate when the coord tokens hold more than half the "
+        "probability, then the likeliest token of the chosen kind (docs/design.md, decision 16); needs temperature 0 "
+        "and num_beams 1.")
 
     @field_validator("top_k")
     @classmethod

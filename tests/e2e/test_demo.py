@@ -201,3 +201,28 @@ def test_demo_rejects_a_stage2_that_does_not_start_from_stage1(tmp_path):
     result = runner.invoke(app, ["demo", "--quick", "--stage1", str(stage1), "--stage2", str(stage2)])
     assert result.exit_code == 2
     assert "stage 2 must start from stage 1" in result.output
+
+
+@pytest.mark.slow  # trains both stages twice
+def test_the_demo_figures_do_not_depend_on_the_callers_thread_count(tmp_path, quick_demo):
+    """``--threads`` (default 1) fixes torch's CPU threads for the run: the figures are the same whatever the
+    machine's core count (more threads round differently), and the caller's own setting comes back afterwards."""
+    import torch
+
+    stage1, stage2 = _configs(tmp_path)
+    outer = torch.get_num_threads()
+    losses = []
+    try:
+        for caller_threads in (1, 2):
+            torch.set_num_threads(caller_threads)
+            result = runner.invoke(app, ["demo", "--quick", "--json", "--stage1", str(stage1), "--stage2", str(stage2)],
+                                   catch_exceptions=False)
+            assert result.exit_code == 0, result.output
+            assert torch.get_num_threads() == caller_threads
+            summary = json.loads(result.stdout)
+            assert summary["threads"] == 1
+            losses.append([summary[point]["loss"] for point in ("before_stage2", "after_stage2")])
+    finally:
+        torch.set_num_threads(outer)
+    first = json.loads(quick_demo[1].stdout)  # the module's run, under pytest's own thread count
+    assert losses[0] == losses[1] == [first[point]["loss"] for point in ("before_stage2", "after_stage2")]

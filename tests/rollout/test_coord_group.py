@@ -1,5 +1,5 @@
-"""``decoding.coord_group_greedy``: greedy picks the coordinate group by its total probability, then the bin
-(docs/design.md, decision 16). The rule on its own, the HF backend on the tiny model, the config and the server's
+"""``decoding.coord_group_greedy``: greedy picks the token's kind (coordinate or text) by its total probability,
+then the likeliest token of that kind (docs/design.md, decision 16). The rule on its own, the HF backend on the tiny model, the config and the server's
 per-request resolution."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def logits_and_coords(draw):
 
 @given(logits_and_coords())
 @settings(max_examples=300, deadline=None)
-def test_the_argmax_is_a_coord_exactly_when_the_group_outweighs_every_other_token(case):
+def test_the_argmax_is_a_coord_exactly_when_the_coords_hold_more_than_half_the_mass(case):
     logits, coords = case
     out = choose_coord_group(logits, coords)
     probs = torch.softmax(logits.double(), dim=-1)
@@ -46,25 +46,37 @@ def test_the_argmax_is_a_coord_exactly_when_the_group_outweighs_every_other_toke
     for row in range(logits.shape[0]):
         if torch.isinf(logits[row]).all():
             continue  # nothing to choose
-        group, best_other = probs[row, is_coord].sum(), probs[row, ~is_coord].max()
-        if abs(float(group - best_other)) < 1e-5 * float(max(group, best_other)):
+        mass = float(probs[row, is_coord].sum())
+        if abs(mass - 0.5) < 1e-5:
             continue  # a float tie: either choice is the rule's
-        if group > best_other:
-            assert torch.isinf(out[row, ~is_coord]).all() and (out[row, ~is_coord] < 0).all()
-            assert torch.equal(out[row, is_coord], logits[row, is_coord])  # the bin is the likeliest bin
-        else:
-            assert torch.equal(out[row], logits[row])  # plain greedy, untouched
+        winner, loser = (is_coord, ~is_coord) if mass > 0.5 else (~is_coord, is_coord)
+        assert torch.isinf(out[row, loser]).all() and (out[row, loser] < 0).all()
+        assert torch.equal(out[row, winner], logits[row, winner])  # the likeliest token of the winning kind
 
 
 def test_a_spread_coordinate_beats_a_text_token_that_beats_each_bin():
     coords = torch.arange(2, 12)
     logits = torch.zeros(2, 12)
-    logits[:, 0] = 1.0  # e^1 = 2.7 < 10 bins of e^0: the group wins row 0
+    logits[:, 0] = 1.0  # e^1 = 2.7 < 10 bins of e^0: the coords hold 10 / 13.7 of row 0
     logits[1, 0] = 3.0  # e^3 = 20.1 > 10: text wins row 1
     logits[0, 7] = 0.5  # the likeliest bin of row 0
     out = choose_coord_group(logits, coords)
     assert out.argmax(-1).tolist() == [7, 0]
     assert logits.argmax(-1).tolist() == [0, 0]  # what plain greedy writes
+
+
+def test_spread_text_beats_coordinates_that_beat_each_text_token():
+    """The demo's broken `"desc": "<|coord_979|>"` (decision 16): after `"desc": "` the colour words shared 0.6
+    of the mass, each below the coords' 0.4. Comparing the coords' total with the single best text token wrote the
+    coordinate; the kinds' totals write the colour."""
+    coords = torch.arange(4, 14)
+    probs = torch.full((1, 14), 0.04)  # ten bins: 0.4 in all
+    probs[0, :4] = torch.tensor([0.3, 0.15, 0.1, 0.05])  # four colour words: 0.6
+    assert choose_coord_group(probs.log(), coords).argmax(-1).tolist() == [0]
+    probs = torch.full((1, 14), 0.059)
+    probs[0, :4] = torch.tensor([0.2, 0.1, 0.05, 0.05])  # the words now hold 0.4, the bins 0.6
+    probs[0, 9] = 0.069
+    assert choose_coord_group(probs.log(), coords).argmax(-1).tolist() == [9]
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +93,7 @@ def requests_(processor, synthetic_dataset):
 
 class FlatCoords:
     """A test logits processor run before the backend's own: every coord logit c, one text token c + 2 (so the
-    text token beats each bin, e^2 < 1000, but not the group)."""
+    text token beats each bin, e^2 < 1000, but holds far less than half the mass)."""
 
     def __init__(self, coords, text_id):
         self.coords, self.text_id = coords, text_id
@@ -120,8 +132,8 @@ def test_hf_rollouts_take_the_group_where_plain_greedy_takes_the_text_token(mode
 
 
 def test_hf_rollouts_follow_the_rule_on_the_models_own_logits(model, processor, requests_):
-    """Every generated token, checked against a teacher-forced forward: a coord exactly when the coord tokens'
-    total probability beats every other token the backend may emit."""
+    """Every generated token, checked against a teacher-forced forward: a coord exactly when the coord tokens hold
+    more than half the probability of the tokens the backend may emit."""
     from coordexp.runtime.rollout.hf import _NEVER_EMIT_TOKENS
 
     tokenizer = processor.tokenizer
@@ -141,12 +153,11 @@ def test_hf_rollouts_follow_the_rule_on_the_models_own_logits(model, processor, 
         logits[:, never] = float("-inf")
         logits[:, len(tokenizer):] = float("-inf")
         logp = torch.log_softmax(logits, dim=-1)
-        group = torch.logsumexp(logp[:, coords], dim=-1)
-        others = logp.index_fill(1, coords, float("-inf")).amax(-1)
+        mass = logp[:, coords].exp().sum(-1)
         for step, token in enumerate(ids):
-            if abs(float(group[step] - others[step])) < 1e-4:
+            if abs(float(mass[step]) - 0.5) < 1e-4:
                 continue
-            assert (token in set(coords.tolist())) == bool(group[step] > others[step]), (step, token)
+            assert (token in set(coords.tolist())) == bool(mass[step] > 0.5), (step, token)
             checked += 1
     assert checked > 0
 

@@ -53,7 +53,7 @@ def test_greedy_rollouts_equal_hf_token_for_token_with_images(engine, model_dir,
 
 def test_coord_group_greedy_equals_hf_token_for_token(engine, model_dir, processor, rollout_requests):
     """decoding.coord_group_greedy through vLLM's processor (per-request opt-in) and HF's: the same ids, and not
-    plain greedy's (on this random model plain greedy writes text where the coord group outweighs it)."""
+    plain greedy's (on this random model plain greedy writes text where the coords hold most of the mass)."""
     grouped = DecodingConfig(coord_group_greedy=True)
     model = load_hf_model(model_dir)
     hf = hf_rollouts(model, processor, rollout_requests, decoding=grouped)

@@ -9,8 +9,8 @@ processes inherit it). Per row it:
 - sets ids the policy must never emit to ``-inf``: padded vocabulary rows (``>= len(tokenizer)``) and the
   image/video placeholders (the same ids the HF backend suppresses);
 - for the requests whose ``SamplingParams.extra_args`` hold :data:`COORD_GROUP_ARG` (``decoding.coord_group_greedy``,
-  greedy requests only), leaves only the coord tokens where their total probability beats every other token
-  (:mod:`coordexp.runtime.rollout.coord_group`, the HF backend's rule);
+  greedy requests only), leaves only the coord tokens where they hold more than half the probability and only
+  the other tokens elsewhere (:mod:`coordexp.runtime.rollout.coord_group`, the HF backend's rule);
 - when ``rollout_matching.repeat_terminate`` is active, keeps one :class:`~coordexp.runtime.core.repeat.RepeatTracker`
   per request (O(1) per generated id, the same pure definition as the HF processor) and forces EOS for exactly
   the rows whose generated ids trip the guard; the other rows continue.
