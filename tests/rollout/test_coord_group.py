@@ -1,6 +1,6 @@
 """``decoding.coord_group_greedy``: greedy picks the token's kind (coordinate or text) by its total probability,
-then the likeliest token of that kind (docs/design.md, decision 16). The rule on its own, the HF backend on the tiny model, the config and the server's
-per-request resolution."""
+then the likeliest token of that kind (docs/design.md, decision 16). The rule on its own, the HF backend on the
+tiny model, the config and the server's per-request resolution."""
 
 from __future__ import annotations
 

@@ -9,8 +9,8 @@
   global RNG is never touched (HF ``generate`` takes no generator).
 - ``repetition_penalty`` is applied by :class:`PaddingAwareRepetitionPenalty` (prompt + generated ids, like vLLM),
   which ignores left padding so that batched and per-sample rollouts are identical.
-- ``decoding.coord_group_greedy`` is :class:`CoordGroupGreedy` (greedy picks the token's kind, coordinate or text, by its
-  mass first: :mod:`coordexp.runtime.rollout.coord_group`), before the repeat guard, which may still force EOS.
+- ``decoding.coord_group_greedy`` is :class:`CoordGroupGreedy` (greedy picks the token's kind, coordinate or text,
+  by its mass first: :mod:`coordexp.runtime.rollout.coord_group`), before the repeat guard, which may still force EOS.
 - ``repeat_terminate`` is :class:`RepeatGuardProcessor`: rows that trip :mod:`coordexp.runtime.core.repeat` get every
   logit but EOS set to -inf; the other rows continue.
 - Ids the policy must never emit are suppressed: padded embedding rows (``>= len(tokenizer)``) and the
@@ -98,7 +98,8 @@ class RepeatGuardProcessor(LogitsProcessor):
 
 class CoordGroupGreedy(LogitsProcessor):
     """Leaves only the coord tokens where they hold more than half the probability, only the other tokens elsewhere
-    (greedy then takes the likeliest of the kind); see :func:`~coordexp.runtime.rollout.coord_group.choose_coord_group`."""
+    (greedy then takes the likeliest of the kind); see
+    :func:`~coordexp.runtime.rollout.coord_group.choose_coord_group`."""
 
     def __init__(self, coord_ids: torch.Tensor):
         self.coord_ids = coord_ids
