@@ -26,19 +26,24 @@ quiet_pip() {
   fi
 }
 
-# Re-install only when pyproject.toml or the requested extras change.
-key=$(cat "$root/pyproject.toml" "$root/scripts/bootstrap.sh" | sha1sum | cut -c1-12)
+# Re-install only when pyproject.toml, this script, the CPU pins or the requested extras change.
+key=$(cat "$root/pyproject.toml" "$root/scripts/bootstrap.sh" "$root/scripts/constraints-cpu.txt" | sha1sum | cut -c1-12)
 stamp="$venv/.coordexp-installed-${key}-${extras:-base}"
 if [ ! -f "$stamp" ]; then
-  if ! command -v nvidia-smi >/dev/null 2>&1 && ! "$venv/bin/python" -c "import torch" >/dev/null 2>&1; then
-    # CPU-only machine: take the CPU build of torch first, so resolving `torch>=2.4` never pulls the multi-GB CUDA wheels.
-    echo "[bootstrap] installing CPU torch==2.13.0" >&2
-    quiet_pip install "torch==2.13.0"
+  pins=()
+  if ! command -v nvidia-smi >/dev/null 2>&1; then
+    # CPU-only machine: the versions the demo's figures were measured with (the file says why).
+    pins=(-c "$root/scripts/constraints-cpu.txt")
+    if ! "$venv/bin/python" -c "import torch" >/dev/null 2>&1; then
+      # Take the CPU build of torch first, so resolving `torch>=2.4` never pulls the multi-GB CUDA wheels.
+      echo "[bootstrap] installing CPU torch==2.13.0" >&2
+      quiet_pip install "torch==2.13.0"
+    fi
   fi
   spec="$root"
   [ -n "$extras" ] && spec="$root[$extras]"
   echo "[bootstrap] installing coordexp (${extras:-no extras})" >&2
-  quiet_pip install -e "$spec"
+  quiet_pip install ${pins[@]+"${pins[@]}"} -e "$spec"
   find "$venv" -maxdepth 1 -name ".coordexp-installed-*" ! -name ".coordexp-installed-${key}-*" -delete
   touch "$stamp"
 fi

