@@ -1,6 +1,6 @@
 """Actor-learner overlap in server mode, and HF ``generate`` tokens/s with ``rollout_matching.hf_generate`` (issue 14).
 
-Run: ``.venv/bin/python benchmarks/bench_rollout_overlap.py [--steps 4] [--batch 4] [--new-tokens 48]``
+Run: ``.venv-test/bin/python benchmarks/bench_rollout_overlap.py [--steps 4] [--batch 4] [--new-tokens 48]``
 
 Part 1, overlap: the same short stage-2 run (random widened tiny Qwen2-VL, synthetic images) trains against a REAL
 ``coordexp serve-rollout --engine hf`` process on 127.0.0.1, once with ``rollout_matching.overlap`` off and once on

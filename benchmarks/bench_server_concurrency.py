@@ -1,6 +1,6 @@
 """Rollout-server throughput under concurrent learner ranks, and weight-push time to several servers (issue 22).
 
-Run: ``.venv/bin/python benchmarks/bench_server_concurrency.py [--prompts 32] [--new-tokens 32] [--repeats 3]``
+Run: ``.venv-test/bin/python benchmarks/bench_server_concurrency.py [--prompts 32] [--new-tokens 32] [--repeats 3]``
 (``--quick``: a tiny budget, for the test suite).
 
 1. Concurrency: a REAL ``coordexp serve-rollout --engine vllm`` process (vLLM's CPU build on the tiny offline

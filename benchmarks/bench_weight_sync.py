@@ -1,6 +1,6 @@
 """Server-mode costs: weight-sync throughput over gloo on loopback, and the HTTP /infer/ overhead of a server.
 
-Run: ``.venv/bin/python benchmarks/bench_weight_sync.py [--sizes-gb 0.1 0.25 0.5 1.0] [--reps 5]``
+Run: ``.venv-test/bin/python benchmarks/bench_weight_sync.py [--sizes-gb 0.1 0.25 0.5 1.0] [--reps 5]``
 
 1. Weight sync: a receiver process (:class:`~coordexp.runtime.rollout.weight_sync.WeightSyncReceiver`, rank 0) and this
    process as the sender (last rank), fp32 parameter sets of the given sizes exported by

@@ -3,7 +3,7 @@
 against one call per micro-step (before), same prompts, same seeds.
 
 Run: ``VLLM_TARGET_DEVICE=cpu VLLM_CPU_OMP_THREADS_BIND=nobind HF_HUB_OFFLINE=1 \\
-      .venv/bin/python benchmarks/bench_whole_step_vllm.py [--accumulation 4] [--batch 8] [--new-tokens 48]``
+      .venv-test/bin/python benchmarks/bench_whole_step_vllm.py [--accumulation 4] [--batch 8] [--new-tokens 48]``
 
 The engine is the one ``coordexp serve-rollout --engine vllm`` and the colocate backend drive
 (``coordexp.runtime.rollout.vllm_engine.VllmEngine``), on a random Qwen2-VL widened to ``--hidden`` x
