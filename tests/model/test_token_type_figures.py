@@ -141,3 +141,26 @@ def test_mismatched_layout_is_refused():
     batch = _batch([3], ce_positions=[0], coord_positions=[], coord_targets=[])
     with pytest.raises(ValueError, match="does not match the supervision batch"):
         token_type_sums(torch.zeros(1, 5, VOCAB), batch, COORD_IDS)
+
+
+def test_training_rows_queue_their_sums_on_the_device_and_the_window_reads_them_once(monkeypatch):
+    """Issue 36 item 7: each trained row's figures used to be six host reads (``float`` per sum); now a row adds a
+    device tensor and the logging window reads the six sums once."""
+    from coordexp.runtime.model.token_types import TokenTypeWindow, token_type_totals
+
+    ids = [3, 20 + 5, 20 + 7, 4]
+    batch = _batch(ids, ce_positions=[0, 3], coord_positions=[1, 2], coord_targets=[5.0, 7.0])
+    logits = torch.randn(1, 6, VOCAB, generator=torch.Generator().manual_seed(3))
+    expected = token_type_sums(logits, batch, COORD_IDS)
+
+    def host_read(self, *args, **kwargs):
+        raise AssertionError("a host read of a device value inside a training row's token figures")
+
+    for name in ("__float__", "item", "tolist"):
+        monkeypatch.setattr(torch.Tensor, name, host_read)
+    window = TokenTypeWindow()
+    for _ in range(3):
+        window += token_type_totals(logits, batch, COORD_IDS)
+    monkeypatch.undo()
+    assert window.to_list() == pytest.approx((expected + expected + expected).to_list())
+    assert TokenTypeWindow().to_list() == TokenTypeSums().to_list()

@@ -10,14 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from coordexp.runtime.model.weight_version import note_optimizer_step
 from coordexp.runtime.rollout.sync_errors import WeightSyncError
-from coordexp.runtime.rollout.weight_export import (
-    full_parameters,
-    named_tensors,
-    note_partitions_updated,
-    policy_version,
-    zero3_partitioned,
-)
+from coordexp.runtime.rollout.weight_export import full_parameters, named_tensors, policy_version, zero3_partitioned
 from coordexp.runtime.rollout.zero3_decode import GatheredDecodeModel
 
 AVAILABLE, NOT_AVAILABLE = SimpleNamespace(name="AVAILABLE"), SimpleNamespace(name="NOT_AVAILABLE")
@@ -60,7 +55,7 @@ def test_the_policy_version_follows_the_shards():
         for parameter in model.parameters():
             parameter.ds_tensor.data.add_(1.0)  # how DeepSpeed's optimizer writes: the version does not move
     assert policy_version(model) == before
-    note_partitions_updated(model)
+    note_optimizer_step(model)
     assert policy_version(model) != before
 
 
@@ -92,7 +87,7 @@ def test_rollouts_decode_on_a_whole_copy_without_deepspeeds_hooks():
     _set_status(model, NOT_AVAILABLE)
     with torch.no_grad():
         model[0].weight.add_(1.0)
-    note_partitions_updated(model)
+    note_optimizer_step(model)
     assert copies.model_for(model) is twin and not torch.equal(twin[0].weight, model[0].weight)
     _set_status(model, AVAILABLE)
     assert copies.model_for(model) is twin and torch.equal(twin[0].weight, model[0].weight)  # refreshed in place

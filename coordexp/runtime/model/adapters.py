@@ -230,10 +230,12 @@ def _bounded_patterns(model: Any, config: Any, folder: Path) -> None:
                 raise AdapterDirError(f'{folder / ADAPTER_CONFIG}: "{key}" is a regex that {exc}', hint=_HINT) from None
 
 
-def attach_adapter(model: Any, adapter_dir: str | Path, *, trainable: bool = False) -> Any:
+def attach_adapter(model: Any, adapter_dir: str | Path, *, trainable: bool = False,
+                   peft_kwargs: dict[str, Any] | None = None) -> Any:
     """``model`` (the base) wrapped in the PEFT adapter saved in ``adapter_dir``: config and weights read and
-    checked here, then loaded into a fresh ``PeftModel``; an adapter that does not fit the base (targets it lacks,
-    tensors of other shapes, missing or extra tensors) is an :class:`AdapterDirError`."""
+    checked here, then loaded into a fresh ``PeftModel`` (``peft_kwargs``: e.g. the adapter dtype of
+    :func:`~coordexp.runtime.model.adapter_speed.peft_model_kwargs`); an adapter that does not fit the base
+    (targets it lacks, tensors of other shapes, missing or extra tensors) is an :class:`AdapterDirError`."""
     from peft import PeftModel
     from peft.utils import set_peft_model_state_dict
 
@@ -243,7 +245,7 @@ def attach_adapter(model: Any, adapter_dir: str | Path, *, trainable: bool = Fal
     _bounded_patterns(model, config, folder)
     fit = "the adapter does not belong to this base model"
     try:
-        peft_model = PeftModel(model, config)
+        peft_model = PeftModel(model, config, **(peft_kwargs or {}))
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
         raise AdapterDirError(f"{folder / ADAPTER_CONFIG}: its targets do not fit the base model "
                               f"({' '.join(str(exc).split())[:200]})", hint=fit) from None

@@ -96,7 +96,11 @@ def load_policy(run: "RunContract", *, adapter: str | Path | None = None) -> tup
     if adapter is not None:
         align_tie_flag(model)  # PEFT ties saved coord-row tables on this flag
     if adapter is not None and run.tuner.train_type == "lora":
-        model = attach_adapter(model, adapter, trainable=True)  # the saved adapter trains on (its own targets)
+        from coordexp.runtime.model.adapter_speed import peft_model_kwargs, prepare_adapter
+
+        # the saved adapter trains on (its own targets), set up like a new one: adapter dtype, DoRA norm cache
+        model = prepare_adapter(attach_adapter(model, adapter, trainable=True,
+                                               peft_kwargs=peft_model_kwargs(run.tuner)))
         if run.tuner.trains_coord_rows and not model.peft_config[model.active_adapter].trainable_token_indices:
             logger.warning("%s was saved without trained coord rows, so they stay as in %s (tuner.train_coord_rows "
                            "applies to a new adapter)", adapter, base)

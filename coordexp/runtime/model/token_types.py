@@ -5,7 +5,8 @@ coord slot, the coord token of its target bin (``coord_targets`` rounded to the 
 itself in stage 1). Accuracy counts a position when the argmax over the FULL vocabulary (the first id on a tie) is
 the label; loss is the full-vocabulary cross-entropy ``logsumexp(logits) - logit[label]``, unweighted. Both read the
 logit rows through the objective's numeric fence (float32, NaN -> 0, clamped to +/-1e4: coord_losses.py), a chunk of
-rows at a time, so no ``(N, V)`` copy is ever held and nothing waits on the device until the sums are read.
+rows at a time, so no ``(N, V)`` copy is ever held and nothing waits on the device until the sums are read
+(:class:`TokenTypeWindow`: once per logging window in training).
 
 :class:`TokenTypeSums` holds sums, not means: chunks, micro-steps and ranks add up first and the figures are taken
 once from the totals, so they are means over the pooled positions whatever the batching, packing or sharding.
@@ -20,7 +21,8 @@ import torch
 from coordexp.runtime.model.coord_losses import NUM_COORD_BINS, _fence_, check_coord_ids
 from coordexp.runtime.model.losses import SupervisionBatch
 
-__all__ = ["TOKEN_FIGURES", "TokenTypeSums", "coord_labels", "token_type_sums"]
+__all__ = ["TOKEN_FIGURES", "TokenTypeSums", "TokenTypeWindow", "coord_labels", "token_type_sums",
+           "token_type_totals"]
 
 # About 32 MiB of float32 rows per chunk, whatever the vocabulary size (fewer, larger kernels on a GPU).
 _CHUNK_ELEMENTS = 1 << 23
@@ -77,11 +79,36 @@ def coord_labels(batch: SupervisionBatch, coord_ids: torch.Tensor) -> torch.Tens
     return coord_ids.to(bins.device).index_select(0, bins)
 
 
-@torch.no_grad()
+class TokenTypeWindow:
+    """A logging window's sums, kept where they were computed: adding a forward's :func:`token_type_totals` queues
+    one device addition and nothing waits; :meth:`to_list` copies the six sums to the host once per window."""
+
+    def __init__(self) -> None:
+        self._sums: torch.Tensor | None = None
+
+    def __iadd__(self, other: "torch.Tensor | TokenTypeSums") -> "TokenTypeWindow":
+        value = torch.tensor(other.to_list(), dtype=torch.float64) if isinstance(other, TokenTypeSums) else other
+        self._sums = value if self._sums is None else self._sums + value.to(self._sums.device)
+        return self
+
+    def to_list(self) -> list[float]:
+        """The window's sums in :class:`TokenTypeSums` field order (the one host read)."""
+        return [0.0] * len(fields(TokenTypeSums)) if self._sums is None else self._sums.tolist()
+
+
 def token_type_sums(
     logits: torch.Tensor, batch: SupervisionBatch, coord_ids: torch.Tensor, *, chunk_rows: int | None = None
 ) -> TokenTypeSums:
-    """Accuracy and cross-entropy sums of the supervised positions of ``batch`` (text rows, then coord slots).
+    """:func:`token_type_totals` read back to the host (one copy) as a :class:`TokenTypeSums`."""
+    return TokenTypeSums.from_list(token_type_totals(logits, batch, coord_ids, chunk_rows=chunk_rows).tolist())
+
+
+@torch.no_grad()
+def token_type_totals(
+    logits: torch.Tensor, batch: SupervisionBatch, coord_ids: torch.Tensor, *, chunk_rows: int | None = None
+) -> torch.Tensor:
+    """Accuracy and cross-entropy sums of the supervised positions of ``batch`` (text rows, then coord slots), as
+    a float64 tensor of six sums in :class:`TokenTypeSums` field order on the logits' device (nothing is read back).
 
     Args:
         logits: ``(R, T, V)`` logits the supervision batch was built for (any float dtype).
@@ -100,18 +127,15 @@ def token_type_sums(
     labels = torch.cat([batch.ce_labels.to(device), coord_labels(batch.to(device), coord_ids)])
     flat = logits.reshape(-1, vocab)
     step = max(1, chunk_rows if chunk_rows is not None else _CHUNK_ELEMENTS // max(vocab, 1))
-    correct = torch.zeros(index.numel(), dtype=torch.bool, device=device)
+    correct = torch.zeros(index.numel(), dtype=torch.float64, device=device)
     loss = torch.zeros(index.numel(), dtype=torch.float64, device=device)
     for lo in range(0, index.numel(), step):
         rows = _fence_(flat.index_select(0, index[lo:lo + step]).float())  # a fresh copy: fenced in place
         label = labels[lo:lo + step]
         label_logit = rows.gather(1, label[:, None]).squeeze(1)
         loss[lo:lo + step] = (torch.logsumexp(rows, dim=1) - label_logit).double()
-        correct[lo:lo + step] = rows.argmax(dim=1) == label
+        correct[lo:lo + step] = (rows.argmax(dim=1) == label).double()
         del rows
     text, coord = slice(0, num_text), slice(num_text, None)
-    return TokenTypeSums(
-        text_tokens=float(num_text), text_correct=float(correct[text].sum()), text_loss=float(loss[text].sum()),
-        coord_tokens=float(index.numel() - num_text), coord_correct=float(correct[coord].sum()),
-        coord_loss=float(loss[coord].sum()),
-    )
+    return torch.stack([loss.new_full((), float(num_text)), correct[text].sum(), loss[text].sum(),
+                        loss.new_full((), float(index.numel() - num_text)), correct[coord].sum(), loss[coord].sum()])

@@ -274,5 +274,4 @@ def apply_tuner(model: Any, tuner: "TunerConfig", coord_ids: Iterable[int] = ())
     from coordexp.runtime.model.adapter_speed import peft_model_kwargs, prepare_adapter
 
     align_tie_flag(model)
-    return prepare_adapter(get_peft_model(model, lora_config(model, tuner, coord_ids), **peft_model_kwargs(tuner)),
-                           tuner)
+    return prepare_adapter(get_peft_model(model, lora_config(model, tuner, coord_ids), **peft_model_kwargs(tuner)))

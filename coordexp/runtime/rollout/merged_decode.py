@@ -52,7 +52,8 @@ def _unwrapped(module: Any, aux: type, tuner_layer: type) -> Any:
 def plain_structure(policy: Any) -> Any:
     """A module tree like the PEFT policy's base model with every PEFT wrapper replaced by the module it wraps,
     sharing ALL of the policy's parameters and buffers (a structural copy: no tensor is copied). The caller rebinds
-    the weights that differ (merged ones) before using it."""
+    the weights that differ (merged ones) before using it. The shared parameters ARE the policy's: nothing here may
+    set their flags (a ``requires_grad_(False)`` on the twin once froze the policy's trainable biases)."""
     base = unwrap_model(policy).get_base_model()
     shared: dict[int, Any] = {id(t): t for t in base.parameters()}
     shared.update({id(t): t for t in base.buffers()})
@@ -71,7 +72,6 @@ def plain_structure(policy: Any) -> Any:
                     replaced.append(name)
         if not replaced:
             break
-    twin.requires_grad_(False)
     return twin.eval()
 
 

@@ -2,8 +2,8 @@
 
 - The engine starts lazily, on the first rollout, on the training process's devices (inside the offload context).
 - ``sync_weights(model)`` only records the policy; the next :meth:`generate` pushes its weights in memory first,
-  unless the policy's parameter version is unchanged since the last push (every in-place update, an optimizer
-  step or a ``load_state_dict``, bumps ``tensor._version``). No disk checkpoint reload.
+  unless the policy's version (:mod:`coordexp.runtime.model.weight_version`: moved by every optimizer step the
+  trainer records and every in-place update) is unchanged since the last push. No disk checkpoint reload.
 - Sync modes (``vllm.sync.mode``, ``auto`` resolved by the contract): ``full`` pushes all weights, a PEFT LoRA
   policy merged on the fly by :mod:`coordexp.runtime.rollout.weight_export` (new tensors; the training model is
   never merged or touched); ``adapter`` pushes only the LoRA adapter. When an adapter push fails and ``fallback_to_full`` is on,

@@ -11,7 +11,8 @@ weight-sync benchmark, so both engines receive the same names and values:
   ``adapter_config`` dict), the shape every caller uses; a DoRA adapter or one with trained coord rows (PEFT
   trainable tokens) is refused (vLLM cannot serve either), which sends adapter sync down its fallback to full
   merged weights. Full weights carry the trained coord rows inside the embedding and head matrices.
-- :func:`policy_version`: a cheap fingerprint that changes exactly when a parameter is updated in place.
+- :func:`policy_version` (owned by :mod:`coordexp.runtime.model.weight_version`, re-exported): the fingerprint every
+  consumer keys its rebuilds and pushes on; it moves after every optimizer step the trainer records.
 - DeepSpeed ZeRO-3 (docs/design.md, decision 14): each parameter holds one rank's shard; reading whole weights
   needs :func:`full_parameters` around the read, entered on every rank at the same point (the pipeline's weight-sync
   point). :func:`named_tensors` refuses partitioned parameters that are not gathered instead of exporting empties.
@@ -26,38 +27,19 @@ from typing import Any, Iterator
 
 import torch
 
+from coordexp.runtime.model.weight_version import policy_version, unwrap_model
 from coordexp.runtime.rollout.weight_sync import WeightSyncError
 
 __all__ = ["AdapterState", "unwrap_model", "is_peft", "policy_version", "named_tensors", "adapter_state",
-           "zero3_partitioned", "not_gathered", "full_parameters", "note_partitions_updated"]
+           "zero3_partitioned", "not_gathered", "full_parameters"]
 
 _PEFT_PREFIX = "base_model.model."
-
-
-def unwrap_model(model: Any) -> Any:
-    """The module inside DDP / accelerate wrappers (they hold it as ``.module``)."""
-    while isinstance(getattr(model, "module", None), torch.nn.Module):
-        model = model.module
-    return model
 
 
 def is_peft(model: Any) -> bool:
     """Whether ``model`` (unwrapped) is a PEFT model (it has adapters and a wrapped base model)."""
     model = unwrap_model(model)
     return bool(getattr(model, "peft_config", None)) and hasattr(model, "base_model")
-
-
-def policy_version(model: Any) -> tuple:
-    """``(id(model), (name, tensor._version) per parameter)``: every in-place update (an optimizer step, a
-    ``load_state_dict``) bumps ``_version``, so equal fingerprints mean the last push is still current. A ZeRO-3
-    parameter's version is its shard's (:func:`note_partitions_updated`)."""
-    return (id(model),) + tuple((name, p._version, _shard_version(p))
-                                for name, p in unwrap_model(model).named_parameters())
-
-
-def _shard_version(parameter: Any) -> int | None:
-    shard = getattr(parameter, "ds_tensor", None)
-    return None if shard is None else shard._version
 
 
 def zero3_partitioned(model: Any) -> bool:
@@ -85,14 +67,6 @@ def full_parameters(model: Any) -> Iterator[Any]:
 
     with deepspeed.zero.GatheredParameters(partitioned):
         yield model
-
-
-def note_partitions_updated(model: Any) -> None:
-    """Bump the version of every ZeRO-3 shard of ``model``: DeepSpeed's optimizer writes the shards through
-    ``.data``, which leaves ``_version`` as it was, so :func:`policy_version` would miss the step."""
-    shards = [p.ds_tensor for p in unwrap_model(model).parameters() if getattr(p, "ds_tensor", None) is not None]
-    if shards:
-        torch.autograd.graph.increment_version(shards)
 
 
 def _active_adapter(model: Any) -> str:

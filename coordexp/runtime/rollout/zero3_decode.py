@@ -113,6 +113,12 @@ class GatheredDecodeModel:
         logger.debug("ZeRO-3 decode copy refreshed in %.2f s", time.perf_counter() - started)
         return self._twin
 
+    @property
+    def twin(self) -> Any:
+        """The whole copy now held (None once released)."""
+        return self._twin
+
     def release(self) -> None:
+        """Drop the whole copy (one model's weights per rank)."""
         self._twin = self._source = self._version = None
         self._pairs = []

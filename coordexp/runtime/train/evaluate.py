@@ -287,7 +287,9 @@ def run_evaluation(
     adapter: str | Path | None = None,
 ) -> DetectionEval:
     """``coordexp eval``: load ``run.model.path`` (plus the saved LoRA ``adapter``, if any) and the split's records,
-    roll out through the configured backend, evaluate, write the files under ``out_dir`` and close the backend."""
+    roll out through the configured backend, evaluate, write the files under ``out_dir`` and close the backend.
+    Without ``limit`` the split is read as training reads it (``data.max_val_samples`` / ``max_train_samples``), so
+    the result equals the run's own evaluation of the same weights."""
     from coordexp.runtime.model.data import load_records
     from coordexp.runtime.model.policy import LaunchError, load_policy
     from coordexp.runtime.rollout.registry import create_backend
@@ -297,6 +299,8 @@ def run_evaluation(
     if jsonl is None:
         raise LaunchError(f"the config has no data.{split}_jsonl to evaluate",
                           hint="set data.val_jsonl, or pass --split train")
+    if limit is None:
+        limit = run.data.max_val_samples if split == "val" else run.data.max_train_samples
     records = load_records(jsonl, run.data.image_root, max_samples=limit)
     model, processor = load_policy(run, adapter=adapter)
     host = HostContext.create(processor, run.rollout_matching, run.template)

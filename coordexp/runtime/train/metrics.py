@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from coordexp.runtime.core.telemetry import RolloutCounters, sum_counters
-from coordexp.runtime.model.token_types import TokenTypeSums
+from coordexp.runtime.model.token_types import TokenTypeSums, TokenTypeWindow
 
 __all__ = ["StepStats", "WindowContext", "reduce_values", "step_log_values"]
 
@@ -40,7 +40,7 @@ class StepStats:
         self.staleness: list[int] = []  # per TRAINED sample: optimizer steps since the policy that generated it
         self.stale_dropped = 0  # carried samples dropped for being older than the staleness bound
         self.gt_micro_steps = 0  # stage 2: micro-steps that trained the GT serialization (rollout_matching.gt_step_share)
-        self.token_types = TokenTypeSums()  # trained positions per token type (training.token_type_metrics)
+        self.token_types = TokenTypeWindow()  # trained positions per token type (training.token_type_metrics)
 
     def timed(self, stage: str, seconds: float) -> None:
         self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds

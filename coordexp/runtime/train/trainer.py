@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 import torch
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 from coordexp.runtime.model.data import with_object_permutation
 from coordexp.runtime.model.encoding import encode_prompt
@@ -31,12 +31,13 @@ from coordexp.runtime.model.packed_forward import (
     padded_forward,
 )
 from coordexp.runtime.model.policy import LaunchError, save_processor
-from coordexp.runtime.model.token_types import TokenTypeSums, token_type_sums
-from coordexp.runtime.rollout.weight_export import full_parameters, note_partitions_updated, zero3_partitioned
+from coordexp.runtime.model.token_types import TokenTypeSums, TokenTypeWindow, token_type_totals
+from coordexp.runtime.model.weight_version import note_optimizer_step
+from coordexp.runtime.rollout.weight_export import full_parameters, zero3_partitioned
 from coordexp.runtime.rollout.zero3_decode import GatheredDecodeModel
 from coordexp.runtime.train import checkpoints
 from coordexp.runtime.train.dataset import identity_collator
-from coordexp.runtime.train.deepspeed import backward_row, padding_rows, uses_deepspeed
+from coordexp.runtime.train.deepspeed import backward_row, padding_rows
 from coordexp.runtime.train.metrics import StepStats, WindowContext, reduce_values, step_log_values
 from coordexp.runtime.train.pipeline import MicroStepPipeline, PipelineSettings
 from coordexp.runtime.train.rollout_step import HostContext, SampleTarget, build_gt_sample
@@ -65,6 +66,16 @@ class RowLayout(NamedTuple):
     packed: bool
 
 
+class WeightStepRecorder(TrainerCallback):
+    """After every optimizer step (plain, fused or foreach, DeepSpeed's engine step included: HF calls this right
+    after it), tell :mod:`coordexp.runtime.model.weight_version` that the weights changed, so the next rollout,
+    evaluation or push never reads a copy made before the step."""
+
+    def on_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if model is not None:
+            note_optimizer_step(model)
+
+
 class CoordExpTrainer(Trainer):
     """Stage 1 (``stage1_sft``) or stage 2 (``stage2_rollout_aligned``); the variant comes from the contract."""
 
@@ -82,6 +93,7 @@ class CoordExpTrainer(Trainer):
     ) -> None:
         kwargs.setdefault("data_collator", identity_collator)
         super().__init__(*args, **kwargs)
+        self.add_callback(WeightStepRecorder())
         self.run = run
         self.host = host
         self.stage2 = run.trainer_variant == "stage2_rollout_aligned"
@@ -226,7 +238,7 @@ class CoordExpTrainer(Trainer):
         pipeline = self.run.rollout_matching.pipeline
         supervision = supervision.to(logits.device)
         if self.run.training.token_type_metrics and torch.is_grad_enabled():  # the rows a training step trains
-            self.stats.token_types += token_type_sums(logits.detach(), supervision, coord_ids)
+            self.stats.token_types += token_type_totals(logits.detach(), supervision, coord_ids)  # stays on device
         return logits, compute_objective(logits, supervision, coord_ids, pipeline, denominators)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -304,8 +316,6 @@ class CoordExpTrainer(Trainer):
         before = dict(self.stats.seconds)
         start = time.perf_counter()
         loss = super().training_step(model, inputs, num_items_in_batch)
-        if uses_deepspeed(self.accelerator) and self.accelerator.sync_gradients:  # the engine stepped in backward
-            note_partitions_updated(model)
         inside = sum(self.stats.seconds.get(k, 0.0) - before.get(k, 0.0) for k in ("rollout", "host", "forward"))
         self.stats.timed("backward", time.perf_counter() - start - inside)
         return loss
@@ -359,7 +369,7 @@ class CoordExpTrainer(Trainer):
         forwards = max(math.ceil(len(mine) / size), math.ceil(math.ceil(len(records) / world) / size))
         model = self.accelerator.unwrap_model(self.model)
         rope = mrope_index_of(model)
-        total = TokenTypeSums()
+        total = TokenTypeWindow()  # summed on the device, read once at the end
         was_training = model.training
         model.eval()
         try:
@@ -371,12 +381,13 @@ class CoordExpTrainer(Trainer):
                            for r in part]
                 layout = self._layout(samples, rope, packed=False)
                 logits = padded_forward(model, layout.batch, logits_to_keep=layout.keep)
-                sums = token_type_sums(logits, layout.supervision.to(logits.device), self._coord_ids.to(logits.device))
-                total = total + sums if counted else total
+                if counted:
+                    total += token_type_totals(logits, layout.supervision.to(logits.device),
+                                               self._coord_ids.to(logits.device))
                 del logits
         finally:
             model.train(was_training)
-        return total
+        return TokenTypeSums.from_list(total.to_list())
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Rollout evaluation: each rank rolls out its shard (every ``world``-th record), scores it, and rank-ordered
@@ -391,7 +402,11 @@ class CoordExpTrainer(Trainer):
         world, rank = max(1, int(self.args.world_size)), int(self.args.process_index)
         positions = list(range(rank, len(records), world))  # seeds follow the record, not the shard
         step = int(self.state.global_step)
-        rollouts = [r for _, scored in self.scored_chunks([records[i] for i in positions], positions) for r in scored]
+        try:
+            rollouts = [r for _, scored in self.scored_chunks([records[i] for i in positions], positions)
+                        for r in scored]
+        finally:
+            self._scoring_copy.release()  # ZeRO-3: the whole copy lives for one evaluation, not the rest of the run
         scored = list(zip(positions, rollouts, strict=True))
         if world > 1 and torch.distributed.is_initialized():
             gathered: list[Any] = [None] * world
