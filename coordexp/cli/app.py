@@ -37,6 +37,7 @@ from coordexp.cli.frame import (
     safe,
     write_result,
 )
+from coordexp.cli.init import register as register_init
 from coordexp.cli.preflight import register as register_preflight
 from coordexp.cli.serve import register as register_serve
 from coordexp.cli.train import register as register_train
@@ -235,6 +236,7 @@ register_serve(app)
 register_preflight(app)
 register_eval(app)
 register_convert(app)
+register_init(app)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
