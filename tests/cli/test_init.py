@@ -178,3 +178,34 @@ def test_paths_far_from_the_config_are_written_absolute(tmp_path):
     data = yaml.safe_load((deep / "c.yaml").read_text())
     assert data["model"]["path"] == str(tmp_path / "model")
     assert validate_config_file(deep / "c.yaml").ok
+
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+EXAMPLE_DATA = {"model": "../.coordexp/tiny-model", "train_jsonl": "../.coordexp/demo-data/train.jsonl",
+                "val_jsonl": "../.coordexp/demo-data/val.jsonl", "family": "qwen2_vl"}
+EXAMPLE_CHOICES = {
+    f"stage{stage}_{suffix}.yaml": InitChoices(
+        **{**EXAMPLE_DATA, "model": EXAMPLE_DATA["model"] if stage == 1 else f"../.coordexp/runs/stage1_{suffix}"},
+        output_dir=f"../.coordexp/runs/stage{stage}_{suffix}", stage=stage, device=device)
+    for stage in (1, 2) for device, suffix in (("cpu", "cpu"), ("gpu", "1gpu"))
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLE_CHOICES))
+def test_the_runnable_examples_are_what_init_writes(name):
+    """examples/stage{1,2}_{cpu,1gpu}.yaml cannot drift from init (nor from the schema's defaults): each is a comment
+    saying where its tiny model and data come from, then exactly init's output for those paths.
+    COORDEXP_REGENERATE_EXAMPLES=1 rewrites their generated part."""
+    import os
+
+    path = EXAMPLES / name
+    text = path.read_text(encoding="utf-8")
+    rendered = render_config(EXAMPLE_CHOICES[name])
+    if os.environ.get("COORDEXP_REGENERATE_EXAMPLES") == "1":
+        head = text[: text.find("# coordexp stage")] if "# coordexp stage" in text else text
+        path.write_text(head + rendered, encoding="utf-8")
+        text = head + rendered
+    head, generated = text[: len(text) - len(rendered)], text[len(text) - len(rendered):]
+    assert generated == rendered
+    assert head and all(line.startswith("#") for line in head.splitlines())
+    assert "make-tiny-model" in head
