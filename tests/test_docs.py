@@ -150,3 +150,31 @@ def test_readme_layout_names_only_paths_that_exist():
     named = re.findall(r"`((?:coordexp|tests|docs|examples|benchmarks)/[\w/.]*?)`", _readme_layout())
     assert named
     assert [path for path in named if not (ROOT / path).exists()] == []
+
+
+def test_readme_is_a_manual_of_at_most_250_lines():
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 250
+    headings = re.findall(r"(?m)^## (.+)$", text)
+    assert headings[:3] == ["Set-up: two commands on a fresh machine", "Quickstart: your own data, stage 1, stage 2",
+                            "Launch recipes"]
+    for needed in ("When something fails", "Commands", "Layout"):
+        assert needed in headings
+    for command in ("bash scripts/demo.sh", "bash scripts/test.sh"):  # CI runs the second exactly
+        assert f"\n{command} " in text
+
+
+def test_readme_and_docs_links_resolve_and_the_picture_is_small():
+    """Relative links of the README and the docs it links name files that exist (anchors into design.md too)."""
+    anchors = set(design_anchors())
+    broken = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target, anchor in re.findall(r"\]\(([^)#\s]+)(?:#([^)\s]+))?\)", page.read_text(encoding="utf-8")):
+            if target.startswith("http"):
+                continue
+            path = (page.parent / target).resolve()
+            if not path.exists() or (path == DESIGN.resolve() and anchor and anchor not in anchors):
+                broken.append(f"{page.name}: {target}#{anchor}")
+    assert broken == []
+    picture = ROOT / "docs" / "img" / "rollout.png"
+    assert picture.stat().st_size < 100_000

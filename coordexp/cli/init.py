@@ -3,8 +3,8 @@ the hardware, so a first run needs no copying of examples.
 
 Every key's comment is its schema field's own description and every value not chosen here is the schema's default,
 read when the file is written, so the generated file cannot drift from the schema. The values chosen here are the
-documented recipes: stage 1 as the examples train it, stage 2 as docs/design.md, decision 15 and decision 16 measured
-it (ground-truth steps on half the optimizer steps, the prefix cut after the last match, greedy by coordinate group).
+documented recipes: stage 1 as the examples train it, stage 2 as measured (docs/design.md, decision 15; greedy by
+coordinate group: decision 16): ground-truth steps on half the optimizer steps, the prefix cut after the last match.
 """
 
 from __future__ import annotations
