@@ -14,7 +14,7 @@ import os
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Union, get_args
+from typing import Annotated, Any, get_args
 
 import typer
 import yaml
@@ -41,7 +41,6 @@ class _Default:
 
 
 DEFAULT = _Default()
-Value = Union[_Default, tuple[Any, str]]  # (value, why this value) or the schema default
 
 
 @dataclass(frozen=True)
@@ -72,7 +71,8 @@ def _pipeline(stage2: bool) -> list[dict[str, Any]]:
 
 
 def _plan(c: InitChoices) -> dict[str, Any]:
-    """The config as ``{key: value | (value, why) | DEFAULT | {nested}}`` in the order it is written."""
+    """The config as ``{key: (value, why) | DEFAULT | {nested}}`` in the order it is written; ``why`` (may be empty)
+    joins the schema's description in the key's comment."""
     cpu, stage2 = c.device == "cpu", c.stage == 2
     evaluates = c.val_jsonl is not None
     if stage2:
