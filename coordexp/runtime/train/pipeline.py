@@ -35,6 +35,7 @@ from coordexp.runtime.rollout.weight_export import full_parameters
 from coordexp.runtime.train.metrics import StepStats
 from coordexp.runtime.train.overlap import PlannedMicroStep, RolloutPrefetcher, generate_with_metadata
 from coordexp.runtime.train.rollout_step import HostContext, SampleTarget, build_gt_sample, build_rollout_sample
+from coordexp.runtime.train.run_log import step_records_hash
 from coordexp.runtime.train.visualize import append_rollout_log
 
 if TYPE_CHECKING:
@@ -212,6 +213,9 @@ class MicroStepPipeline:
     def plan(self, step: int, batches: Sequence[Sequence[Any]], following: Sequence[Any] | None) -> None:
         """The micro-steps of optimizer step ``step`` (and the next step's first, when looked ahead)."""
         self._planned = [PlannedMicroStep((step, i), tuple(b)) for i, b in enumerate(batches)]
+        # which records this step trains, so two runs' data order can be compared step for step (bench_learning)
+        self.run_log.write("step_records", global_step=int(step), records=sum(len(b) for b in batches),
+                           hash=step_records_hash(batches))
         if following is not None:
             self._planned.append(PlannedMicroStep((step + 1, 0), tuple(following)))
 

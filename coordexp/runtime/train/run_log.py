@@ -8,11 +8,14 @@ each start, with the checkpoint it resumed from).
 
 Events: ``run_start`` (seed, world, decoding, repeat guard, backend metadata), ``rollout`` (one per rollout batch:
 tag ``train``/``eval``, global step, micro-step within the step, rank, seeds, and the backend's metadata: servers,
-sync mode, fallback events, calls with their ``RequestConfig.seed``).
+sync mode, fallback events, calls with their ``RequestConfig.seed``), ``step_records`` (one per optimizer step: the
+global step, how many records it trains and :func:`step_records_hash` of them, so two runs' data order can be
+checked step for step).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -21,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from coordexp.schema.contract import RunContract
 
-__all__ = ["RUN_LOG_NAME", "RunLog", "run_log_path", "read_run_log", "run_start_fields"]
+__all__ = ["RUN_LOG_NAME", "RunLog", "run_log_path", "read_run_log", "run_start_fields", "step_records_hash"]
 
 RUN_LOG_NAME = "run_metadata.jsonl"
 
@@ -46,6 +49,18 @@ class RunLog:
         with self.path.open("a", encoding="utf-8") as handle:
             handle.write(line + "\n")
         return record
+
+
+def step_records_hash(batches: Any) -> str:
+    """A short digest of the records of one optimizer step, in order: each record's ``source`` (``file:line``) and
+    its objects as the step sees them (``data.object_order`` may permute them), micro-batch by micro-batch."""
+    digest = hashlib.sha256()
+    for batch in batches:
+        for record in batch:
+            objects = [(o.desc, o.geometry, tuple(o.coords)) for o in getattr(record, "objects", ())]
+            digest.update(repr((getattr(record, "source", repr(record)), objects)).encode("utf-8"))
+        digest.update(b"|")
+    return digest.hexdigest()[:16]
 
 
 def read_run_log(output_dir: str | Path, rank: int = 0, event: str | None = None) -> list[dict[str, Any]]:
