@@ -1,0 +1,112 @@
+"""The grid task (docs/design.md, decision 17): one class of boxes on a grid of cells aligned with the vision merge,
+so perception is easy (is this 28 px cell occupied, where in it is the box) and enumeration is hard (4-12 objects
+written in row-major reading order: skipping one, stopping early or repeating is what exposure bias looks like).
+
+Images reuse :mod:`coordexp.runtime.toy.synthetic`'s drawing (exact labels: a norm1000 value ``v`` is the continuous
+coordinate ``v * size / 1000``) and its pixel position code (decision 10), without which the tiny model cannot tell
+cells apart. Each occupied cell holds one box of random size and offset inside a margin, so coordinates vary.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+from coordexp.runtime.toy.synthetic import SyntheticDataset, _draw, add_position_code
+
+__all__ = ["GRID_DESC", "GridLayout", "grid_cells", "grid_record", "write_grid_dataset"]
+
+GRID_DESC = "box"
+_BOX_COLOUR = (235, 235, 235)
+
+
+class GridLayout:
+    """``cells`` x ``cells`` cells of ``cell_px`` pixels, ``min_objects``..``max_objects`` of them occupied."""
+
+    def __init__(self, cells: int = 4, cell_px: int = 28, min_objects: int = 4, max_objects: int = 12):
+        if cells < 1 or cell_px < 8:
+            raise ValueError(f"need cells >= 1 and cell_px >= 8, got cells={cells}, cell_px={cell_px}")
+        if not 0 <= min_objects <= max_objects <= cells * cells:
+            raise ValueError(f"need 0 <= min_objects <= max_objects <= {cells * cells} (one box per cell of a "
+                             f"{cells}x{cells} grid), got {min_objects}..{max_objects}")
+        self.cells, self.cell_px, self.min_objects, self.max_objects = cells, cell_px, min_objects, max_objects
+
+    @property
+    def image_size(self) -> int:
+        return self.cells * self.cell_px
+
+    def as_dict(self) -> dict[str, int]:
+        return {"cells": self.cells, "cell_px": self.cell_px, "min_objects": self.min_objects,
+                "max_objects": self.max_objects}
+
+
+def grid_cells(cells: int) -> list[tuple[int, int, int, int]]:
+    """Cell bounds in norm1000 bins, row-major (the reading order of the ground truth)."""
+    edges = [round(k * 1000 / cells) for k in range(cells + 1)]
+    return [(edges[c], edges[r], edges[c + 1], edges[r + 1]) for r in range(cells) for c in range(cells)]
+
+
+def cell_of(x: float, y: float, cells: int) -> int:
+    """The row-major index of the cell holding norm1000 point ``(x, y)`` (clamped into the grid)."""
+    col = min(cells - 1, max(0, int(x * cells // 1000)))
+    row = min(cells - 1, max(0, int(y * cells // 1000)))
+    return row * cells + col
+
+
+def _box_in(rng: random.Random, cell: tuple[int, int, int, int]) -> list[int]:
+    """A box of 40-85% of the cell's side at a random offset, at least 6% of the side from every cell edge."""
+    x_lo, y_lo, x_hi, y_hi = cell
+    side = x_hi - x_lo
+    margin = max(1, round(0.06 * side))
+    w = rng.randint(round(0.40 * side), round(0.85 * side))
+    h = rng.randint(round(0.40 * side), round(0.85 * side))
+    x1 = rng.randint(x_lo + margin, x_hi - margin - w)
+    y1 = rng.randint(y_lo + margin, y_hi - margin - h)
+    return [x1, y1, x1 + w, y1 + h]
+
+
+def grid_record(rng: random.Random, layout: GridLayout, position_code: float = 100.0
+                ) -> tuple[Any, list[dict[str, Any]]]:
+    """One image and its boxes (norm1000 ints) in row-major cell order; the count is uniform in the layout's range."""
+    from PIL import Image
+
+    side = layout.image_size
+    grey = rng.randint(20, 70)
+    image = Image.new("RGB", (side, side), (grey, grey, grey))
+    cells = grid_cells(layout.cells)
+    occupied = sorted(rng.sample(range(len(cells)), rng.randint(layout.min_objects, layout.max_objects)))
+    objects = []
+    for index in occupied:
+        box = _box_in(rng, cells[index])
+        _draw(image, "rectangle", box, _BOX_COLOUR)
+        objects.append({"desc": GRID_DESC, "bbox_2d": box})
+    if position_code:
+        image = add_position_code(image, position_code)
+    return image, objects
+
+
+def write_grid_dataset(directory: str | Path, *, n_train: int, n_val: int, seed: int, layout: GridLayout,
+                       position_code: float = 100.0) -> SyntheticDataset:
+    """``train.jsonl``, ``val.jsonl`` and ``images/*.png`` under ``directory``; same arguments -> same bytes (each
+    image depends only on ``(seed, split, index)`` and the layout)."""
+    if n_train < 1 or n_val < 0:
+        raise ValueError(f"need n_train >= 1 and n_val >= 0, got n_train={n_train}, n_val={n_val}")
+    root = Path(directory)
+    image_dir = root / "images"
+    image_dir.mkdir(parents=True, exist_ok=True)
+    side = layout.image_size
+    paths = {}
+    for split, count in (("train", n_train), ("val", n_val)):
+        lines = []
+        for index in range(count):
+            rng = random.Random(f"coordexp-grid:{seed}:{split}:{index}")
+            image, objects = grid_record(rng, layout, position_code)
+            name = f"{split}_{index:05d}.png"
+            image.save(image_dir / name, format="PNG", optimize=False)
+            lines.append(json.dumps({"images": [f"images/{name}"], "width": side, "height": side,
+                                     "objects": objects}, separators=(", ", ": ")))
+        paths[split] = root / f"{split}.jsonl"
+        paths[split].write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return SyntheticDataset(root=root, train_jsonl=paths["train"], val_jsonl=paths["val"], image_dir=image_dir)
