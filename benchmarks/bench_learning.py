@@ -2,14 +2,24 @@
 of stage 2 and, for comparison, K steps of stage 1 continued (same batch, optimizer, learning rate and schedule:
 the budget is K optimizer steps of the same records; trained tokens and wall time are reported next to it), and
 any ``--variant`` continuations; COCO AP/AP50 and the rollout counters of every run on held-out images. Several
-seeds (data, model and training seed together); per-seed rows and the mean and spread over seeds are printed.
+seeds (data, model and training seed together); per-seed rows, the mean and spread over seeds, and every run's
+paired differences against the control (stage 1 continued) with standard error, 95% t interval and sign counts.
+
+The control, ``stage1_continued``, is the stage-2 config with ``rollout_matching.gt_step_share: 1.0``: the same
+trainer, packing, decode batch and data order, only the rollouts replaced by the ground truth (each step's record
+hash in the run's ``run_metadata.jsonl`` is checked equal across continuations). Every checkpoint is evaluated with
+ONE evaluation config (``eval.yaml``: the stage-2 config and ``--set``; a ``--variant`` changes training only).
 
 It reports what it measures, whichever way it goes. Defaults: the documented recipe of docs/design.md (decision 15):
 the ``shapes`` task (2,048 position-coded synthetic images of 1-2 rectangles/triangles, decision 10), the demo's tiny
 model and configs (examples/demo_stage*.yaml), stage 1 for 1,500 steps at lr 1e-3, continuations at lr 2e-5 for 200
 steps (stage 2 as demo_stage2.yaml says: every other step trains the ground truth), 256 held-out images, 3 seeds;
 ``stage2_rollout_only`` is the same stage 2 with rollouts at every step (the spec's). ``--task dense`` holds 3-6
-objects per image (long outputs where stage 1's rollouts miss and repeat).
+objects per image (long outputs where stage 1's rollouts miss and repeat). ``--task grid`` (docs/design.md,
+decision 17): one class of boxes on a grid of 28 px cells (``--grid CELLS:MIN-MAX``, default 4:4-12; 6:8-20 on a
+GPU), ground truth in row-major order; arms ``stage1_continued`` (control), ``stage2`` (the spec's: gt_step_share 0,
+trailing_unmatched keep) and ``stage2_recipe`` (demo_stage2.yaml); every ``eval`` adds the figures and probes of
+:mod:`coordexp.runtime.toy.probes`, stage 1 is held to a pilot gate, and ``recall_by_rank.png`` is written.
 ``--train-jsonl/--val-jsonl`` run it on any converted COCO-style set (then ``--model`` must name a checkpoint whose
 processor fits those images). Everything is written under ``--workdir``.
 
@@ -17,6 +27,8 @@ processor fits those images). Everything is written under ``--workdir``.
     python benchmarks/bench_learning.py --seed 10             # seeds 10, 11, 12
     python benchmarks/bench_learning.py --variant sampled=rollout_matching.decoding.temperature:0.7
     python benchmarks/bench_learning.py --stage1-steps 4 --k 2 --n-train 16 --n-val 4 --max-new-tokens 48  # smoke
+    python benchmarks/bench_learning.py --task grid --seed 100 --n-seeds 1      # one seed of the grid task
+    python benchmarks/bench_learning.py --report WORKDIR/summary.json            # re-summarize a finished run
 """
 
 from __future__ import annotations
@@ -26,7 +38,7 @@ import copy
 import dataclasses
 import json
 import shutil
-import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -35,9 +47,14 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
-# (min objects, max objects, image side, max new tokens) per task
-TASKS = {"shapes": (1, 2, 112, 128), "dense": (3, 6, 112, 384)}
-FIGURES = ("AP", "AP50", "parse_valid_rate", "match_rate", "fp_per_image", "fn_per_image", "truncation_rate")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _learning_report import CONTROL, FIGURES, print_tables, summarize, write_png  # noqa: E402
+
+# (min objects, max objects, image side, max new tokens) per task; grid: from --grid and the tokenizer
+TASKS = {"shapes": (1, 2, 112, 128), "dense": (3, 6, 112, 384), "grid": (4, 12, 112, None)}
+# the treatment of each continuation: overrides of the stage-2 config (demo_stage2.yaml)
+CONTROL_KEYS = [(["rollout_matching", "gt_step_share"], 1.0)]
+SPEC_STAGE2 = [(["rollout_matching", "gt_step_share"], 0.0), (["rollout_matching", "trailing_unmatched"], "keep")]
 
 
 def _variant(text: str) -> tuple[str, list[tuple[list[str], Any]]]:
@@ -85,7 +102,17 @@ def _args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="first seed; the run uses --n-seeds consecutive seeds")
     p.add_argument("--n-seeds", type=int, default=3)
     p.add_argument("--task", default="shapes", choices=tuple(TASKS),
-                   help="shapes: 1-2 objects per image; dense: 3-6 (sets --min/--max-objects, --max-new-tokens)")
+                   help="shapes: 1-2 objects per image; dense: 3-6 (sets --min/--max-objects, --max-new-tokens); "
+                   "grid: one class of boxes on a grid of cells (--grid)")
+    p.add_argument("--grid", default="4:4-12", metavar="CELLS:MIN-MAX",
+                   help="grid task: CELLS x CELLS cells of 28 px (32 for qwen3_vl), MIN-MAX of them occupied; "
+                   "4:4-12 on CPU, 6:8-20 on a GPU")
+    p.add_argument("--object-order", default="keep", choices=("keep", "random"),
+                   help="data.object_order of training: keep = the reading order (row-major on the grid task)")
+    p.add_argument("--probe-images", type=int, default=None,
+                   help="grid task: held-out images the probes decode (default: all --n-val)")
+    p.add_argument("--eval-batch", type=int, default=16, help="decode batch of the shared evaluation config")
+    p.add_argument("--report", type=Path, help="only re-summarize this summary.json (tables, paired CIs, PNG)")
     p.add_argument("--n-train", type=int, default=2048)
     p.add_argument("--n-val", type=int, default=256, help="held-out images every checkpoint is evaluated on")
     p.add_argument("--image-size", type=int, default=None)
@@ -127,7 +154,17 @@ def _args() -> argparse.Namespace:
     p.add_argument("--val-jsonl", type=Path, help="its held-out split")
     p.add_argument("--model", type=Path, help="starting checkpoint (default: build the demo's tiny model)")
     args = p.parse_args()
+    args.max_new_tokens_given = args.max_new_tokens is not None
     low, high, side, tokens = TASKS[args.task]
+    if args.task == "grid":
+        try:
+            cells, _, span = args.grid.partition(":")
+            low, high = (int(x) for x in span.split("-"))
+            args.cells = int(cells)
+        except ValueError:
+            p.error(f"--grid {args.grid!r}: write CELLS:MIN-MAX, e.g. 4:4-12")
+        args.cell_px = 32 if args.family == "qwen3_vl" else 28
+        side = args.cells * args.cell_px
     args.min_objects = low if args.min_objects is None else args.min_objects
     args.max_objects = high if args.max_objects is None else args.max_objects
     args.image_size = side if args.image_size is None else args.image_size
@@ -153,7 +190,12 @@ def _assets(args: argparse.Namespace, work: Path, seed: int) -> tuple[Path, Path
             raise SystemExit("--train-jsonl needs --val-jsonl (held-out images)")
         return model, args.train_jsonl.resolve(), args.val_jsonl.resolve()
     data = work / "data"
-    if not (data / "val.jsonl").is_file():
+    if args.task == "grid" and not (data / "val.jsonl").is_file():
+        from coordexp.runtime.toy.grid import GridLayout, write_grid_dataset
+
+        write_grid_dataset(data, n_train=args.n_train, n_val=args.n_val, seed=seed, position_code=args.position_code,
+                           layout=GridLayout(args.cells, args.cell_px, args.min_objects, args.max_objects))
+    elif not (data / "val.jsonl").is_file():
         write_synthetic_dataset(data, n_train=args.n_train, n_val=args.n_val, seed=seed,
                                 image_size=(args.image_size, args.image_size), min_objects=args.min_objects,
                                 max_objects=args.max_objects, shapes=tuple(args.shapes.split(",")),
@@ -175,9 +217,11 @@ def _config(args: argparse.Namespace, work: Path, name: str, base: str, model: P
                      "eval_steps": None, **training},
         "rollout_matching": {"max_new_tokens": args.max_new_tokens},
     }
+    if args.object_order != "keep":
+        config["data"]["object_order"] = args.object_order
     if args.decode_batch is not None:
         config["rollout_matching"]["decode_batch_size"] = args.decode_batch
-    overrides = [*args.settings, *overrides]
+    overrides = [*getattr(args, "sized", []), *args.settings, *overrides]
     if overrides:
         from coordexp.schema.loader import load_merged
 
@@ -218,13 +262,19 @@ def _train(config: Path) -> dict[str, Any]:
             "final_loss": next((h["loss"] for h in reversed(history) if "loss" in h), None)}
 
 
-def _evaluate(args: argparse.Namespace, work: Path, config: Path, name: str) -> dict[str, Any]:
+def _evaluate(args: argparse.Namespace, work: Path, eval_config: Path, name: str) -> dict[str, Any]:
+    """Checkpoint ``work/name`` under the ONE evaluation config of the seed (``eval.yaml``), whatever the arm."""
     from coordexp.runtime.train.evaluate import run_evaluation
     from coordexp.schema.contract import load_contract
 
-    run = load_contract(config)
-    run = dataclasses.replace(run, model=run.model.model_copy(update={"path": run.training.output_dir}))
+    run = load_contract(eval_config)
+    run = dataclasses.replace(run, model=run.model.model_copy(update={"path": str(work / name)}))
     started = time.perf_counter()
+    if args.task == "grid":
+        from coordexp.runtime.toy.probe_run import evaluate_arm
+
+        return evaluate_arm(run, out_dir=work / f"eval_{name}", cells=args.cells, score=args.score,
+                            probe_images=args.probe_images)
     report = run_evaluation(run, split="val", score=args.score, out_dir=work / f"eval_{name}", png_count=2)
     ratios = report.counters.ratios()
     return {"AP": report.bbox["AP"], "AP50": report.bbox["AP50"], "AR100": report.bbox["AR100"],
@@ -235,104 +285,121 @@ def _evaluate(args: argparse.Namespace, work: Path, config: Path, name: str) -> 
             "eval_s": time.perf_counter() - started}
 
 
+def _size_decoding(args: argparse.Namespace, model: Path) -> None:
+    """Grid task: the repeat guard's object cap (the most objects plus half again, at least 4 more: duplicates and
+    run-ons stay visible) and ``max_new_tokens`` from the token count of that many entries plus 16, so neither the
+    guard nor the length limit hides an object the image holds."""
+    from transformers import AutoTokenizer
+
+    from coordexp.runtime.core.objects import DetObject
+    from coordexp.runtime.core.serialize import serialize_objects
+
+    keys = args.max_objects + max(4, args.max_objects // 2)
+    box = DetObject("box", "bbox_2d", (990, 990, 999, 999))
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    longest = len(tokenizer.encode(serialize_objects([box] * (keys + 1)), add_special_tokens=False))
+    if not args.max_new_tokens_given:
+        args.max_new_tokens = longest + 16
+    args.sized = [(["rollout_matching", "repeat_terminate", "max_object_keys"], keys)]
+
+
+def continuation_plan(args: argparse.Namespace) -> list[tuple[str, list[tuple[list[str], Any]]]]:
+    """(name, overrides of demo_stage2.yaml) of every continuation; the control first on the grid task."""
+    if args.task == "grid":
+        plan = [(CONTROL, CONTROL_KEYS), ("stage2", SPEC_STAGE2), ("stage2_recipe", [])]
+    else:
+        plan = [("stage2", [])]
+        if not args.no_rollout_only:  # the spec's stage 2: every step trains rollouts
+            plan.append(("stage2_rollout_only", [(["rollout_matching", "gt_step_share"], 0.0)]))
+        if not args.no_stage1_continued:
+            plan.append((CONTROL, CONTROL_KEYS))
+    return plan + [(name, list(overrides)) for name, overrides in args.variant]
+
+
+def _data_order(work: Path, names: list[str]) -> dict[str, Any]:
+    """Whether every continuation trained the control's records step for step (``step_records`` of the run logs)."""
+    from coordexp.runtime.train.run_log import read_run_log
+
+    steps = {n: [(r["global_step"], r["hash"]) for r in read_run_log(work / n, event="step_records")] for n in names}
+    reference = steps.get(CONTROL) or next(iter(steps.values()), [])
+    differ = [n for n, s in steps.items() if s != reference]
+    return {"equal": not differ and bool(reference), "steps": len(reference), "differ": differ}
+
+
 def run_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
-    """Stage 1, then every continuation from its checkpoint, each trained and evaluated; the seed's figures."""
+    """Stage 1, then every continuation from its checkpoint, each trained and evaluated under one evaluation
+    config; the seed's figures (and, on the grid task, the pilot gate on stage 1)."""
+    from coordexp.runtime.toy.probes import gate
+
     work = args.workdir / f"seed{seed}"
     work.mkdir(parents=True, exist_ok=True)
     model, train, val = _assets(args, work, seed)
+    if args.task == "grid":
+        _size_decoding(args, model)
+        print(f"[bench_learning] grid {args.grid}: max_new_tokens {args.max_new_tokens}, repeat guard "
+              f"max_object_keys {args.sized[0][1]}", flush=True)
     stage1_dir = work / "stage1"
+    eval_config = _config(args, work, "eval", "demo_stage2.yaml", model, train, val, seed, {},
+                          [(["rollout_matching", "decode_batch_size"], args.eval_batch)])
     plan = [("stage1", _config(args, work, "stage1", "demo_stage1.yaml", model, train, val, seed, {
         "max_steps": args.stage1_steps, "learning_rate": args.stage1_lr,
         "per_device_train_batch_size": args.stage1_batch}))]
     continued = {"max_steps": args.k, "learning_rate": args.continue_lr, "lr_scheduler_type": "constant",
                  "warmup_ratio": 0.0, "per_device_train_batch_size": args.continue_batch}
-    plan.append(("stage2", _config(args, work, "stage2", "demo_stage2.yaml", stage1_dir, train, val, seed, continued)))
-    if not args.no_rollout_only:  # the spec's stage 2: every step trains rollouts
-        plan.append(("stage2_rollout_only", _config(args, work, "stage2_rollout_only", "demo_stage2.yaml", stage1_dir,
-                                                    train, val, seed, continued,
-                                                    [(["rollout_matching", "gt_step_share"], 0.0)])))
-    if not args.no_stage1_continued:
-        plan.append(("stage1_continued", _config(args, work, "stage1_continued", "demo_stage1.yaml", stage1_dir,
-                                                 train, val, seed, continued)))
-    for name, overrides in args.variant:
+    for name, overrides in continuation_plan(args):
         plan.append((name, _config(args, work, name, "demo_stage2.yaml", stage1_dir, train, val, seed, continued,
                                    overrides)))
     runs: dict[str, dict[str, Any]] = {}
+    out: dict[str, Any] = {"seed": seed, "runs": runs}
     for name, config in plan:
         print(f"[bench_learning] seed {seed}: training {name} ...", flush=True)
         runs[name] = {"train": _train(config)}
-        runs[name]["eval"] = e = _evaluate(args, work, config, name)
+        runs[name]["eval"] = e = _evaluate(args, work, eval_config, name)
         print(f"[bench_learning] seed {seed} {name}: AP {_pct(e['AP'])} AP50 {_pct(e['AP50'])} "
               f"parse {_pct(e['parse_valid_rate'])} match {_pct(e['match_rate'])}", flush=True)
-    return {"seed": seed, "runs": runs}
+        if args.task == "grid":
+            print(f"[bench_learning] seed {seed} {name}: " + ", ".join(
+                f"{k} {e[k] if e[k] is None else round(e[k], 3)}" for k in (
+                    "precision", "f1", "duplicates_per_image", "premature_eos_rate", "count_error",
+                    "exposure_gap", "deletion_recovery", "duplicate_probe")), flush=True)
+        if name == "stage1" and args.task == "grid":
+            out["gate"] = g = gate(e)
+            print(f"[bench_learning] seed {seed} {g.line()}", flush=True)
+            out["gate"] = g.to_dict()
+    out["data_order"] = _data_order(work, [n for n, _ in plan[1:]])
+    return out
 
 
 def _pct(value: Any) -> str:
     return "-" if value is None else f"{100 * value:.1f}"
 
 
-def _spread(values: list[float]) -> dict[str, float | None]:
-    values = [v for v in values if v is not None]
-    if not values:
-        return {"mean": None, "std": None, "min": None, "max": None}
-    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-            "min": min(values), "max": max(values)}
-
-
-def summarize(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
-    """Mean, sample standard deviation, min and max over seeds of every figure of every run, and of the paired
-    differences of each continuation against stage 1 continued (the same seed's checkpoint)."""
-    names = list(per_seed[0]["runs"])
-    summary: dict[str, Any] = {}
-    for name in names:
-        rows = [s["runs"][name] for s in per_seed]
-        summary[name] = {k: _spread([r["eval"][k] for r in rows]) for k in FIGURES}
-        summary[name]["trained_tokens"] = _spread([r["train"]["trained_tokens"] for r in rows])
-        summary[name]["wall_s"] = _spread([r["train"]["wall_s"] for r in rows])
-    if "stage1_continued" in names:
-        for name in names:
-            if name in ("stage1", "stage1_continued"):
-                continue
-            summary[f"{name} - stage1_continued"] = {
-                k: _spread([None if s["runs"][name]["eval"][k] is None or s["runs"]["stage1_continued"]["eval"][k] is None
-                            else s["runs"][name]["eval"][k] - s["runs"]["stage1_continued"]["eval"][k]
-                            for s in per_seed]) for k in FIGURES[:4]}
+def _report(per_seed: list[dict[str, Any]], args: Any, workdir: Path) -> dict[str, Any]:
+    summary = summarize(per_seed)
+    print_tables(per_seed, summary, f"task {args['task']}; held-out images per seed: {args['n_val']}; box AP in "
+                 f"percent (COCO); continuations: {args['k']} optimizer steps of {args['continue_batch']} records at "
+                 f"lr {args['continue_lr']:g} (constant) each; one evaluation config for every run")
+    png = write_png(per_seed, workdir / "recall_by_rank.png")
+    if png is not None:
+        print(f"figure: {png}")
     return summary
-
-
-def _table(per_seed: list[dict[str, Any]], summary: dict[str, Any], args: argparse.Namespace) -> None:
-    print(f"\ntask {args.task}; held-out images per seed: {args.n_val}; box AP in percent (COCO); continuations: "
-          f"{args.k} optimizer steps of {args.continue_batch} records at lr {args.continue_lr:g} (constant) each")
-    header = (f"{'seed':>5} {'run':<18}{'steps':>7}{'AP':>7}{'AP50':>7}{'parse%':>8}{'match%':>8}{'FP/img':>8}"
-              f"{'FN/img':>8}{'trunc%':>8}{'tokens':>10}{'train s':>9}")
-    print(header)
-    for s in per_seed:
-        for name, figures in s["runs"].items():
-            t, e = figures["train"], figures["eval"]
-            print(f"{s['seed']:>5} {name:<18}{t['steps']:>7}{_pct(e['AP']):>7}{_pct(e['AP50']):>7}"
-                  f"{_pct(e['parse_valid_rate']):>8}{_pct(e['match_rate']):>8}{e['fp_per_image'] or 0:>8.2f}"
-                  f"{e['fn_per_image'] or 0:>8.2f}{_pct(e['truncation_rate']):>8}{t['trained_tokens']:>10}"
-                  f"{t['wall_s']:>9.0f}")
-    print(f"\nmean +- std over {len(per_seed)} seeds")
-    print(f"{'run':<34}{'AP':>18}{'AP50':>18}{'parse%':>18}{'match%':>18}")
-    for name, figures in summary.items():
-        cells = []
-        for k in FIGURES[:4]:
-            f = figures[k]
-            cells.append("-" if f["mean"] is None else f"{100 * f['mean']:.1f}+-{100 * f['std']:.1f}")
-        print(f"{name:<34}" + "".join(f"{c:>18}" for c in cells))
 
 
 def main() -> None:
     args = _args()
+    if args.report is not None:
+        saved = json.loads(args.report.read_text(encoding="utf-8"))
+        saved["summary"] = _report(saved["seeds"], saved["args"], args.report.parent)
+        args.report.write_text(json.dumps(saved, indent=2) + "\n", encoding="utf-8")
+        return
     args.workdir = args.workdir.resolve()
     args.workdir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     per_seed = [run_seed(args, seed) for seed in range(args.seed, args.seed + max(1, args.n_seeds))]
-    summary = summarize(per_seed)
-    _table(per_seed, summary, args)
-    printable = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    printable = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "sized"}
     printable["variant"] = [[name, [[".".join(k), v] for k, v in overrides]] for name, overrides in args.variant]
+    printable["settings"] = [[".".join(k), v] for k, v in args.settings]
+    summary = _report(per_seed, printable, args.workdir)
     result = {"args": printable, "seeds": per_seed, "summary": summary, "total_s": time.perf_counter() - started}
     (args.workdir / "summary.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     print("JSON " + json.dumps(result))

@@ -1,0 +1,186 @@
+"""bench_learning.py's summary: spread over seeds, paired differences against the control with their standard error,
+95% t interval and sign counts, the printed tables and the PNG of recall by rank and deletion recovery."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+from typing import Any, Sequence
+
+CONTROL = "stage1_continued"
+FIGURES = ("AP", "AP50", "parse_valid_rate", "match_rate", "fp_per_image", "fn_per_image", "truncation_rate")
+GRID_FIGURES = ("precision", "f1", "duplicates_per_image", "premature_eos_rate", "count_error",
+                "rollout_tokens_per_image", "cell_precision", "next_object_tf", "next_object_free", "exposure_gap",
+                "deletion_recovery", "duplicate_probe")
+
+
+def figures_of(per_seed: Sequence[dict[str, Any]]) -> tuple[str, ...]:
+    """The scalar figures every run of the first seed reports (the grid task adds :data:`GRID_FIGURES`)."""
+    first = next(iter(per_seed[0]["runs"].values()))["eval"]
+    return FIGURES + tuple(k for k in GRID_FIGURES if k in first)
+
+
+def spread(values: Sequence[float | None]) -> dict[str, float | None]:
+    values = [v for v in values if v is not None]
+    if not values:
+        return {"mean": None, "std": None, "min": None, "max": None}
+    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "min": min(values), "max": max(values)}
+
+
+def paired(differences: Sequence[float | None]) -> dict[str, Any]:
+    """Mean, sample std, standard error, 95% t interval (scipy; None with one seed) and sign counts."""
+    from scipy import stats
+
+    values = [d for d in differences if d is not None]
+    out: dict[str, Any] = spread(values)
+    n = len(values)
+    se = out["std"] / math.sqrt(n) if n > 1 else None
+    half = None if se is None else float(stats.t.ppf(0.975, n - 1)) * se
+    out.update({"n": n, "se": se, "ci95": None if half is None else [out["mean"] - half, out["mean"] + half],
+                "up": sum(v > 0 for v in values), "down": sum(v < 0 for v in values),
+                "zero": sum(v == 0 for v in values)})
+    return out
+
+
+def _rank_mean(rows: Sequence[dict[str, Any]], key: str = "recall_by_rank") -> list[float | None]:
+    curves = [r["eval"].get(key) or [] for r in rows]
+    ranks = max((len(c) for c in curves), default=0)
+    return [spread([c[k] for c in curves if k < len(c)])["mean"] for k in range(ranks)]
+
+
+def summarize(per_seed: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Spread over seeds of every figure of every run, and the paired differences of every other run against the
+    control (the same seed's checkpoint and data order)."""
+    names = list(per_seed[0]["runs"])
+    figures = figures_of(per_seed)
+    summary: dict[str, Any] = {}
+    for name in names:
+        rows = [s["runs"][name] for s in per_seed]
+        summary[name] = {k: spread([r["eval"].get(k) for r in rows]) for k in figures}
+        summary[name]["trained_tokens"] = spread([r["train"]["trained_tokens"] for r in rows])
+        summary[name]["wall_s"] = spread([r["train"]["wall_s"] for r in rows])
+        if "recall_by_rank" in rows[0]["eval"]:
+            summary[name]["recall_by_rank"] = _rank_mean(rows)
+    if CONTROL in names:
+        for name in names:
+            if name == CONTROL:
+                continue
+            summary[f"{name} - {CONTROL}"] = {
+                k: paired([None if s["runs"][name]["eval"].get(k) is None or s["runs"][CONTROL]["eval"].get(k) is None
+                           else s["runs"][name]["eval"][k] - s["runs"][CONTROL]["eval"][k] for s in per_seed])
+                for k in figures}
+    gates = [s.get("gate") for s in per_seed if s.get("gate") is not None]
+    if gates:
+        summary["gate"] = {"passed": all(g["passed"] for g in gates), "failed_seeds": [
+            s["seed"] for s in per_seed if s.get("gate") is not None and not s["gate"]["passed"]]}
+    orders = [s.get("data_order") for s in per_seed if s.get("data_order") is not None]
+    if orders:
+        summary["data_order_equal"] = all(o["equal"] for o in orders)
+    return summary
+
+
+def _pct(value: Any) -> str:
+    return "-" if value is None else f"{100 * value:.1f}"
+
+
+def _num(value: Any, scale: float = 1.0) -> str:
+    return "-" if value is None else f"{scale * value:.2f}"
+
+
+_GRID_COLUMNS = (("prec%", "precision", 100), ("f1%", "f1", 100), ("dup/img", "duplicates_per_image", 1),
+                 ("pEOS%", "premature_eos_rate", 100), ("cnt err", "count_error", 1),
+                 ("tok/img", "rollout_tokens_per_image", 1), ("gap%", "exposure_gap", 100),
+                 ("delrec%", "deletion_recovery", 100), ("dupprb%", "duplicate_probe", 100))
+
+
+def print_tables(per_seed: Sequence[dict[str, Any]], summary: dict[str, Any], header: str) -> None:
+    print("\n" + header)
+    row = (f"{'seed':>5} {'run':<18}{'steps':>7}{'AP':>7}{'AP50':>7}{'parse%':>8}{'match%':>8}{'FP/img':>8}"
+           f"{'FN/img':>8}{'trunc%':>8}{'tokens':>10}{'train s':>9}")
+    print(row)
+    for s in per_seed:
+        for name, figures in s["runs"].items():
+            t, e = figures["train"], figures["eval"]
+            print(f"{s['seed']:>5} {name:<18}{t['steps']:>7}{_pct(e['AP']):>7}{_pct(e['AP50']):>7}"
+                  f"{_pct(e['parse_valid_rate']):>8}{_pct(e['match_rate']):>8}{e['fp_per_image'] or 0:>8.2f}"
+                  f"{e['fn_per_image'] or 0:>8.2f}{_pct(e['truncation_rate']):>8}{t['trained_tokens']:>10}"
+                  f"{t['wall_s']:>9.0f}")
+    grid = "exposure_gap" in next(iter(per_seed[0]["runs"].values()))["eval"]
+    if grid:
+        print(f"\n{'seed':>5} {'run':<18}" + "".join(f"{c:>9}" for c, _, _ in _GRID_COLUMNS))
+        for s in per_seed:
+            for name, figures in s["runs"].items():
+                e = figures["eval"]
+                print(f"{s['seed']:>5} {name:<18}" + "".join(f"{_num(e.get(k), f):>9}" for _, k, f in _GRID_COLUMNS))
+    print(f"\nmean +- std over {len(per_seed)} seeds (+- is a standard deviation)")
+    print(f"{'run':<20}{'AP':>14}{'AP50':>14}{'parse%':>14}{'match%':>14}")
+    for name, figures in summary.items():
+        if " - " in name or name in ("gate", "data_order_equal"):
+            continue
+        cells = [f"{100 * figures[k]['mean']:.1f}+-{100 * figures[k]['std']:.1f}" if figures[k]["mean"] is not None
+                 else "-" for k in FIGURES[:4]]
+        print(f"{name:<20}" + "".join(f"{c:>14}" for c in cells))
+    print(f"\npaired differences against {CONTROL} (same seed): mean, standard error, 95% t interval, seeds up/down")
+    for name, figures in summary.items():
+        if " - " not in name:
+            continue
+        print(f"  {name}")
+        for k, d in figures.items():
+            if d["mean"] is None:
+                continue
+            scale = 1 if k in ("fp_per_image", "fn_per_image", "duplicates_per_image", "count_error",
+                               "rollout_tokens_per_image") else 100
+            ci = "-" if d["ci95"] is None else f"[{scale * d['ci95'][0]:+.2f}, {scale * d['ci95'][1]:+.2f}]"
+            se = "-" if d["se"] is None else f"{scale * d['se']:.2f}"
+            print(f"    {k:<26}{scale * d['mean']:>+9.2f}  se {se:>6}  CI {ci:<20} {d['up']} up / {d['down']} down")
+    if "gate" in summary:
+        verdict = "passed on every seed" if summary["gate"]["passed"] else (
+            f"FAILED on seeds {summary['gate']['failed_seeds']}: the comparison is NOT a result")
+        print(f"\npilot gate: {verdict}")
+    if "data_order_equal" in summary:
+        print(f"data order of every continuation equal to the control's step for step: {summary['data_order_equal']}")
+
+
+def write_png(per_seed: Sequence[dict[str, Any]], path: Path, names: Sequence[str] = ("stage1", CONTROL, "stage2")
+              ) -> Path | None:
+    """Recall by object rank (left) and deletion recovery (right) of ``names``, averaged over seeds (PIL)."""
+    from PIL import Image, ImageDraw
+
+    names = [n for n in names if n in per_seed[0]["runs"]]
+    if not names or "recall_by_rank" not in per_seed[0]["runs"][names[0]]["eval"]:
+        return None
+    colours = [(60, 60, 60), (40, 110, 220), (220, 60, 40), (40, 160, 60)]
+    width, height, pad = 760, 360, 50
+    image = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(image)
+    panel = (width - 3 * pad) // 2
+    curves = {n: _rank_mean([s["runs"][n] for s in per_seed]) for n in names}
+    ranks = max(len(c) for c in curves.values())
+    left, top, bottom = pad, pad, height - pad
+    draw.rectangle([left, top, left + panel, bottom], outline="black")
+    draw.text((left, top - 30), "recall by ground-truth rank (reading order)", fill="black")
+    for v in (0.0, 0.5, 1.0):
+        y = bottom - v * (bottom - top)
+        draw.text((left - 28, y - 6), f"{v:.1f}", fill="black")
+    for k in range(ranks):
+        draw.text((left + k * panel / max(1, ranks - 1) - 3, bottom + 6), str(k), fill="black")
+    for colour, (name, curve) in zip(colours, curves.items()):
+        points = [(left + k * panel / max(1, ranks - 1), bottom - v * (bottom - top))
+                  for k, v in enumerate(curve) if v is not None]
+        if len(points) > 1:
+            draw.line(points, fill=colour, width=2)
+    x0 = 2 * pad + panel
+    draw.rectangle([x0, top, x0 + panel, bottom], outline="black")
+    draw.text((x0, top - 30), "deletion recovery (left-out object written)", fill="black")
+    bar = panel / (2 * len(names) + 1)
+    for j, (colour, name) in enumerate(zip(colours, names)):
+        value = spread([s["runs"][name]["eval"].get("deletion_recovery") for s in per_seed])["mean"] or 0.0
+        xa = x0 + (2 * j + 1) * bar
+        draw.rectangle([xa, bottom - value * (bottom - top), xa + bar, bottom], fill=colour)
+        draw.text((xa, bottom - value * (bottom - top) - 14), f"{100 * value:.0f}%", fill="black")
+        draw.text((pad + j * 200, height - 20), f"-- {name}", fill=colour)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    image.save(path)
+    return path

@@ -1,0 +1,119 @@
+"""bench_learning.py's grid arms are a matched comparison: built by the bench's own config builder, the control
+(``stage1_continued``) and each stage 2 differ only in the treatment keys (and their output directory); every arm
+is evaluated under one config."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_learning_under_test", ROOT / "benchmarks" / "bench_learning.py")
+    module = importlib.util.module_from_spec(spec)
+    argv, sys.argv = sys.argv, ["bench_learning.py"]
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.argv = argv
+    return module
+
+
+def _flat(value: Any, path: str = "") -> dict[str, Any]:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    elif hasattr(value, "model_dump"):
+        value = value.model_dump()
+    if isinstance(value, (list, tuple)) and value and not isinstance(value[0], (int, float, str)):
+        value = dict(enumerate(value))
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            out.update(_flat(item, f"{path}.{key}" if path else str(key)))
+        return out
+    return {path: value}
+
+
+def _args(bench, tmp_path: Path, *extra: str) -> argparse.Namespace:
+    argv, sys.argv = sys.argv, ["bench_learning.py", "--task", "grid", "--workdir", str(tmp_path), *extra]
+    try:
+        args = bench._args()
+    finally:
+        sys.argv = argv
+    args.max_new_tokens = 400
+    args.sized = [(["rollout_matching", "repeat_terminate", "max_object_keys"], 18)]
+    return args
+
+
+def test_grid_arms_differ_only_in_the_treatment(bench, tmp_path):
+    from coordexp.schema.contract import load_contract
+
+    args = _args(bench, tmp_path, "--variant", "hot=rollout_matching.pipeline.objective.0.config.rollout_fn_desc_weight:0")
+    for name in ("train.jsonl", "val.jsonl"):
+        (tmp_path / name).write_text("")
+    model, train, val = tmp_path / "model", tmp_path / "train.jsonl", tmp_path / "val.jsonl"
+    continued = {"max_steps": 5, "learning_rate": 2e-5, "lr_scheduler_type": "constant", "warmup_ratio": 0.0,
+                 "per_device_train_batch_size": 4}
+    plan = bench.continuation_plan(args)
+    assert [name for name, _ in plan] == ["stage1_continued", "stage2", "stage2_recipe", "hot"]
+    runs = {name: load_contract(bench._config(args, tmp_path, name, "demo_stage2.yaml", model, train, val, 3,
+                                              continued, overrides))
+            for name, overrides in plan}
+    control = _flat(runs["stage1_continued"])
+    assert runs["stage1_continued"].rollout_matching.gt_step_share == 1.0  # the schema accepts 1.0
+    treatments = {"stage2": {"rollout_matching.gt_step_share", "rollout_matching.trailing_unmatched"},
+                  "stage2_recipe": {"rollout_matching.gt_step_share"},
+                  "hot": {"rollout_matching.gt_step_share", "rollout_matching.pipeline.objective.0.config.rollout_fn_desc_weight"}}
+    for name, keys in treatments.items():
+        other = _flat(runs[name])
+        differ = {k for k in control.keys() | other.keys() if control.get(k) != other.get(k)}
+        assert differ - {"training.output_dir"} == keys, name
+    assert runs["stage2"].rollout_matching.gt_step_share == 0.0
+    assert runs["stage2"].rollout_matching.trailing_unmatched == "keep"
+    assert runs["stage1_continued"].rollout_matching.repeat_terminate.max_object_keys == 18
+
+
+def test_the_control_never_rolls_out_for_training():
+    from coordexp.runtime.train.pipeline import PipelineSettings
+
+    settings = PipelineSettings(seed=0, stage2=True, gt_step_share=1.0)
+    assert not any(settings.rolls_out(step) for step in range(500))
+    assert all(PipelineSettings(seed=0, stage2=True, gt_step_share=0.0).rolls_out(step) for step in range(50))
+
+
+def test_one_evaluation_config_for_every_arm(bench, tmp_path, monkeypatch):
+    """A --variant changes training only: every arm's checkpoint is evaluated under eval.yaml."""
+    args = _args(bench, tmp_path, "--variant", "hot=rollout_matching.pipeline.objective.0.config.rollout_fn_desc_weight:0")
+    seen: list[tuple[Path, str]] = []
+
+    def fake_train(config):
+        return {"steps": 1, "wall_s": 0.1, "trained_tokens": 1, "final_loss": 0.0}
+
+    def fake_evaluate(a, work, eval_config, name):
+        seen.append((eval_config, name))
+        return {k: 0.5 for k in ("AP", "AP50", "parse_valid_rate", "match_rate", "fp_per_image", "fn_per_image",
+                                 "truncation_rate", "cell_precision", "exposure_gap", "premature_eos_rate",
+                                 "precision", "f1", "duplicates_per_image", "count_error", "deletion_recovery",
+                                 "duplicate_probe", "next_object_tf", "next_object_free")}
+
+    monkeypatch.setattr(bench, "_assets", lambda a, w, s: (tmp_path / "m", tmp_path / "t", tmp_path / "v"))
+    monkeypatch.setattr(bench, "_size_decoding", lambda a, m: None)
+    monkeypatch.setattr(bench, "_train", fake_train)
+    monkeypatch.setattr(bench, "_evaluate", fake_evaluate)
+    out = bench.run_seed(args, 3)
+    assert [n for _, n in seen] == ["stage1", "stage1_continued", "stage2", "stage2_recipe", "hot"]
+    assert len({c for c, _ in seen}) == 1 and seen[0][0].name == "eval.yaml"
+    import yaml
+
+    evaluation = yaml.safe_load(seen[0][0].read_text())
+    assert "rollout_fn_desc_weight" not in str(evaluation) and evaluation["extends"].endswith("demo_stage2.yaml")
+    assert "gate" in out and out["gate"]["passed"] is False  # exposure gap 0.5 passes, cell precision 0.5 does not
