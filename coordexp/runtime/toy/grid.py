@@ -55,13 +55,21 @@ def cell_of(x: float, y: float, cells: int) -> int:
     return row * cells + col
 
 
+# A box's side as shares of its cell's, and its least distance to the cell's edges. Measured (pilot, seed 100): the
+# tiny model's coordinates miss by about 20 norm1000 bins whatever the box's size, so at 40-85% only 21% of the boxes
+# under half a cell wide were found at IoU >= 0.5 (cell precision 62%, the gate failed); 60-88% keeps IoU >= 0.5
+# within its reach while sizes and offsets still vary.
+BOX_SIDE = (0.60, 0.88)
+BOX_MARGIN = 0.05
+
+
 def _box_in(rng: random.Random, cell: tuple[int, int, int, int]) -> list[int]:
-    """A box of 40-85% of the cell's side at a random offset, at least 6% of the side from every cell edge."""
+    """A box of :data:`BOX_SIDE` of the cell's side at a random offset, :data:`BOX_MARGIN` from every cell edge."""
     x_lo, y_lo, x_hi, y_hi = cell
     side = x_hi - x_lo
-    margin = max(1, round(0.06 * side))
-    w = rng.randint(round(0.40 * side), round(0.85 * side))
-    h = rng.randint(round(0.40 * side), round(0.85 * side))
+    margin = max(1, round(BOX_MARGIN * side))
+    w = rng.randint(round(BOX_SIDE[0] * side), round(BOX_SIDE[1] * side))
+    h = rng.randint(round(BOX_SIDE[0] * side), round(BOX_SIDE[1] * side))
     x1 = rng.randint(x_lo + margin, x_hi - margin - w)
     y1 = rng.randint(y_lo + margin, y_hi - margin - h)
     return [x1, y1, x1 + w, y1 + h]
