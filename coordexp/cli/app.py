@@ -244,7 +244,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     what escapes outside a command the same way, so a bare traceback never reaches the user."""
     try:
         app(args=argv, prog_name="coordexp")
-    except SystemExit:
+    except SystemExit as exc:
+        if exc.code == EXIT_INTERRUPTED:  # a thread blocked on a hung server must not hold the exit (decision 14)
+            from coordexp.cli.train import exit_interrupted
+
+            exit_interrupted()
         raise
     except KeyboardInterrupt:
         err.print("interrupted")

@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from contextlib import contextmanager
+from typing import Annotated, Any, Iterator, Optional
 
 import typer
 
@@ -59,46 +60,65 @@ def _finished(resume_from: Optional[str], max_steps: Optional[int]) -> Optional[
 INTERRUPT_GRACE_S = 20.0
 
 
-def _watch_for_interrupt(grace_s: float = INTERRUPT_GRACE_S) -> None:
+@contextmanager
+def watching_for_interrupt(grace_s: float = INTERRUPT_GRACE_S) -> Iterator[None]:
     """Ctrl-C ends the run within ``grace_s`` even when the main thread sits in a native call that does not return
     to Python (where the KeyboardInterrupt would be raised): the signal's byte reaches a watcher thread through
     ``signal.set_wakeup_fd`` at once; the normal path gets ``grace_s`` first, then the watcher dumps every thread's
-    stack to stderr (where it was stuck) and exits 130. A disposition the parent set (SIG_IGN) is left alone."""
+    stack to stderr (where it was stuck) and exits 130. Leaving the block (the interrupt was handled, or the run
+    ended) restores the previous wakeup fd and ends the watcher, so an in-process caller keeps its process. A
+    disposition the parent set (SIG_IGN) is left alone."""
     import faulthandler
     import os
     import signal
     import threading
-    import time
 
     if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
         return
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
     try:
-        signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
     except ValueError:  # not the main thread: the normal path alone
         os.close(read_fd)
         os.close(write_fd)
+        yield
         return
+    left = threading.Event()
 
     def watch() -> None:
-        while signal.SIGINT not in os.read(read_fd, 64):
-            pass
-        time.sleep(grace_s)
+        while True:
+            data = os.read(read_fd, 64)
+            if not data:  # the block was left: its pipe is closed
+                return
+            if signal.SIGINT in data:
+                break
+        if left.wait(grace_s):  # the main thread handled the interrupt in time
+            return
         err.print(f"interrupted (the main thread did not stop within {grace_s:.0f} s; its stack follows)")
         faulthandler.dump_traceback(all_threads=True)
-        _exit_interrupted()
+        exit_interrupted()
 
-    threading.Thread(target=watch, name="interrupt-watch", daemon=True).start()
+    watcher = threading.Thread(target=watch, name="interrupt-watch", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        left.set()
+        signal.set_wakeup_fd(previous_fd)
+        os.close(write_fd)  # end of file for the watcher's read
+        watcher.join(timeout=5.0)
+        os.close(read_fd)
 
 
-def _exit_interrupted() -> None:
-    """Ctrl-C: end the process now with 130. A rollout thread blocked on a hung server (HTTP, up to its timeout)
-    would otherwise hold interpreter exit, which joins worker threads; checkpoints are atomic and the run log is
-    flushed per line, so nothing written is lost (docs/design.md, decision 14)."""
+def exit_interrupted() -> None:
+    """Ctrl-C in the ``coordexp`` process itself: end it now with 130. A rollout thread blocked on a hung server
+    (HTTP, up to its timeout) would otherwise hold interpreter exit, which joins worker threads; checkpoints are
+    atomic and the run log is flushed per line, so nothing written is lost (docs/design.md, decision 14). Called by
+    the console script's entry and the watcher only: an in-process caller gets ``typer.Exit(130)`` instead."""
     import os
 
-    err.print("interrupted")
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -154,11 +174,13 @@ def train(
     from coordexp.runtime.train.launch import run_training
     from coordexp.runtime.train.progress import ProgressCallback, summarize_history
 
-    check_training_arguments(run)  # what transformers would refuse after the model loads: exit 2 now
+    from coordexp.runtime.train.deepspeed import process_state_restored
+
+    with process_state_restored():  # a zero2 check sets RANK/WORLD_SIZE/MASTER_PORT: they do not outlive it
+        check_training_arguments(run)  # what transformers would refuse after the model loads: exit 2 now
 
     progress = ProgressCallback(err if as_json else None, title=f"{run.trainer_variant}: {safe(config.name)}")
-    _watch_for_interrupt()
-    try:
+    with watching_for_interrupt():  # a KeyboardInterrupt goes on to guarded(): "interrupted", exit 130
         outcome = run_training(
             run,
             resume_from=resume_from,
@@ -166,8 +188,6 @@ def train(
             rollout_log_every=run.training.logging_steps,
             print_logs=False,
         )
-    except KeyboardInterrupt:
-        _exit_interrupted()
     if not is_rank_zero():
         raise typer.Exit(EXIT_OK)
     summary = summarize_history(outcome.log_history)

@@ -16,8 +16,9 @@ import pytest
 STUCK = textwrap.dedent("""
     import signal, sys, time
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as at a terminal, whatever the test runner ignores
-    from coordexp.cli.train import _watch_for_interrupt
-    _watch_for_interrupt(grace_s=1.0)
+    from coordexp.cli.train import watching_for_interrupt
+    watch = watching_for_interrupt(grace_s=1.0)  # kept: a collected context manager would leave its block
+    watch.__enter__()
     def swallowing_everything():
         ready = False
         while True:

@@ -61,7 +61,8 @@ def single_process_rendezvous() -> None:
         os.environ.setdefault(name, value)
 
 
-_RUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_DEEPSPEED")
+_RUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+            "ACCELERATE_USE_DEEPSPEED")  # LOCAL_WORLD_SIZE: accelerate sets it for a DeepSpeed run
 
 
 @contextmanager
