@@ -69,7 +69,8 @@ class CoordExpConfig(StrictModel):
         violations += deepspeed_violations(
             self.training, adapter=self.tuner.train_type == "lora", colocate_offload=rm.offload.enabled and (
                 rm.rollout_backend == "vllm" and rm.vllm.mode == "colocate"),
-            rolls_out=self.custom.trainer_variant == "stage2_rollout_aligned" or self.data.val_jsonl is not None)
+            rolls_out=self.custom.trainer_variant == "stage2_rollout_aligned" or self.data.val_jsonl is not None,
+            model_dtype=self.model.dtype)
         raise_violations(violations)
         return self
 
@@ -89,6 +90,15 @@ def config_warnings(cfg: CoordExpConfig) -> list[ConfigIssue]:
                             "Add 'B' to channels, or set enabled: false to make that explicit.",
                         )
                     )
+    if cfg.custom.trainer_variant != "stage2_rollout_aligned" and "gt_step_share" in rm.model_fields_set:
+        warnings.append(
+            ConfigIssue(
+                "rollout_matching.gt_step_share",
+                f"gt_step_share has no effect in {cfg.custom.trainer_variant}: it splits stage-2 steps between "
+                "ground truth and rollouts, and stage 1 trains on ground truth only",
+                "Remove rollout_matching.gt_step_share, or set custom.trainer_variant: stage2_rollout_aligned.",
+            )
+        )
     if rm.rollout_backend == "hf" and "vllm" in rm.model_fields_set:
         warnings.append(
             ConfigIssue(

@@ -8,7 +8,7 @@ typed from transformers' own dataclass (``hf_surface.py``) and passed through, o
 
 from __future__ import annotations
 
-import json
+import importlib.util
 from typing import Literal, Optional
 
 from pydantic import Field, create_model, field_validator, model_validator
@@ -27,12 +27,13 @@ from coordexp.schema.base import (
     int_in,
     path_extra,
 )
+from coordexp.schema.deepspeed_file import content_violations, deepspeed_stage, load_violations
 from coordexp.schema.errors import RuleViolation, raise_violations
 from coordexp.schema.hf_surface import passthrough_fields, refused_fields
 from coordexp.schema.hf_training_fields import HF_TRAINING_FIELDS, REPORT_TO_CHOICES
 
 __all__ = ["TrainingConfig", "SchedulerKwargs", "DEEPSPEED_PRESETS", "HF_PASSTHROUGH", "BEST_MODEL_METRICS",
-           "TOKEN_METRICS", "best_model_metric", "zero_stage", "deepspeed_violations"]
+           "TOKEN_METRICS", "best_model_metric", "zero_stage", "deepspeed_violations", "evaluation_data_violations"]
 
 DEEPSPEED_PRESETS = ("zero2", "zero3")
 """Shipped DeepSpeed configs (coordexp/runtime/train/deepspeed/<name>.json, "auto" values filled by transformers)."""
@@ -55,6 +56,11 @@ class SchedulerKwargs(StrictModel):
             raise_violations([RuleViolation("min_lr", "set exactly one of min_lr and min_lr_rate",
                                             "e.g. lr_scheduler_kwargs: {min_lr_rate: 0.1}")])
         return self
+
+
+def _tensorboard_installed() -> bool:
+    """Whether transformers' TensorBoard callback can find a writer (found, not imported: validate stays light)."""
+    return any(importlib.util.find_spec(name) is not None for name in ("tensorboard", "tensorboardX"))
 
 
 class _OwnedTrainingFields(StrictModel):
@@ -154,6 +160,11 @@ class _OwnedTrainingFields(StrictModel):
                 "metric_for_best_model", f"training.metric_for_best_model {metric!r} is not a figure coordexp's "
                 "training evaluation reports, so the first evaluation could not compare it",
                 f"Use one of {', '.join(BEST_MODEL_METRICS)} (an eval_ prefix is optional), or remove it."))
+        if "tensorboard" in self.report_to and not _tensorboard_installed():
+            violations.append(RuleViolation(
+                "report_to", "training.report_to names tensorboard, but the tensorboard package is not installed "
+                "(transformers fails when training starts)",
+                "pip install 'coordexp[tensorboard]', or remove tensorboard from training.report_to."))
         if getattr(self, "bf16", False) and getattr(self, "fp16", False):
             violations.append(RuleViolation("fp16", "bf16 and fp16 are both true", "Choose one mixed precision."))
         raise_violations(violations)
@@ -245,25 +256,29 @@ def best_model_metric(name: str) -> str | None:
 
 def zero_stage(deepspeed: Optional[str]) -> Optional[int]:
     """The ZeRO stage of ``training.deepspeed``: 2 / 3 for the presets, a JSON file's ``zero_optimization.stage``
-    (None when it cannot be read here: the launch reports that file)."""
+    as DeepSpeed reads it (``"3"`` and ``3.0`` are 3; absent is 0), read bounded; None when the file cannot be
+    read or the stage is not one (:func:`deepspeed_violations` reports why)."""
     if deepspeed is None:
         return None
     if deepspeed in DEEPSPEED_PRESETS:
         return int(deepspeed.removeprefix("zero"))
-    try:
-        with open(deepspeed, encoding="utf-8") as handle:
-            stage = json.load(handle).get("zero_optimization", {}).get("stage")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return stage if isinstance(stage, int) and not isinstance(stage, bool) else None
+    config, problems = load_violations(deepspeed)
+    zero = config.get("zero_optimization", {}) if isinstance(config, dict) else None
+    return deepspeed_stage(zero.get("stage", 0)) if isinstance(zero, dict) and not problems else None
 
 
 def deepspeed_violations(training: "_OwnedTrainingFields", *, adapter: bool, rolls_out: bool,
-                         colocate_offload: bool) -> list[RuleViolation]:
+                         colocate_offload: bool, model_dtype: str = "bfloat16") -> list[RuleViolation]:
     """DeepSpeed with what cannot be made correct under it (docs/design.md, decision 14): vLLM colocate's offload
     (it moves storage ZeRO owns), and ZeRO-3 with an adapter whose rollouts read merged weights (the merge copies
-    adapted layers, which hold one rank's shard under ZeRO-3)."""
+    adapted layers, which hold one rank's shard under ZeRO-3); a JSON file's content as transformers and DeepSpeed
+    would refuse it at launch (``schema/deepspeed_file.py``)."""
     stage = zero_stage(training.deepspeed)
+    problems: list[RuleViolation] = []
+    if training.deepspeed is not None and training.deepspeed not in DEEPSPEED_PRESETS:
+        config, problems = load_violations(training.deepspeed)
+        if not problems:
+            problems = content_violations(config, training, model_dtype=model_dtype, shown=training.deepspeed[:300])
     out = []
     if training.deepspeed is not None and colocate_offload:
         out.append(RuleViolation(
@@ -278,12 +293,12 @@ def deepspeed_violations(training: "_OwnedTrainingFields", *, adapter: bool, rol
             "layers hold only one rank's shard",
             "Use training.deepspeed: zero2 (an adapter's frozen base needs no partitioning), or tuner.train_type: "
             "full with zero3."))
-    return out
+    return problems + out
 
 
 def evaluation_data_violations(training: "_OwnedTrainingFields", val_jsonl: Optional[str]) -> list[RuleViolation]:
     """``training.eval_strategy`` other than no without ``data.val_jsonl``: the Trainer refuses to start (it has no
-    eval_dataset); paths relative to the root."""
+    eval_dataset); ``save_strategy: best`` with no evaluation would never save; paths relative to the root."""
     strategy = getattr(training, "eval_strategy", "no")
     if "eval_strategy" in training.model_fields_set and strategy != "no" and val_jsonl is None:
         return [RuleViolation(
@@ -291,6 +306,15 @@ def evaluation_data_violations(training: "_OwnedTrainingFields", val_jsonl: Opti
             "data.val_jsonl is not set (there is nothing to evaluate)",
             "Set data.val_jsonl, or remove training.eval_strategy (evaluation runs when data.val_jsonl and "
             "training.eval_steps are set).")]
+    if getattr(training, "save_strategy", None) == "best":
+        evaluates = strategy != "no" if "eval_strategy" in training.model_fields_set else (
+            training.eval_steps is not None)
+        if val_jsonl is None or not evaluates:
+            missing = "data.val_jsonl is not set" if val_jsonl is None else "training.eval_steps is not set"
+            return [RuleViolation(
+                "training.save_strategy", f"training.save_strategy: best saves a checkpoint when an evaluation "
+                f"improves, but {missing}, so no evaluation runs and the run would write no checkpoint",
+                "Set data.val_jsonl and training.eval_steps, or use save_strategy: steps.")]
     return []
 
 

@@ -7,16 +7,13 @@ nodes per document with every alias expanded (a 334-byte alias bomb expands to 1
 
 from __future__ import annotations
 
-import errno
-import os
 import re
-import stat
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from coordexp.errors import UserInputError
+from coordexp.schema.file_read import FileReadError, read_capped_text
 
 __all__ = ["YamlReadError", "read_yaml_file", "parse_yaml_text", "dump_yaml", "MAX_CONFIG_BYTES", "MAX_YAML_NODES"]
 
@@ -26,13 +23,8 @@ MAX_YAML_NODES = 20_000
 """Cap on the nodes of one document with every alias expanded at each use (a full config has a few hundred)."""
 
 
-class YamlReadError(UserInputError):
+class YamlReadError(FileReadError):
     """The file could not be read or parsed; ``hint`` says how to fix it."""
-
-    def __init__(self, message: str, hint: str = ""):
-        super().__init__(message)
-        self.message = message
-        self.hint = hint
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -180,51 +172,9 @@ def parse_yaml_text(text: str) -> Any:
         raise YamlReadError("invalid YAML: nesting is too deep", "Flatten the document.") from None
 
 
-def _broken_link(path: Path) -> str:
-    """Why ``path``, which does not resolve to a file, is a broken symlink ("" when it is no symlink at all)."""
-    if not os.path.islink(path):
-        return ""
-    try:
-        os.stat(path)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            return "a symlink loop (the link leads back to itself and never reaches a file)"
-    return f"a symlink to a missing file ({os.readlink(path)[:200]!r})"
-
-
 def read_yaml_file(path: Path) -> Any:
     """Read and parse ``path``; every failure (missing, directory, binary, syntax) is a :class:`YamlReadError`."""
-    try:
-        info = path.stat() if path.exists() else None
-    except (OSError, ValueError) as exc:  # a name over NAME_MAX, a NUL byte, a loop of symlinks, no permission
-        reason = getattr(exc, "strerror", None) or str(exc)
-        raise YamlReadError(f"cannot use this path ({reason})", "Check the path; each file or folder name may have "
-                                                                "at most 255 bytes.") from None
-    if info is None:
-        link = _broken_link(path)
-        if link:
-            raise YamlReadError(link, "Point the link at a YAML file, or name the file itself.")
-        raise YamlReadError("file not found", "Check the path (relative paths are from the current directory).")
-    if stat.S_ISDIR(info.st_mode):
-        raise YamlReadError("is a directory, not a YAML file", "Pass a .yaml file.")
-    if stat.S_ISFIFO(info.st_mode) or stat.S_ISSOCK(info.st_mode):  # opening one would wait for a writer
-        raise YamlReadError("is a FIFO or socket, not a file", "Pass a .yaml file.")
-    try:
-        with path.open("rb") as handle:
-            raw = handle.read(MAX_CONFIG_BYTES + 1)  # never more than the cap, whatever the file claims
-    except OSError as exc:
-        raise YamlReadError(f"cannot read file ({exc.strerror or exc})", "Check the file permissions.") from None
-    if len(raw) > MAX_CONFIG_BYTES:
-        raise YamlReadError(
-            f"file is larger than the {MAX_CONFIG_BYTES // 1024} KiB cap on config files",
-            "A config is a few KiB of settings; keep data (records, prompts) in the files the config points at.",
-        )
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise YamlReadError("not a UTF-8 text file (binary data?)", "Pass a YAML config file.") from None
-    if "\x00" in text:
-        raise YamlReadError("not a text file (contains NUL bytes)", "Pass a YAML config file.")
+    text = read_capped_text(path, max_bytes=MAX_CONFIG_BYTES, kind="YAML", suffix=".yaml", error=YamlReadError)
     return parse_yaml_text(text)
 
 
