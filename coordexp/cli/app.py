@@ -175,18 +175,33 @@ def migrate(
     written = config if in_place else output
     if written is not None:
         _check_written(written)
+    elif not migration.unresolved:
+        _check_printed(result.text, config)
     raise typer.Exit(EXIT_INVALID if migration.unresolved else EXIT_OK)
+
+
+def _check_printed(text: str, config: Path) -> None:
+    """Validate what ``migrate`` printed, its relative paths read from ``config``'s folder; exit 2 as
+    :func:`_check_written` does (the README promises exit 0 only when the result validates, whatever the output)."""
+    from coordexp.schema.loader import validate_mapping
+    from coordexp.schema.yaml_io import parse_yaml_text
+
+    data = parse_yaml_text(text)
+    _report_check(validate_mapping(data if isinstance(data, dict) else {}, str(config)), "the printed config")
 
 
 def _check_written(written: Path) -> None:
     """Validate what ``migrate`` wrote; exit 2 listing its problems when it still does not validate."""
     from coordexp.schema.loader import validate_config_file
 
-    report = validate_config_file(written)
+    _report_check(validate_config_file(written), str(written))
+
+
+def _report_check(report, written: str) -> None:
     if report.ok:
-        err.print(f"[green]✓[/green] {safe(str(written))} validates")
+        err.print(f"[green]✓[/green] {safe(written)} validates")
         return
-    err.print(f"[red]✗[/red] {safe(str(written))} still has {len(report.errors)} problem(s):")
+    err.print(f"[red]✗[/red] {safe(written)} still has {len(report.errors)} problem(s):")
     for issue in report.errors:
         err.print("  [red]•[/red] " + issue_line(issue, report.path))
     raise typer.Exit(EXIT_INVALID)
@@ -220,6 +235,8 @@ def _migrate_chain(config: Path, in_place: bool, output: Optional[Path], base_di
     written = config if in_place else output
     if written is not None:
         _check_written(written)
+    elif not result.needs_user:
+        _check_printed(result.text, config)
     if result.needs_user:
         err.print("[yellow]exit 2:[/yellow] the keys listed as left out / left need your decision")
     raise typer.Exit(EXIT_INVALID if result.needs_user else EXIT_OK)
