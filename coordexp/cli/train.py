@@ -131,7 +131,7 @@ def _summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     def pct(value: Any) -> str:
         return "-" if value is None else f"{100 * float(value):.1f}%"
 
-    rows = [("steps", str(summary["steps"]))]
+    rows = [("steps", str(summary["steps"]))]  # rollout figures are over the whole run, not its last step
     rows.append(("final loss", "-" if summary["final_loss"] is None else f"{summary['final_loss']:.4f}"))
     rollout = summary.get("rollout") or {}
     if rollout:
@@ -142,6 +142,14 @@ def _summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
             ("FP", f"{rollout.get('fp', 0):.0f}"),
             ("truncated rollouts", f"{rollout.get('truncated_rollouts', 0):.0f}"),
         ]
+    last_eval = summary.get("last_eval")
+    if last_eval:
+        when = f"eval at step {last_eval['step']}"
+        rows += [(f"{when}: AP50", "-" if last_eval["AP50"] is None else f"{last_eval['AP50']:.3f}"),
+                 (f"{when}: parse valid", pct(last_eval["parse_valid_rate"])),
+                 (f"{when}: match", pct(last_eval["match_rate"]))]
+        if last_eval.get("token_acc") is not None:
+            rows.append((f"{when}: token acc", pct(last_eval["token_acc"])))
     return rows
 
 

@@ -161,12 +161,15 @@ def test_snapshot_from_logs_computes_rates_from_counts():
     assert s2.parse_valid_rate is None and s2.loss == 1.0 and s2.tokens_per_s == 500.0
 
 
-def test_format_log_line_is_plain_and_marks_missing_values():
+def test_format_log_line_is_plain_marks_missing_values_and_drops_columns_that_cannot_fill():
     from coordexp.runtime.train.progress import ProgressSnapshot, format_log_line
 
     line = format_log_line(ProgressSnapshot(step=5, max_steps=20, loss=0.12345, parse_valid_rate=0.8,
-                                            tokens_per_s=1234.4))
-    assert line == ("step 5/20  loss 0.1235  parse valid 80.0%  match -  FN appended -  fill -  tok/s 1234")
+                                            tokens_per_s=1234.4, rollouts_seen=True, elapsed_s=65, eta_s=3725))
+    assert line == ("step 5/20  loss 0.1235  parse valid 80.0%  match -  FN appended -  tok/s 1234  elapsed 1m05s  "
+                    "ETA 1h02m")
+    stage1 = format_log_line(ProgressSnapshot(step=5, max_steps=20, loss=0.5, fill_ratio=0.9))
+    assert stage1 == "step 5/20  loss 0.5000  fill 90.0%  tok/s -  elapsed -  ETA -"  # no rollout columns
 
 
 class _State:
@@ -185,12 +188,16 @@ def test_callback_prints_one_line_per_log_on_rank_zero_only(rank0):
     assert callback.use_live is False
     callback.on_train_begin(None, _State(0, rank0), None)
     callback.on_log(None, _State(1, rank0), None, logs={"loss": 2.0, "tokens/trained": 10.0})
-    callback.on_log(None, _State(1, rank0), None, logs={"eval/match_rate": 0.5})  # not a training window
+    callback.on_log(None, _State(1, rank0), None, logs={"eval/match_rate": 0.5, "eval/AP50": 0.25,
+                                                        "eval/pred_valid": 3.0, "eval/pred_parsed": 4.0})
     callback.on_log(None, _State(2, rank0), None, logs={"loss": 1.0})
     callback.on_train_end(None, _State(2, rank0), None)
     lines = buffer.getvalue().splitlines()
     if rank0:
-        assert [line.split()[:4] for line in lines] == [["step", "1/4", "loss", "2.0000"], ["step", "2/4", "loss", "1.0000"]]
+        assert [line.split()[:4] for line in lines] == [["step", "1/4", "loss", "2.0000"], ["eval", "step", "1", "AP50"],
+                                                        ["step", "2/4", "loss", "1.0000"]]
+        assert lines[1] == "eval  step 1  AP50 0.250  parse valid 75.0%  match 50.0%"
+        assert "elapsed" in lines[2] and "ETA" in lines[2]
     else:
         assert lines == []
     assert callback.snapshot.loss == 1.0  # every rank keeps the numbers; only rank 0 shows them
@@ -212,15 +219,51 @@ def test_callback_live_mode_renders_a_table_on_a_terminal():
     assert "stage 2" in text and "parse valid" in text and "50.0%" in text and "0.5000" in text
 
 
-def test_summarize_history_takes_the_last_rollout_window():
+def test_plain_lines_never_wrap_on_a_narrow_pipe():
+    """A pipe's console is 80 columns: a stage-2 line is longer and used to end in a bare-number line."""
+    from rich.console import Console
+
+    from coordexp.runtime.train.progress import ProgressCallback
+
+    buffer = io.StringIO()
+    callback = ProgressCallback(Console(file=buffer, force_terminal=False, width=40))
+    callback.on_train_begin(None, _State(0, True), None)
+    callback.on_log(None, _State(1, True), None, logs={"loss": 0.5, "tokens/trained": 5449.0,
+                                                       "rollout/pred_valid": 1.0, "rollout/pred_parsed": 2.0})
+    lines = buffer.getvalue().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("step 1/4") and "tok/s" in lines[0]
+
+
+def test_summarize_history_sums_the_whole_run_and_keeps_each_evaluation():
+    """A stage-2 run that appended FNs early and ended on a ground-truth step shows the run's FNs, not 0."""
     from coordexp.runtime.train.progress import summarize_history
 
     history = [
-        {"loss": 3.0, "step": 1, "rollout/pred_valid": 1.0, "rollout/pred_parsed": 4.0, "rollout/match_rate": 0.1},
-        {"loss": 2.0, "step": 2, "rollout/pred_valid": 3.0, "rollout/pred_parsed": 4.0, "rollout/match_rate": 0.5},
-        {"train_runtime": 1.0, "step": 2},
+        {"loss": 3.0, "step": 1, "rollout/pred_valid": 1.0, "rollout/pred_parsed": 4.0, "rollout/matched": 1.0,
+         "rollout/gt_objects": 10.0, "rollout/fn_appended": 9.0, "rollout/fp": 2.0, "rollout/match_rate": 0.1},
+        {"loss": 2.5, "step": 2, "rollout/pred_valid": 3.0, "rollout/pred_parsed": 4.0, "rollout/matched": 5.0,
+         "rollout/gt_objects": 10.0, "rollout/fn_appended": 10.0, "rollout/fp": 1.0, "rollout/match_rate": 0.5},
+        {"eval/AP50": 0.4, "eval/pred_valid": 9.0, "eval/pred_parsed": 10.0, "eval/match_rate": 0.6,
+         "eval/token_acc": 0.9, "step": 2},
+        {"loss": 2.0, "step": 3},  # a ground-truth step: no rollouts
+        {"train_runtime": 1.0, "step": 3},
     ]
     summary = summarize_history(history)
-    assert (summary["steps"], summary["first_loss"], summary["final_loss"]) == (2, 3.0, 2.0)
-    assert summary["parse_valid_rate"] == 0.75 and summary["match_rate"] == 0.5
-    assert summarize_history([]) == {"steps": 0, "first_loss": None, "final_loss": None, "rollout": {}}
+    assert (summary["steps"], summary["first_loss"], summary["final_loss"]) == (3, 3.0, 2.0)
+    assert summary["rollout"]["fn_appended"] == 19.0 and summary["rollout"]["fp"] == 3.0
+    assert summary["parse_valid_rate"] == 0.5 and summary["match_rate"] == 0.3
+    assert summary["last_eval"] == {"step": 2, "AP50": 0.4, "parse_valid_rate": 0.9, "match_rate": 0.6,
+                                    "token_acc": 0.9}
+    assert summary["evaluations"] == [summary["last_eval"]]
+    assert summarize_history([]) == {"steps": 0, "first_loss": None, "final_loss": None, "rollout": {},
+                                     "evaluations": [], "last_eval": None}
+
+
+def test_summary_table_shows_the_last_evaluation():
+    from coordexp.cli.train import _summary_rows
+
+    rows = dict(_summary_rows({"steps": 4, "final_loss": 1.0, "rollout": {},
+                               "last_eval": {"step": 4, "AP50": 0.5, "parse_valid_rate": None, "match_rate": 0.25,
+                                             "token_acc": None}}))
+    assert rows["eval at step 4: AP50"] == "0.500" and rows["eval at step 4: match"] == "25.0%"
+    assert rows["eval at step 4: parse valid"] == "-" and "eval at step 4: token acc" not in rows

@@ -1,9 +1,9 @@
 """Training progress for people: a Rich live panel on a terminal, one plain line per log otherwise.
 
 :class:`ProgressCallback` is a ``transformers.TrainerCallback``; it reads only what the trainer logs
-(``loss``, ``tokens/trained``, ``packing/fill_ratio``, ``rollout/*``), so it works for stage 1 and stage 2.
-Only the main process (rank 0) draws or prints. :func:`summarize_history` turns a finished run's log history
-into the numbers the end-of-run summary shows.
+(``loss``, ``tokens/trained``, ``packing/fill_ratio``, ``rollout/*``, ``eval/*``), so it works for stage 1 and
+stage 2. Only the main process (rank 0) draws or prints. :func:`summarize_history` turns a finished run's log history
+into the numbers the end-of-run summary shows: sums over the whole run, and each evaluation's headline figures.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from typing import Any, Mapping, Optional, Sequence
 
 from transformers import TrainerCallback
 
-__all__ = ["ProgressSnapshot", "ProgressCallback", "snapshot_from_logs", "format_log_line", "summarize_history"]
+__all__ = ["ProgressSnapshot", "ProgressCallback", "EvalFigures", "snapshot_from_logs", "format_log_line",
+           "format_eval_line", "eval_figures", "summarize_history"]
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,38 @@ class ProgressSnapshot:
     fn_appended: Optional[float] = None
     fill_ratio: Optional[float] = None
     tokens_per_s: Optional[float] = None
+    elapsed_s: Optional[float] = None
+    eta_s: Optional[float] = None
+    rollouts_seen: bool = False  # stage 1 never logs rollouts: its lines carry no rollout columns
+
+
+@dataclass(frozen=True)
+class EvalFigures:
+    """One evaluation's headline figures (``eval/*`` of the trainer's log); None where it was not computed."""
+
+    step: int
+    ap50: Optional[float] = None
+    parse_valid_rate: Optional[float] = None
+    match_rate: Optional[float] = None
+    token_acc: Optional[float] = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "AP50": self.ap50, "parse_valid_rate": self.parse_valid_rate,
+                "match_rate": self.match_rate, "token_acc": self.token_acc}
+
+
+def eval_figures(logs: Mapping[str, Any], step: int) -> Optional[EvalFigures]:
+    """The headline figures of an evaluation's log entry; None when ``logs`` holds no ``eval/`` key."""
+    if not any(str(key).startswith("eval/") for key in logs):
+        return None
+
+    def number(key: str) -> Optional[float]:
+        value = logs.get(key)
+        return None if value is None else float(value)
+
+    return EvalFigures(step=step, ap50=number("eval/AP50"),
+                       parse_valid_rate=_ratio(logs.get("eval/pred_valid"), logs.get("eval/pred_parsed")),
+                       match_rate=number("eval/match_rate"), token_acc=number("eval/token_acc"))
 
 
 def _ratio(numerator: Any, denominator: Any) -> Optional[float]:
@@ -45,6 +78,8 @@ def snapshot_from_logs(
     update: dict[str, Any] = {"step": step, "max_steps": max_steps}
     if "loss" in logs:
         update["loss"] = float(logs["loss"])
+    if any(str(key).startswith("rollout/") for key in logs):
+        update["rollouts_seen"] = True
     if "rollout/pred_parsed" in logs:
         update["parse_valid_rate"] = _ratio(logs.get("rollout/pred_valid"), logs["rollout/pred_parsed"])
     if "rollout/gt_objects" in logs or "rollout/match_rate" in logs:
@@ -62,16 +97,30 @@ def _fmt(value: Optional[float], spec: str, suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
+def _pct(rate: Optional[float]) -> str:
+    return _fmt(None if rate is None else 100 * rate, ".1f", "%")
+
+
+def format_duration(seconds: Optional[float]) -> str:
+    """``1h02m``, ``3m05s``, ``42s``; ``-`` when unknown."""
+    if seconds is None:
+        return "-"
+    whole = max(0, int(round(seconds)))
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
 def _fields(s: ProgressSnapshot) -> list[tuple[str, str]]:
-    return [
-        ("step", f"{s.step}/{s.max_steps}" if s.max_steps > 0 else str(s.step)),
-        ("loss", _fmt(s.loss, ".4f")),
-        ("parse valid", _fmt(None if s.parse_valid_rate is None else 100 * s.parse_valid_rate, ".1f", "%")),
-        ("match", _fmt(None if s.match_rate is None else 100 * s.match_rate, ".1f", "%")),
-        ("FN appended", _fmt(s.fn_appended, ".0f")),
-        ("fill", _fmt(None if s.fill_ratio is None else 100 * s.fill_ratio, ".1f", "%")),
-        ("tok/s", _fmt(s.tokens_per_s, ".0f")),
-    ]
+    fields = [("step", f"{s.step}/{s.max_steps}" if s.max_steps > 0 else str(s.step)), ("loss", _fmt(s.loss, ".4f"))]
+    if s.rollouts_seen:
+        fields += [("parse valid", _pct(s.parse_valid_rate)), ("match", _pct(s.match_rate)),
+                   ("FN appended", _fmt(s.fn_appended, ".0f"))]
+    if s.fill_ratio is not None:
+        fields.append(("fill", _pct(s.fill_ratio)))
+    fields += [("tok/s", _fmt(s.tokens_per_s, ".0f")), ("elapsed", format_duration(s.elapsed_s)),
+               ("ETA", format_duration(s.eta_s))]
+    return fields
 
 
 def format_log_line(snapshot: ProgressSnapshot) -> str:
@@ -79,10 +128,24 @@ def format_log_line(snapshot: ProgressSnapshot) -> str:
     return "  ".join(f"{name} {value}" for name, value in _fields(snapshot))
 
 
+def _eval_fields(figures: EvalFigures) -> list[tuple[str, str]]:
+    fields = [("step", str(figures.step)), ("AP50", _fmt(figures.ap50, ".3f")),
+              ("parse valid", _pct(figures.parse_valid_rate)), ("match", _pct(figures.match_rate))]
+    if figures.token_acc is not None:
+        fields.append(("token acc", _pct(figures.token_acc)))
+    return fields
+
+
+def format_eval_line(figures: EvalFigures) -> str:
+    """The plain line an evaluation prints: ``eval  step 50  AP50 0.412  parse valid 98.0%  match 61.5% ...``."""
+    return "eval  " + "  ".join(f"{name} {value}" for name, value in _eval_fields(figures))
+
+
 class ProgressCallback(TrainerCallback):
     """Drives a Rich live display (TTY) or prints :func:`format_log_line` per log (not a TTY); rank 0 only.
 
     ``console`` defaults to a stdout console; ``live`` forces the mode (None: live exactly when it is a terminal).
+    Plain lines are printed unwrapped (``soft_wrap``): a pipe's 80 columns never split a line.
     """
 
     def __init__(self, console: Any = None, *, live: Optional[bool] = None, title: str = "training") -> None:
@@ -92,8 +155,10 @@ class ProgressCallback(TrainerCallback):
         self.use_live = self.console.is_terminal if live is None else live
         self.title = title
         self.snapshot = ProgressSnapshot()
+        self.last_eval: Optional[EvalFigures] = None
         self._live: Any = None
         self._last_time: Optional[float] = None
+        self._start: Optional[tuple[float, int]] = None  # (monotonic time, global step) when training began
 
     # -- rendering --------------------------------------------------------------------------------------------
     def renderable(self) -> Any:
@@ -108,12 +173,28 @@ class ProgressCallback(TrainerCallback):
             table.add_column(name, justify="right")
         table.add_row(*(value for _, value in fields))
         bar = ProgressBar(total=max(s.max_steps, 1), completed=min(s.step, max(s.max_steps, 1)), width=60)
-        return Group(bar, table)
+        if self.last_eval is None:
+            return Group(bar, table)
+        return Group(bar, table, format_eval_line(self.last_eval))
+
+    def _timed(self, step: int, max_steps: int) -> ProgressSnapshot:
+        """The snapshot at ``step`` with elapsed time and the ETA the steps so far predict."""
+        if self._start is None:
+            return replace(self.snapshot, step=step, max_steps=max_steps)
+        began, first_step = self._start
+        elapsed = time.monotonic() - began
+        done = step - first_step
+        eta = elapsed / done * max(0, max_steps - step) if done > 0 and max_steps > 0 else None
+        return replace(self.snapshot, step=step, max_steps=max_steps, elapsed_s=elapsed, eta_s=eta)
+
+    def _print(self, line: str) -> None:
+        self.console.print(line, markup=False, highlight=False, soft_wrap=True)
 
     # -- TrainerCallback hooks --------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, **kwargs):
         self._last_time = time.monotonic()
-        self.snapshot = replace(self.snapshot, step=state.global_step, max_steps=state.max_steps)
+        self._start = (self._last_time, state.global_step)
+        self.snapshot = self._timed(state.global_step, state.max_steps)
         if state.is_world_process_zero and self.use_live:
             from rich.live import Live
 
@@ -122,24 +203,36 @@ class ProgressCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         if self._live is not None:
-            self.snapshot = replace(self.snapshot, step=state.global_step, max_steps=state.max_steps)
+            self.snapshot = self._timed(state.global_step, state.max_steps)
             self._live.update(self.renderable())
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if not logs or "loss" not in logs:
-            return  # evaluation and end-of-train summaries are not training windows
+        if not logs:
+            return
+        figures = eval_figures(logs, state.global_step)
+        if figures is not None:
+            self.last_eval = figures
+            if state.is_world_process_zero:
+                if self._live is not None:
+                    self._live.update(self.renderable())
+                else:
+                    self._print(format_eval_line(figures))
+            return
+        if "loss" not in logs:
+            return  # end-of-train summaries are not training windows
         now = time.monotonic()
         seconds = None if self._last_time is None else now - self._last_time
         self._last_time = now
         self.snapshot = snapshot_from_logs(
-            self.snapshot, logs, step=state.global_step, max_steps=state.max_steps, seconds=seconds
+            self._timed(state.global_step, state.max_steps), logs, step=state.global_step,
+            max_steps=state.max_steps, seconds=seconds,
         )
         if not state.is_world_process_zero:
             return
         if self._live is not None:
             self._live.update(self.renderable())
         else:
-            self.console.print(format_log_line(self.snapshot), markup=False, highlight=False)
+            self._print(format_log_line(self.snapshot))
 
     def on_train_end(self, args, state, control, **kwargs):
         if self._live is not None:
@@ -148,21 +241,31 @@ class ProgressCallback(TrainerCallback):
             self._live = None
 
 
+_RUN_COUNTERS = ("samples", "pred_valid", "pred_parsed", "gt_objects", "matched", "fn_appended", "fp",
+                 "truncated_rollouts")
+
+
 def summarize_history(log_history: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Steps, first/final training loss and the last logged rollout counters of a run's ``log_history``."""
+    """Steps, first/final training loss, the rollout counters summed over the whole run (each logging window logs
+    its own sums) with the rates recomputed from them, and every evaluation's headline figures."""
     train_logs = [entry for entry in log_history if "loss" in entry]
     summary: dict[str, Any] = {
         "steps": max((int(entry.get("step", 0)) for entry in log_history), default=0),
         "first_loss": float(train_logs[0]["loss"]) if train_logs else None,
         "final_loss": float(train_logs[-1]["loss"]) if train_logs else None,
     }
-    rollout = {}
-    for entry in reversed(train_logs):
-        rollout = {k.removeprefix("rollout/"): v for k, v in entry.items() if k.startswith("rollout/")}
-        if rollout:
-            break
+    rollout: dict[str, float] = {}
+    for entry in train_logs:
+        for name in _RUN_COUNTERS:
+            value = entry.get(f"rollout/{name}")
+            if value is not None:
+                rollout[name] = rollout.get(name, 0.0) + float(value)
     summary["rollout"] = rollout
     if rollout:
         summary["parse_valid_rate"] = _ratio(rollout.get("pred_valid"), rollout.get("pred_parsed"))
-        summary["match_rate"] = rollout.get("match_rate")
+        summary["match_rate"] = _ratio(rollout.get("matched"), rollout.get("gt_objects"))
+    evaluations = [figures.to_dict() for entry in log_history
+                   if (figures := eval_figures(entry, int(entry.get("step", 0)))) is not None]
+    summary["evaluations"] = evaluations
+    summary["last_eval"] = evaluations[-1] if evaluations else None
     return summary
