@@ -44,12 +44,9 @@ def expand_vocab(
     if not (source / "config.json").is_file():
         fail(f"{source} is not a checkpoint directory (no config.json)",
               "Pass a local directory saved with save_pretrained; download hub models beforehand")
-    if destination.resolve() == source.resolve():
-        fail("SRC and DST are the same directory", "Write the expanded checkpoint to a new directory")
-    _require_empty_target(destination)
-    from coordexp.runtime.model.policy import expand_checkpoint_vocab
+    from coordexp.runtime.model.merge_export import expand_vocab as expand_checked
 
-    added = expand_checkpoint_vocab(source, destination)
+    added = expand_checked(source, destination)  # SRC and DST checked before any weight loads (exit 2)
     state = f"added {added} coord tokens" if added else "already had all coord tokens; copied unchanged"
     out.print(f"[green]✓[/green] {safe(destination)}: {state}")
 

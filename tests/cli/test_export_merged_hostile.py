@@ -109,6 +109,20 @@ def test_a_broken_adapter_config_is_exit_2_naming_the_file_and_key(copy_of, tmp_
     _refused(folder, tmp_path / "merged", "adapter_config.json", expected)
 
 
+@pytest.mark.parametrize("raw", ["[99999999]", '{"embed_tokens": [5, 99999999]}'])
+def test_trainable_token_indices_past_the_vocabulary_are_exit_2(copy_of, tmp_path, raw):
+    folder = copy_of()
+    _set_config(folder, raw, "trainable_token_indices")
+    _refused(folder, tmp_path / "merged", "adapter_config.json", '"trainable_token_indices" names row 99999999')
+
+
+@pytest.mark.parametrize("raw", ["[-1]", '["5"]', "[1.5]", '{"embed_tokens": "x"}', "5"])
+def test_trainable_token_indices_that_are_no_row_ids_are_exit_2(copy_of, tmp_path, raw):
+    folder = copy_of()
+    _set_config(folder, raw, "trainable_token_indices")
+    _refused(folder, tmp_path / "merged", "adapter_config.json", '"trainable_token_indices"')
+
+
 def test_an_adapter_config_nested_100000_deep_is_exit_2(copy_of, tmp_path):
     folder = copy_of()
     (folder / "adapter_config.json").write_text("[" * 100_000 + "]" * 100_000, encoding="utf-8")

@@ -25,6 +25,7 @@ __all__ = ["ADAPTER_CONFIG", "MAX_ADAPTER_RANK", "AdapterDirError", "is_adapter_
 ADAPTER_CONFIG = "adapter_config.json"
 MAX_ADAPTER_RANK = 1 << 16
 _MAX_ALPHA = 1e6
+_MAX_TOKEN_INDICES = 1 << 20  # row ids of trainable_token_indices (a vocabulary has about 152k rows)
 _HINT = "pass a directory written by a train_type: lora run (or re-save the adapter with save_pretrained)"
 
 
@@ -89,9 +90,40 @@ def _fields_problem(config: dict[str, Any]) -> str | None:
             return f'"{key}" must be true or false, got {_short(config[key])}'
     if config.get("bias", "none") not in ("none", "all", "lora_only"):
         return f'"bias" must be none, all or lora_only, got {_short(config.get("bias"))}'
+    problem = _token_indices_problem(config.get("trainable_token_indices"))
+    if problem:
+        return problem
     base = config.get("base_model_name_or_path")
     if base is not None and (not isinstance(base, str) or "\x00" in base or len(base) > 4096):
         return f'"base_model_name_or_path" must be a path or a model id, got {_short(base)}'
+    return None
+
+
+def _index_list(value: Any) -> bool:
+    return isinstance(value, list) and len(value) <= _MAX_TOKEN_INDICES and all(
+        type(v) is int and v >= 0 for v in value)
+
+
+def _token_indices_problem(value: Any) -> str | None:
+    """``trainable_token_indices``: row ids (for the input embedding), or module names mapped to row ids."""
+    if value is None or _index_list(value) or (isinstance(value, dict) and all(
+            isinstance(k, str) and k and _index_list(v) for k, v in value.items())):
+        return None
+    return ('"trainable_token_indices" must be a list of row ids (integers >= 0) or map module names to such '
+            f"lists, got {_short(value)}")
+
+
+def _token_rows_problem(model: Any, config: Any) -> str | None:
+    """A ``trainable_token_indices`` row past the base's vocabulary (PEFT would raise IndexError mid-load)."""
+    value = getattr(config, "trainable_token_indices", None)
+    embeddings = model.get_input_embeddings() if value else None
+    if embeddings is None:
+        return None
+    rows = int(embeddings.weight.shape[0])
+    lists = value.values() if isinstance(value, dict) else [value]
+    beyond = max((i for ids in lists for i in ids), default=-1)
+    if beyond >= rows:
+        return f'"trainable_token_indices" names row {beyond}, but the base\'s vocabulary has {rows} rows'
     return None
 
 
@@ -244,6 +276,9 @@ def attach_adapter(model: Any, adapter_dir: str | Path, *, trainable: bool = Fal
     weights = load_adapter_weights(folder)
     _bounded_patterns(model, config, folder)
     fit = "the adapter does not belong to this base model"
+    problem = _token_rows_problem(model, config)
+    if problem:
+        raise AdapterDirError(f"{folder / ADAPTER_CONFIG}: {problem}", hint=fit)
     try:
         peft_model = PeftModel(model, config, **(peft_kwargs or {}))
     except (ValueError, TypeError, KeyError, AttributeError) as exc:

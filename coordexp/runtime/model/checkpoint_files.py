@@ -247,10 +247,11 @@ def check_adapter_dir(folder: str | Path) -> None:
             _read_json_object(folder / json_name)
 
 
-def load_checked_processor(folder: str | Path) -> Any:
+def load_checked_processor(folder: str | Path, *, coord_tokens: bool = True) -> Any:
     """The processor (tokenizer + image processor) saved in ``folder``, loaded from local files only; a tokenizer or
     processor that transformers cannot build (no ``tokenizer.json``, a file of the wrong shape, an unknown class) is
-    a :class:`CheckpointFileError` naming the folder, before any model weight is loaded."""
+    a :class:`CheckpointFileError` naming the folder, before any model weight is loaded. ``coord_tokens``: the
+    tokenizer must hold the 1000 coord tokens (else any vocabulary will do)."""
     from coordexp.runtime.core.tokens import CoordVocab
     from coordexp.runtime.model.encoding import load_processor
 
@@ -263,6 +264,10 @@ def load_checked_processor(folder: str | Path) -> Any:
         reason = " ".join(str(exc).split())[:200] or type(exc).__name__
         raise CheckpointFileError(f"{folder}: no usable tokenizer/processor ({type(exc).__name__}: {reason})",
                                   hint=hint) from None
+    if not coord_tokens:  # expand-vocab's source: any tokenizer that holds a vocabulary
+        if len(processor.tokenizer) < 2:  # without tokenizer files transformers builds an empty one
+            raise CheckpointFileError(f"{folder}: the tokenizer loaded from it has no vocabulary", hint=hint)
+        return processor
     try:  # without tokenizer files transformers builds an empty tokenizer instead of failing
         CoordVocab.from_tokenizer(processor.tokenizer)
     except ValueError as exc:

@@ -18,13 +18,13 @@ import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from coordexp.errors import UserInputError
 from coordexp.runtime.model.adapters import (ADAPTER_CONFIG, AdapterDirError, hub_offline, load_adapter_weights,
                                              read_adapter_config)
 
-__all__ = ["ExportError", "ExportPlan", "plan_export", "write_merged", "export_merged"]
+__all__ = ["ExportError", "ExportPlan", "plan_export", "write_merged", "export_merged", "expand_vocab"]
 
 _OUT_HINT = "choose a new or empty output directory you may write"
 
@@ -176,20 +176,26 @@ def _non_finite(state: dict[str, Any]) -> tuple[str, int] | None:
     return None
 
 
-def _load_merged(plan: ExportPlan) -> Any:
-    import torch
+def _load_local(folder: Path, *, dtype: Any) -> Any:
+    """The model saved in ``folder`` (local files only); a load transformers refuses is exit 2 naming it."""
     from transformers import AutoModelForImageTextToText
 
-    from coordexp.runtime.model.adapters import attach_adapter
     from coordexp.runtime.model.checkpoint_files import CheckpointFileError
-    from coordexp.runtime.model.tuner import align_tie_flag
 
     try:
-        model = AutoModelForImageTextToText.from_pretrained(str(plan.base), dtype=torch.float32,
-                                                            local_files_only=True)
+        return AutoModelForImageTextToText.from_pretrained(str(folder), dtype=dtype, local_files_only=True)
     except Exception as exc:  # noqa: BLE001 - transformers raises many kinds for unloadable weights
-        raise CheckpointFileError(f"{plan.base}: transformers cannot load the base model ({type(exc).__name__}: "
-                                  f"{' '.join(str(exc).split())[:200]})", hint="re-save the base checkpoint") from None
+        raise CheckpointFileError(f"{folder}: transformers cannot load the model ({type(exc).__name__}: "
+                                  f"{' '.join(str(exc).split())[:200]})", hint="re-save the checkpoint") from None
+
+
+def _load_merged(plan: ExportPlan) -> Any:
+    import torch
+
+    from coordexp.runtime.model.adapters import attach_adapter
+    from coordexp.runtime.model.tuner import align_tie_flag
+
+    model = _load_local(plan.base, dtype=torch.float32)
     bad = _non_finite(model.state_dict())
     if bad is not None:
         raise ExportError(f"{plan.base}: tensor {bad[0]} of the base model holds {bad[1]} non-finite value(s); the "
@@ -213,30 +219,41 @@ def _load_merged(plan: ExportPlan) -> Any:
 def write_merged(plan: ExportPlan) -> Path:
     """Load, merge, check every merged tensor is finite, then save model and processor into a temporary folder
     beside OUT_DIR renamed into place when complete; returns OUT_DIR. Nothing is left behind on failure."""
+    with hub_offline():
+        merged = _load_merged(plan)
+    _write_complete(plan.out_dir, lambda scratch: _save(merged, plan.processor, scratch), "merged checkpoint")
+    return plan.out_dir
+
+
+def _save(model: Any, processor: Any, folder: Path) -> None:
     from coordexp.runtime.model.encoding import ImageTextProcessor
     from coordexp.runtime.model.policy import save_processor
 
-    with hub_offline():
-        merged = _load_merged(plan)
+    model.save_pretrained(str(folder))
+    if isinstance(processor, ImageTextProcessor):
+        save_processor(folder, model.config.model_type, processor.tokenizer, processor.image_processor)
+    else:
+        processor.save_pretrained(str(folder))
+
+
+def _write_complete(out_dir: Path, save: Callable[[Path], None], what: str) -> None:
+    """``save`` into a temporary folder beside ``out_dir`` renamed into place when complete; nothing is left
+    behind on failure (folders created above it removed again)."""
     created: list[Path] = []
-    parent = plan.out_dir.parent
+    parent = out_dir.parent
     scratch: Optional[Path] = None
     try:
         for folder in reversed([parent, *parent.parents]):
             if not folder.exists():
                 folder.mkdir()
                 created.append(folder)
-        scratch = Path(tempfile.mkdtemp(prefix=f".{plan.out_dir.name[:64]}.export-", dir=parent))
-        merged.save_pretrained(str(scratch))
-        if isinstance(plan.processor, ImageTextProcessor):
-            save_processor(scratch, merged.config.model_type, plan.processor.tokenizer, plan.processor.image_processor)
-        else:
-            plan.processor.save_pretrained(str(scratch))
+        scratch = Path(tempfile.mkdtemp(prefix=f".{out_dir.name[:64]}.export-", dir=parent))
+        save(scratch)
         os.chmod(scratch, 0o777 & ~_umask())
-        os.rename(scratch, plan.out_dir)  # replaces OUT_DIR only while it is still an empty directory
+        os.rename(scratch, out_dir)  # replaces OUT_DIR only while it is still an empty directory
         scratch = None
     except OSError as exc:
-        raise ExportError(f"OUT_DIR {plan.out_dir}: cannot write the merged checkpoint ({exc.strerror or exc}); "
+        raise ExportError(f"OUT_DIR {out_dir}: cannot write the {what} ({exc.strerror or exc}); "
                           "nothing was left there", hint=_OUT_HINT) from None
     finally:
         if scratch is not None:
@@ -244,7 +261,37 @@ def write_merged(plan: ExportPlan) -> Path:
             for folder in reversed(created):
                 with contextlib.suppress(OSError):  # a folder someone filled meanwhile stays
                     folder.rmdir()
-    return plan.out_dir
+
+
+def expand_vocab(source: str | Path, destination: str | Path) -> int:
+    """``coordexp expand-vocab``: SRC (config, weights, tokenizer) and DST checked as :func:`plan_export` checks
+    them before any weight loads, the model refused when a tensor is non-finite (before and after the coord rows
+    are added), written like :func:`write_merged`; returns the number of coord tokens added."""
+    from coordexp.runtime.model.checkpoint_files import check_model_dir, load_checked_processor
+    from coordexp.runtime.core.tokens import add_coord_tokens
+    from coordexp.runtime.model.policy import SUPPORTED_FAMILIES
+
+    source, destination = Path(source), Path(destination)
+    with hub_offline():
+        check_model_dir(source, families=SUPPORTED_FAMILIES)
+        processor = load_checked_processor(source, coord_tokens=False)
+    if _same_path(str(source), destination):
+        raise ExportError("SRC and DST are the same directory", hint="write the expanded checkpoint to a new "
+                          "directory")
+    target = _check_out_dir(destination)
+    with hub_offline():
+        model = _load_local(source, dtype="auto")
+    bad = _non_finite(model.state_dict())
+    if bad is not None:
+        raise ExportError(f"{source}: tensor {bad[0]} holds {bad[1]} non-finite value(s); nothing was written",
+                          hint="expand an intact checkpoint")
+    added = add_coord_tokens(processor.tokenizer, model)
+    bad = _non_finite(model.state_dict())
+    if bad is not None:  # the new rows start at the mean of the old ones: overflow in a half dtype
+        raise ExportError(f"{source}: adding the coord tokens gives tensor {bad[0]} {bad[1]} non-finite value(s); "
+                          "nothing was written", hint="expand a float32 copy of the checkpoint")
+    _write_complete(target, lambda scratch: _save(model, processor, scratch), "expanded checkpoint")
+    return added
 
 
 def _umask() -> int:
