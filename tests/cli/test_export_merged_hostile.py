@@ -339,3 +339,23 @@ def test_a_base_the_adapter_does_not_fit_is_refused(adapter, tmp_path):
 def test_a_missing_base_is_refused_naming_it(adapter, tmp_path):
     text = _refused(adapter, tmp_path / "merged", extra=("--base", tmp_path / "no_such_base"))
     assert "no_such_base" in text and "never downloads" in text, text
+
+
+def test_eval_checkpoint_with_trainable_token_indices_past_the_vocabulary_is_exit_2(copy_of, tmp_path, tiny_model_dir):
+    import yaml
+
+    from coordexp.runtime.toy.synthetic import write_synthetic_dataset
+    from testkit import REPO
+
+    folder = copy_of()
+    _set_config(folder, "[99999999]", "trainable_token_indices")
+    data = write_synthetic_dataset(tmp_path / "data", n_train=2, n_val=2, seed=0)
+    config = tmp_path / "eval.yaml"
+    config.write_text(yaml.safe_dump({
+        "extends": str(REPO / "examples" / "stage2_cpu_hf.yaml"), "model": {"path": str(tiny_model_dir)},
+        "data": {"train_jsonl": str(data.train_jsonl), "val_jsonl": str(data.val_jsonl)},
+        "training": {"output_dir": str(tmp_path / "run")}}), encoding="utf-8")
+    result = runner.invoke(app, ["eval", str(config), "--checkpoint", str(folder), "--out", str(tmp_path / "out")])
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2, text
+    assert '"trainable_token_indices" names row 99999999' in text and "internal error" not in text
