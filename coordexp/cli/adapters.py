@@ -26,12 +26,15 @@ def export_merged(
 ) -> None:
     """Merge a LoRA/DoRA adapter into its base model and save a plain checkpoint with the processor, usable as
     model.path (coordexp train / eval / serve-rollout, vLLM)."""
-    from coordexp.runtime.model.merge_export import plan_export, write_merged
+    from coordexp.cli.quiet import deepspeed_quiet
 
-    plan = plan_export(adapter_dir, out_dir, base=base)  # every input checked: exit 2 before any weight loads
-    for note in plan.notes:
-        err.print(f"[yellow]![/yellow] {safe(note)}")
-    written = write_merged(plan)
+    with deepspeed_quiet():  # transformers/peft import DeepSpeed when installed; merging never uses it
+        from coordexp.runtime.model.merge_export import plan_export, write_merged
+
+        plan = plan_export(adapter_dir, out_dir, base=base)  # every input checked: exit 2 before any weight loads
+        for note in plan.notes:
+            err.print(f"[yellow]![/yellow] {safe(note)}")
+        written = write_merged(plan)
     out.print(f"[green]✓[/green] merged checkpoint written to {safe(written)}")
 
 

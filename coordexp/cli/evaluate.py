@@ -23,7 +23,7 @@ from coordexp.cli.file_guard import check_output_dir, check_output_file, same_fi
 from coordexp.cli.frame import EXIT_OK, err, guarded, load_run, out, safe, write_result
 from coordexp.errors import UserInputError
 
-__all__ = ["register", "evaluate", "resolve_checkpoint"]
+__all__ = ["register", "evaluate", "resolve_checkpoint", "run_with_checkpoint", "default_out_dir"]
 
 SCORES = ("logprob", "mean_logprob", "constant")
 # What runtime.train.evaluate.write_eval_files writes under --out (PNGs go to png/eval_NNNN.png).
@@ -47,6 +47,26 @@ def resolve_checkpoint(run: Any, checkpoint: Optional[Path]) -> Path:
         return checkpoint
     trained = Path(run.training.output_dir)
     return trained if _saved(trained) else Path(run.model.path)
+
+
+def run_with_checkpoint(run: Any, checkpoint: Optional[Path]) -> tuple[Any, Path, Optional[Path]]:
+    """The run with ``model.path`` set to the checkpoint to load (:func:`resolve_checkpoint`), that model directory,
+    and the LoRA adapter on top of it (None for a full model); ``eval`` and ``serve-rollout`` load the same way."""
+    from coordexp.runtime.model.adapters import adapter_base, is_adapter_dir
+
+    model_dir, adapter = resolve_checkpoint(run, checkpoint), None
+    if is_adapter_dir(model_dir):  # base from the adapter's record (or model.path), then the adapter on top
+        adapter, model_dir = model_dir, Path(adapter_base(model_dir, run.model.path))
+    return dataclasses.replace(run, model=run.model.model_copy(update={"path": str(model_dir)})), model_dir, adapter
+
+
+def default_out_dir(run: Any, checkpoint: Optional[Path], split: str) -> Path:
+    """``OUTPUT_DIR/eval_SPLIT``; with ``--checkpoint DIR``, ``OUTPUT_DIR/eval_DIRNAME`` (``_train`` for the train
+    split), so evaluating several checkpoints keeps each one's results."""
+    if checkpoint is None:
+        return Path(run.training.output_dir) / f"eval_{split}"
+    name = Path(checkpoint).resolve().name + ("" if split == "val" else f"_{split}")
+    return Path(run.training.output_dir) / f"eval_{name}"
 
 
 def check_checkpoint_files(model_dir: Path, adapter: Optional[Path]) -> None:
@@ -107,6 +127,11 @@ def _fmt(value: Optional[float]) -> str:
     return "-" if value is None else f"{100 * value:.1f}"
 
 
+def _pct(value: Optional[float]) -> str:
+    """``97.5%``; ``-`` (not ``-%``) when the rate is undefined."""
+    return "-" if value is None else f"{_fmt(value)}%"
+
+
 def evaluate(
     config: Annotated[Path, typer.Argument(help="The run's YAML config.", show_default=False)],
     checkpoint: Annotated[Optional[Path], typer.Option(
@@ -118,7 +143,8 @@ def evaluate(
         "--score", help="Ranking score per object: logprob (sequence log-probability of its tokens), "
                         "mean_logprob (per token) or constant.")] = "logprob",
     out_dir: Annotated[Optional[Path], typer.Option(
-        "--out", help="Where results, metrics and PNGs go (default: OUTPUT_DIR/eval_SPLIT).")] = None,
+        "--out", help="Where results, metrics and PNGs go (default: OUTPUT_DIR/eval_SPLIT; with --checkpoint DIR, "
+                      "OUTPUT_DIR/eval_DIRNAME).")] = None,
     pngs: Annotated[int, typer.Option("--pngs", min=0, help="How many rollout PNGs to draw.")] = 4,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
 ) -> None:
@@ -129,14 +155,8 @@ def evaluate(
     if score not in SCORES:
         raise UserInputError(f"--score must be one of {', '.join(SCORES)}, got {score!r}")
     run = load_run(config, as_json=as_json)
-    model_dir = resolve_checkpoint(run, checkpoint)
-    adapter = None
-    from coordexp.runtime.model.adapters import adapter_base, is_adapter_dir
-
-    if is_adapter_dir(model_dir):  # base from the adapter's record (or model.path), then the adapter on top
-        adapter, model_dir = model_dir, Path(adapter_base(model_dir, run.model.path))
-    run = dataclasses.replace(run, model=run.model.model_copy(update={"path": str(model_dir)}))
-    target = out_dir if out_dir is not None else Path(run.training.output_dir) / f"eval_{split}"
+    run, model_dir, adapter = run_with_checkpoint(run, checkpoint)
+    target = out_dir if out_dir is not None else default_out_dir(run, checkpoint, split)
     check_checkpoint_files(model_dir, adapter)
     check_out_dir(target, _input_files(run, config, model_dir, adapter), pngs)
 
@@ -170,7 +190,7 @@ def print_report(report: Any) -> None:
     out.print(table)
     c, ratios = report.counters, report.counters.ratios()
     out.print(
-        f"rollouts: parse valid {_fmt(ratios['parse_valid_rate'])}%, match rate {_fmt(ratios['match_rate'])}%, "
+        f"rollouts: parse valid {_pct(ratios['parse_valid_rate'])}, match rate {_pct(ratios['match_rate'])}, "
         f"{c.pred_valid} valid objects / {c.gt_objects} GT, {c.matched} matched, "
         f"truncated {c.truncated_rollouts}/{c.samples}"
     )

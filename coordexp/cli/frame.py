@@ -27,7 +27,7 @@ import re
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, Callable, NoReturn, Optional, TextIO, TypeVar
+from typing import Any, Callable, NoReturn, Optional, Sequence, TextIO, TypeVar
 
 import typer
 from rich.console import Console
@@ -46,6 +46,7 @@ from coordexp.errors import (
 __all__ = [
     "EXIT_OK", "EXIT_INTERNAL", "EXIT_INVALID", "EXIT_EXTERNAL", "EXIT_INTERRUPTED", "DEBUG_ENV",
     "out", "err", "safe", "plain", "is_rank_zero", "fail", "issue_line", "print_invalid_report", "load_run",
+    "load_run_and_config",
     "guarded", "report_exception", "error_payload", "write_result",
 ]
 
@@ -131,18 +132,27 @@ def print_invalid_report(console: Console, shown: str, report: Any) -> None:
         console.print("  [red]•[/red] " + issue_line(issue, report.path))
 
 
-def load_run(path: Path, *, as_json: bool = False) -> Any:
+def load_run(path: Path, *, as_json: bool = False, overrides: Sequence[str] = ()) -> Any:
     """The :class:`~coordexp.schema.contract.RunContract` of the config at ``path``; if the file is invalid, print
     every problem (and, with ``as_json``, the report as JSON on stdout) and exit 2 before anything is loaded."""
+    return load_run_and_config(path, as_json=as_json, overrides=overrides)[0]
+
+
+def load_run_and_config(path: Path, *, as_json: bool = False, overrides: Sequence[str] = ()) -> tuple[Any, Any]:
+    """:func:`load_run` and the validated config it came from; ``overrides`` (``dotted.key=value``, see
+    :mod:`coordexp.cli.overrides`) are applied to the loaded YAML and validated with it."""
     from coordexp.schema.contract import build_contract
     from coordexp.schema.errors import ConfigError
     from coordexp.schema.loader import validate_config_file
 
-    report = validate_config_file(path)
+    if overrides:
+        report = _validate_with_overrides(path, overrides)
+    else:
+        report = validate_config_file(path)
     errors = list(report.errors)
     if report.ok:
         try:
-            return build_contract(report.config)
+            return build_contract(report.config), report.config
         except ConfigError as exc:  # a rule only the contract checks: report it like the schema's own
             errors = list(exc.issues)
     if is_rank_zero():
@@ -154,6 +164,18 @@ def load_run(path: Path, *, as_json: bool = False) -> Any:
             write_result(json.dumps({"ok": False, "exit_code": EXIT_INVALID, "path": str(path),
                                          "errors": [i.to_dict() for i in errors]}, indent=2) + "\n")
     raise typer.Exit(EXIT_INVALID)
+
+
+def _validate_with_overrides(path: Path, overrides: Sequence[str]) -> Any:
+    from coordexp.cli.overrides import apply_overrides
+    from coordexp.schema.errors import ConfigError
+    from coordexp.schema.loader import ValidationReport, load_merged, validate_merged
+
+    try:
+        merged = load_merged(path)
+    except ConfigError as exc:
+        return ValidationReport(str(path), None, exc.issues, ())
+    return validate_merged(apply_overrides(merged, overrides))
 
 
 def error_payload(exc: BaseException) -> dict[str, Any]:

@@ -28,6 +28,9 @@ def serve_rollout(
     image_root: Annotated[Optional[Path], typer.Option(
         "--image-root", help="The only directory local image paths may point into (default: the config's "
         "data.image_root). Without it, only base64 images are accepted.")] = None,
+    checkpoint: Annotated[Optional[Path], typer.Option(
+        "--checkpoint", help="Serve this saved model (a training output_dir or checkpoint-N) instead of model.path; "
+                             "loaded as `coordexp eval --checkpoint` loads it.")] = None,
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level.")] = "info",
     access_log: Annotated[bool, typer.Option(
         "--access-log/--no-access-log", help="Log every request with its status (on by default).")] = True,
@@ -62,6 +65,14 @@ def serve_rollout(
     if engine not in (None, "vllm", "hf"):
         fail(f"--engine {engine!r} is not an engine", "Use --engine vllm or --engine hf")
     run = load_run(config)
+    if checkpoint is not None:
+        from coordexp.cli.evaluate import check_checkpoint_files, run_with_checkpoint
+
+        run, model_dir, adapter = run_with_checkpoint(run, checkpoint)
+        if adapter is not None:
+            fail(f"--checkpoint {checkpoint} is a LoRA adapter; the server serves a full model",
+                 f"Merge it first: `coordexp export-merged {checkpoint} MERGED`, then --checkpoint MERGED")
+        check_checkpoint_files(model_dir, None)
     root = image_root if image_root is not None else (Path(run.data.image_root) if run.data.image_root else None)
     if root is not None and not root.is_dir():
         fail(f"image root {root} is not a directory", "Pass --image-root DIR (the directory holding the images)")

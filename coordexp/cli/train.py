@@ -15,10 +15,10 @@ from typing import Annotated, Any, Iterator, Optional
 
 import typer
 
-from coordexp.cli.frame import (EXIT_INTERRUPTED, EXIT_OK, err, fail, guarded, is_rank_zero, load_run, out, safe,
-                                 write_result)
+from coordexp.cli.frame import (EXIT_INTERRUPTED, EXIT_OK, err, fail, guarded, is_rank_zero, load_run_and_config,
+                                 out, safe, write_result)
 
-__all__ = ["register", "train", "show_rollouts", "resolve_resume"]
+__all__ = ["register", "train", "show_rollouts", "resolve_resume", "used_output_problem"]
 
 
 def resolve_resume(resume: Optional[str], output_dir: str) -> Optional[str]:
@@ -45,6 +45,24 @@ def resolve_resume(resume: Optional[str], output_dir: str) -> Optional[str]:
         raise FileNotFoundError(f"--resume {resume} cannot be resumed from: {problem}; pass a complete checkpoint-* "
                                 "path or 'auto'")
     return resume
+
+
+SAVED_MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors",
+                     "pytorch_model.bin")
+
+
+def used_output_problem(output_dir: str | Path) -> Optional[str]:
+    """What makes ``output_dir`` a used run folder (its checkpoints, or a saved model), else None: a fresh run there
+    would mix its checkpoints with the old run's and overwrite its model."""
+    folder = Path(output_dir)
+    if not folder.is_dir():
+        return None
+    checkpoints = sorted(p.name for p in folder.glob("checkpoint-*") if p.is_dir())
+    if checkpoints:
+        shown = ", ".join(checkpoints[:3]) + (", ..." if len(checkpoints) > 3 else "")
+        return f"holds {len(checkpoints)} checkpoint(s) ({shown})"
+    saved = [name for name in SAVED_MODEL_FILES if (folder / name).is_file()]
+    return f"holds a saved model ({saved[0]})" if saved else None
 
 
 def _finished(resume_from: Optional[str], max_steps: Optional[int]) -> Optional[int]:
@@ -127,6 +145,16 @@ def exit_interrupted() -> None:
     os._exit(EXIT_INTERRUPTED)
 
 
+def _remove_checkpoints(output_dir: str) -> None:
+    """--overwrite: the old run's checkpoints go, so ``--resume auto`` and ``save_total_limit`` see this run's only."""
+    import shutil
+
+    for checkpoint in sorted(Path(output_dir).glob("checkpoint-*")):
+        if checkpoint.is_dir():
+            shutil.rmtree(checkpoint)
+            err.print(f"removed {safe(checkpoint)} (--overwrite)")
+
+
 def _summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     def pct(value: Any) -> str:
         return "-" if value is None else f"{100 * float(value):.1f}%"
@@ -159,13 +187,29 @@ def train(
         Optional[str], typer.Option("--resume", help="Checkpoint directory to resume from, or 'auto' (newest).")
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the final summary as JSON on stdout.")] = False,
+    overrides: Annotated[Optional[list[str]], typer.Option(
+        "--set", help="Override a config key: dotted.key=value (a YAML scalar; list items by index, a.0.b=1); "
+                      "repeatable, validated like the file.", show_default=False)] = None,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Train afresh in a used training.output_dir (its old checkpoint-* are removed).")] = False,
 ) -> None:
-    """Train from a YAML config (stage 1 or stage 2); everything else comes from the file."""
-    run = load_run(config, as_json=as_json)
+    """Train from a YAML config (stage 1 or stage 2); everything else comes from the file (and --set)."""
+    overrides = list(overrides or [])
+    run, validated = load_run_and_config(config, as_json=as_json, overrides=overrides)
+    if resume is not None and overwrite:
+        fail("--resume and --overwrite contradict each other", "Pass --resume to continue the run, or --overwrite "
+             "to start it afresh")
+    used = None if resume is not None else used_output_problem(run.training.output_dir)
+    if used is not None and not overwrite:
+        fail(f"training.output_dir {run.training.output_dir} {used}: a fresh run would overwrite it",
+             "Continue it with --resume auto, start afresh with --overwrite, or choose another output_dir "
+             "(--set training.output_dir=DIR)")
     try:
         resume_from = resolve_resume(resume, run.training.output_dir)
     except FileNotFoundError as exc:
         fail(str(exc))
+    if resume_from is not None and is_rank_zero():
+        err.print(f"resuming from {safe(resume_from)}")
 
     done = _finished(resume_from, run.training.max_steps)
     if done is not None:
@@ -178,15 +222,30 @@ def train(
             out.print(f"[green]✓[/green] {safe(message)}")
         raise typer.Exit(EXIT_OK)
 
+    from coordexp.cli.quiet import deepspeed_quiet
+
+    with deepspeed_quiet(run.training.deepspeed is None):  # DeepSpeed's import-time lines, where it is not used
+        _train(run, validated, config=config, overrides=overrides, resume_from=resume_from, used=used,
+               as_json=as_json)
+
+
+def _train(run: Any, validated: Any, *, config: Path, overrides: list[str], resume_from: Optional[str],
+           used: Optional[str], as_json: bool) -> None:
+    """Check, train and report (``train`` after its input checks)."""
     from coordexp.runtime.train.args_check import check_training_arguments
+    from coordexp.runtime.train.deepspeed import process_state_restored
     from coordexp.runtime.train.launch import run_training
     from coordexp.runtime.train.progress import ProgressCallback, summarize_history
-
-    from coordexp.runtime.train.deepspeed import process_state_restored
 
     with process_state_restored():  # a zero2 check sets RANK/WORLD_SIZE/MASTER_PORT: they do not outlive it
         check_training_arguments(run)  # what transformers would refuse after the model loads: exit 2 now
 
+    if used is not None and is_rank_zero():
+        _remove_checkpoints(run.training.output_dir)
+    if is_rank_zero():
+        from coordexp.cli.overrides import write_resolved_config
+
+        write_resolved_config(run.training.output_dir, validated, source=config, overrides=overrides)
     progress = ProgressCallback(err if as_json else None, title=f"{run.trainer_variant}: {safe(config.name)}")
     with watching_for_interrupt():  # a KeyboardInterrupt goes on to guarded(): "interrupted", exit 130
         outcome = run_training(

@@ -1,6 +1,7 @@
-"""``coordexp train`` restores every process-wide thing it changed (issue 36 item 6): the launcher variables a zero2
-check sets, the SIGINT wakeup fd and its watcher thread; a Ctrl-C that an in-process caller handles does not end the
-caller's process."""
+"""Run hygiene of ``coordexp train`` / ``eval`` / ``serve-rollout`` (issue 38) and what ``train`` restores (issue 36
+item 6): ``--set`` overrides validated like the file and recorded in the run folder, a used output folder refused
+without ``--resume``/``--overwrite``, eval output per checkpoint; the launcher variables a zero2 check sets, the SIGINT
+wakeup fd and its watcher thread restored; a Ctrl-C that an in-process caller handles does not end its process."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import given
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from coordexp.cli.app import app
@@ -91,3 +94,107 @@ def test_a_handled_interrupt_does_not_end_the_callers_process():
     output = proc.stdout.read()
     assert code == 0, proc.stderr.read()
     assert "handled" in output and "watchers 0 wakeup -1" in output
+
+
+# -- --set, used output folders, resume, eval / serve checkpoints ---------------------------------------------------
+
+
+def _run(*args: str):
+    return CliRunner().invoke(app, list(args), catch_exceptions=False)
+
+
+@given(st.one_of(st.integers(-10**9, 10**9), st.booleans(), st.none(),
+                 st.text(alphabet="abcdefghij_/", min_size=1, max_size=12)))
+def test_override_values_are_yaml_scalars(value):
+    from coordexp.cli.overrides import parse_override
+
+    written = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+    override = parse_override(f"a.b.0.c={written}")
+    assert override.path == ("a", "b", "0", "c")
+    assert override.value == (yaml.safe_load(written))
+
+
+def test_overrides_reach_lists_by_index_and_refuse_bad_paths():
+    from coordexp.cli.overrides import apply_overrides
+    from coordexp.errors import UserInputError
+    from coordexp.schema.loader import MergedConfig
+
+    merged = MergedConfig({"a": {"items": [{"w": 1}, {"w": 2}], "n": 3}}, {("a",): "base.yaml"}, ("base.yaml",))
+    changed = apply_overrides(merged, ["a.items.1.w=0.5", "a.new.key=x"])
+    assert changed.data == {"a": {"items": [{"w": 1}, {"w": 0.5}], "n": 3, "new": {"key": "x"}}}
+    assert merged.data["a"]["items"][1]["w"] == 2  # the loaded config is not changed in place
+    assert changed.file_of(("a", "items", "1", "w")) == "--set" and changed.file_of(("a", "n")) == "base.yaml"
+    for bad in ("a.items.5.w=1", "a.items.w=1", "a.n.deeper=1", "no_equals_sign", "a..b=1", "=1"):
+        with pytest.raises(UserInputError):
+            apply_overrides(merged, [bad])
+
+
+@pytest.mark.slow  # trains
+def test_set_overrides_record_the_run_and_a_used_folder_needs_resume_or_overwrite(tmp_path):
+    config = _stage1_config(tmp_path, max_steps=3, save_steps=1)
+    bad = _run("train", str(config), "--set", "training.max_stepz=1")
+    assert bad.exit_code == 2 and "training.max_stepz" in bad.output  # validated like the file
+    run = tmp_path / "run1"
+    result = _run("train", str(config), "--set", "training.max_steps=1", "--set", f"training.output_dir={run}")
+    assert result.exit_code == 0, result.output
+    recorded = (run / "coordexp_config.yaml").read_text()
+    assert "--set training.max_steps=1" in recorded and yaml.safe_load(recorded)["training"]["max_steps"] == 1
+    assert (run / "checkpoint-1").is_dir()
+    again = _run("train", str(config), "--set", "training.max_steps=1", "--set", f"training.output_dir={run}")
+    assert again.exit_code == 2 and "checkpoint-1" in again.output and "--overwrite" in again.output
+    resumed = _run("train", str(config), "--set", "training.max_steps=2", "--set", f"training.output_dir={run}",
+                   "--resume", "auto")
+    assert resumed.exit_code == 0, resumed.output
+    assert f"resuming from {run / 'checkpoint-1'}" in " ".join(resumed.output.split())
+    fresh = _run("train", str(config), "--set", "training.max_steps=1", "--set", f"training.output_dir={run}",
+                 "--overwrite")
+    assert fresh.exit_code == 0, fresh.output
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-1"]  # the old run's checkpoint-2 went
+
+
+def test_used_output_problem_names_checkpoints_and_saved_models(tmp_path):
+    from coordexp.cli.train import used_output_problem
+
+    assert used_output_problem(tmp_path / "absent") is None and used_output_problem(tmp_path) is None
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert "saved model" in used_output_problem(tmp_path)
+    (tmp_path / "checkpoint-7").mkdir()
+    assert "checkpoint-7" in used_output_problem(tmp_path)
+
+
+def test_eval_writes_per_checkpoint_and_prints_no_bare_percent(tmp_path):
+    from types import SimpleNamespace
+
+    from coordexp.cli.evaluate import _pct, default_out_dir
+
+    run = SimpleNamespace(training=SimpleNamespace(output_dir=str(tmp_path / "out")))
+    assert default_out_dir(run, None, "val") == tmp_path / "out" / "eval_val"
+    assert default_out_dir(run, tmp_path / "out" / "checkpoint-20", "val") == tmp_path / "out" / "eval_checkpoint-20"
+    assert default_out_dir(run, tmp_path / "out" / "checkpoint-20", "train") == (
+        tmp_path / "out" / "eval_checkpoint-20_train")
+    assert _pct(None) == "-" and _pct(0.5) == "50.0%"
+
+
+def test_serve_rollout_checkpoint_without_a_saved_model_exits_2(tmp_path):
+    config = _stage1_config(tmp_path)
+    result = _run("serve-rollout", str(config), "--checkpoint", str(tmp_path / "data"), "--port", "0")
+    assert result.exit_code == 2, result.output
+    assert "--checkpoint" in result.output and "holds no saved model" in result.output
+
+
+@pytest.mark.slow  # starts a process that trains
+def test_a_plain_run_shows_its_evaluation_without_wrapped_lines_or_deepspeed_chatter(tmp_path):
+    """What a user piping ``coordexp train`` sees: eval figures on stdout, no bare-number line (a wrapped tok/s),
+    no DeepSpeed "Setting accelerator to CPU" line from a run that does not use DeepSpeed."""
+    config = _stage1_config(tmp_path, max_steps=2, eval_steps=1)
+    data = yaml.safe_load(config.read_text())
+    data["data"]["val_jsonl"] = "./data/val.jsonl"
+    config.write_text(yaml.safe_dump(data))
+    done = subprocess.run([sys.executable, "-m", "coordexp", "train", str(config)], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "COLUMNS": "80", "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = (done.stdout + done.stderr).splitlines()
+    assert any(line.startswith("eval  step 1  AP50 ") for line in done.stdout.splitlines()), done.stdout
+    assert not [line for line in lines if line.strip().replace(".", "").isdigit()]
+    assert "real_accelerator" not in done.stdout + done.stderr
+    assert "eval at step 2: AP50" in " ".join(done.stdout.split())
