@@ -194,8 +194,8 @@ def test_callback_prints_one_line_per_log_on_rank_zero_only(rank0):
     callback.on_train_end(None, _State(2, rank0), None)
     lines = buffer.getvalue().splitlines()
     if rank0:
-        assert [line.split()[:4] for line in lines] == [["step", "1/4", "loss", "2.0000"], ["eval", "step", "1", "AP50"],
-                                                        ["step", "2/4", "loss", "1.0000"]]
+        assert [line.split()[:4] for line in lines] == [["step", "1/4", "loss", "2.0000"],
+                                                        ["eval", "step", "1", "AP50"], ["step", "2/4", "loss", "1.0000"]]
         assert lines[1] == "eval  step 1  AP50 0.250  parse valid 75.0%  match 50.0%"
         assert "elapsed" in lines[2] and "ETA" in lines[2]
     else:
