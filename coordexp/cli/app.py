@@ -86,6 +86,9 @@ def validate(
         if contract is not None:
             contract["model"]["family"] = _checkpoint_model_type(contract["model"]["path"])
         results.append((str(path), report, contract))
+    from coordexp.cli.named_files import missing_named_files
+
+    missing = {shown: missing_named_files(report.config) if report.ok else [] for shown, report, _ in results}
 
     if as_json:
         payload = []
@@ -96,6 +99,7 @@ def validate(
                 "errors": [i.to_dict() for i in report.errors],
                 "warnings": [w.to_dict() for w in report.warnings],
             }
+            item["missing_files"] = [{"key": key, "path": file} for key, file in missing[shown]]
             if print_contract:
                 item["contract"] = contract
             payload.append(item)
@@ -109,6 +113,11 @@ def validate(
                 print_invalid_report(out, shown, report)
             for warning in report.warnings:
                 out.print("  [yellow]! warning[/yellow] " + issue_line(warning, top))
+            for key, file in missing[shown]:
+                out.print(f"  [yellow]! not found[/yellow] {key}: {safe(file)}")
+            if missing[shown]:
+                out.print(f"  [dim]validate checks the file, not the machine; `coordexp preflight {safe(shown)}` "
+                          "checks these files[/dim]")
             if contract is not None:
                 sys.stdout.write(json.dumps(contract, indent=2) + "\n")
     raise typer.Exit(EXIT_OK if all(r.ok for _, r, _ in results) else EXIT_INVALID)
