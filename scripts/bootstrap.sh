@@ -5,6 +5,9 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv="${COORDEXP_VENV:-$root/.venv}"
 extras="${1:-}"
+# The tests also cover the optional integrations that need no build (report_to: [tensorboard]); the demo's .venv
+# (no extras) is unchanged.
+[ "$extras" = test ] && extras="test,tensorboard"
 python_bin="${PYTHON:-python3}"
 
 if [ ! -x "$venv/bin/python" ]; then

@@ -38,6 +38,7 @@ from coordexp.cli.frame import (
     write_result,
 )
 from coordexp.cli.init import register as register_init
+from coordexp.cli.plot import register as register_plot
 from coordexp.cli.preflight import register as register_preflight
 from coordexp.cli.serve import register as register_serve
 from coordexp.cli.train import register as register_train
@@ -263,6 +264,7 @@ register_preflight(app)
 register_eval(app)
 register_convert(app)
 register_init(app)
+register_plot(app)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -271,7 +273,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     try:
         app(args=argv, prog_name="coordexp")
     except SystemExit as exc:
-        if exc.code == EXIT_INTERRUPTED:  # a thread blocked on a hung server must not hold the exit (decision 14)
+        # Ctrl-C: a thread blocked on a hung server must not hold the exit (docs/design.md, decision 14)
+        if exc.code == EXIT_INTERRUPTED:
             from coordexp.cli.train import exit_interrupted
 
             exit_interrupted()

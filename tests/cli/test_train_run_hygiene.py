@@ -198,3 +198,26 @@ def test_a_plain_run_shows_its_evaluation_without_wrapped_lines_or_deepspeed_cha
     assert not [line for line in lines if line.strip().replace(".", "").isdigit()]
     assert "real_accelerator" not in done.stdout + done.stderr
     assert "eval at step 2: AP50" in " ".join(done.stdout.split())
+
+
+@pytest.mark.slow  # trains
+def test_report_to_tensorboard_writes_events_under_the_run_and_plot_run_draws_its_curves(tmp_path):
+    pytest.importorskip("tensorboard")
+    config = _stage1_config(tmp_path, max_steps=2, eval_steps=1, report_to=["tensorboard"])
+    data = yaml.safe_load(config.read_text())
+    data["data"]["val_jsonl"] = "./data/val.jsonl"
+    config.write_text(yaml.safe_dump(data))
+    before = os.environ.get("TENSORBOARD_LOGGING_DIR")
+    result = _run("train", str(config))
+    assert result.exit_code == 0, result.output
+    run = tmp_path / "run"
+    assert list(run.rglob("events.out.tfevents.*")), sorted(str(p) for p in run.rglob("*"))
+    assert os.environ.get("TENSORBOARD_LOGGING_DIR") == before
+    plotted = _run("plot-run", str(run))
+    assert plotted.exit_code == 0, plotted.output
+    from PIL import Image
+
+    with Image.open(run / "curves.png") as image:
+        assert image.size[0] == 900 and len(image.getcolors(1 << 16) or []) > 3  # axes, a loss and eval curves
+    missing = _run("plot-run", str(tmp_path / "data"))
+    assert missing.exit_code == 2 and "trainer_state.json" in missing.output

@@ -162,13 +162,21 @@ def run_training(
 
     from coordexp.runtime.train.deepspeed import process_state_restored
 
+    tensorboard_dir = os.environ.get("TENSORBOARD_LOGGING_DIR")  # training.logging_dir sets it for this run only
     with process_state_restored():
-        trainer = build_trainer(run, callbacks=callbacks, rollout_log_every=rollout_log_every)
+        try:
+            trainer = build_trainer(run, callbacks=callbacks, rollout_log_every=rollout_log_every)
+        finally:  # TensorBoardCallback read it when the trainer was built (default: OUTPUT_DIR/runs/...)
+            if tensorboard_dir is None:
+                os.environ.pop("TENSORBOARD_LOGGING_DIR", None)
+            else:
+                os.environ["TENSORBOARD_LOGGING_DIR"] = tensorboard_dir
         if not print_logs:
             trainer.remove_callback(PrinterCallback)  # raw log dicts on stdout; the CLI shows its own progress
         try:
             trainer.train(resume_from_checkpoint=resume_from)
             trainer.save_model()
+            trainer.save_state()  # OUTPUT_DIR/trainer_state.json: the whole run's log history (coordexp plot-run)
         finally:
             if trainer.backend is not None:
                 trainer.backend.close()

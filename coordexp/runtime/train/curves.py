@@ -1,0 +1,113 @@
+"""A run's loss and evaluation curves as one PNG, drawn with PIL from its ``trainer_state.json`` log history (the
+run folder's, else its newest checkpoint's), so a run can be looked at without TensorBoard or matplotlib."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+__all__ = ["Curve", "find_trainer_state", "load_log_history", "run_curves", "draw_curves", "EVAL_CURVES"]
+
+EVAL_CURVES = ("AP50", "AP", "match_rate", "token_acc")
+"""The ``eval/<name>`` figures drawn (fractions in [0, 1]), when the run logged them."""
+_COLOURS = ((31, 119, 180), (214, 39, 40), (44, 160, 44), (148, 103, 189), (255, 127, 14))
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+@dataclass(frozen=True)
+class Curve:
+    name: str
+    points: tuple[tuple[float, float], ...]  # (step, value)
+
+
+def find_trainer_state(run_dir: Path) -> Path:
+    """``RUN_DIR/trainer_state.json``, else the newest ``checkpoint-N/trainer_state.json``; FileNotFoundError names
+    what was looked for."""
+    direct = run_dir / "trainer_state.json"
+    if direct.is_file():
+        return direct
+    numbered = [(int(m.group(1)), p) for p in run_dir.glob("checkpoint-*")
+                if (m := _CHECKPOINT.match(p.name)) and (p / "trainer_state.json").is_file()]
+    if not numbered:
+        raise FileNotFoundError(f"no trainer_state.json in {run_dir} or its checkpoint-* directories")
+    return max(numbered)[1] / "trainer_state.json"
+
+
+def load_log_history(path: Path) -> list[dict[str, Any]]:
+    """The ``log_history`` list of a ``trainer_state.json``; ValueError when the file is not one."""
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not JSON: {exc}") from None
+    history = state.get("log_history") if isinstance(state, dict) else None
+    if not isinstance(history, list):
+        raise ValueError(f"{path} has no log_history list")
+    return [entry for entry in history if isinstance(entry, dict)]
+
+
+def _series(history: Sequence[Mapping[str, Any]], key: str) -> tuple[tuple[float, float], ...]:
+    points = []
+    for entry in history:
+        value, step = entry.get(key), entry.get("step")
+        if isinstance(value, (int, float)) and isinstance(step, (int, float)) and value == value:  # not NaN
+            points.append((float(step), float(value)))
+    return tuple(points)
+
+
+def run_curves(history: Sequence[Mapping[str, Any]]) -> tuple[list[Curve], list[Curve]]:
+    """(training loss curves, evaluation curves) of a log history; empty lists where nothing was logged."""
+    losses = [Curve(name, points) for name, key in (("loss", "loss"),) if (points := _series(history, key))]
+    evals = [Curve(f"eval {name}", points) for name in EVAL_CURVES if (points := _series(history, f"eval/{name}"))]
+    return losses, evals
+
+
+def _panel(draw: Any, box: tuple[int, int, int, int], title: str, curves: Sequence[Curve], font: Any) -> None:
+    left, top, right, bottom = box
+    draw.rectangle(box, outline=(90, 90, 90))
+    draw.text((left, top - 16), title, fill=(0, 0, 0), font=font)
+    values = [v for c in curves for _, v in c.points]
+    steps = [s for c in curves for s, _ in c.points]
+    if not values:
+        draw.text((left + 10, top + 10), "nothing logged", fill=(120, 120, 120), font=font)
+        return
+    low, high = min(values), max(values)
+    if high - low < 1e-12:
+        low, high = low - 0.5, high + 0.5
+    first, last = min(steps), max(steps)
+    span = max(last - first, 1.0)
+
+    def xy(step: float, value: float) -> tuple[float, float]:
+        return (left + (step - first) / span * (right - left), bottom - (value - low) / (high - low) * (bottom - top))
+
+    for label, y in ((f"{high:.4g}", top), (f"{low:.4g}", bottom - 10)):
+        draw.text((left - 58, y), label, fill=(60, 60, 60), font=font)
+    draw.text((left, bottom + 4), f"step {first:.0f}", fill=(60, 60, 60), font=font)
+    draw.text((right - 70, bottom + 4), f"step {last:.0f}", fill=(60, 60, 60), font=font)
+    for index, curve in enumerate(curves):
+        colour = _COLOURS[index % len(_COLOURS)]
+        points = [xy(s, v) for s, v in curve.points]
+        if len(points) > 1:
+            draw.line(points, fill=colour, width=2)
+        for x, y in points:
+            draw.ellipse((x - 2, y - 2, x + 2, y + 2), fill=colour)
+        draw.text((left + 8 + 130 * index, top + 6), f"{curve.name} {curve.points[-1][1]:.4g}", fill=colour, font=font)
+
+
+def draw_curves(history: Sequence[Mapping[str, Any]], out_png: Path, *, title: str) -> Path:
+    """Two panels (training loss; evaluation figures) over steps, each with its range and last values."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    losses, evals = run_curves(history)
+    width, panel_h = 900, 260
+    image = Image.new("RGB", (width, 60 + 2 * (panel_h + 50)), "white")
+    draw = ImageDraw.Draw(image)
+    font = ImageFont.load_default()
+    draw.text((20, 12), title, fill=(0, 0, 0), font=font)
+    _panel(draw, (80, 60, width - 30, 60 + panel_h), "training loss", losses, font)
+    _panel(draw, (80, 110 + panel_h, width - 30, 110 + 2 * panel_h), "evaluation", evals, font)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    image.save(out_png)
+    return out_png

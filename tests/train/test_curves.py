@@ -1,0 +1,46 @@
+"""``coordexp plot-run``'s pure parts: which log history is read and which curves a history yields."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from coordexp.runtime.train.curves import draw_curves, find_trainer_state, load_log_history, run_curves
+
+
+def test_the_run_folders_state_wins_else_the_newest_checkpoints(tmp_path):
+    for step in (2, 10, 9):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text(json.dumps({"log_history": []}))
+    assert find_trainer_state(tmp_path) == tmp_path / "checkpoint-10" / "trainer_state.json"
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"log_history": [{"loss": 1.0, "step": 1}]}))
+    assert find_trainer_state(tmp_path) == tmp_path / "trainer_state.json"
+    assert load_log_history(tmp_path / "trainer_state.json") == [{"loss": 1.0, "step": 1}]
+    with pytest.raises(FileNotFoundError):
+        find_trainer_state(tmp_path / "checkpoint-2" / "absent")
+    (tmp_path / "trainer_state.json").write_text("{not json")
+    with pytest.raises(ValueError):
+        load_log_history(tmp_path / "trainer_state.json")
+
+
+@given(st.lists(st.tuples(st.integers(0, 10**6), st.one_of(st.floats(allow_nan=True, allow_infinity=False),
+                                                          st.none(), st.text(max_size=3))), max_size=20))
+def test_curves_keep_only_numeric_points_in_log_order(entries):
+    history = [{"step": step, "loss": value, "eval/AP50": value} for step, value in entries]
+    losses, evals = run_curves(history)
+    expected = [(float(s), float(v)) for s, v in entries if isinstance(v, float) and v == v]
+    assert [list(c.points) for c in losses] == ([expected] if expected else [])
+    assert [c.name for c in evals] == (["eval AP50"] if expected else [])
+
+
+def test_draw_curves_writes_a_png_with_both_panels(tmp_path):
+    from PIL import Image
+
+    history = [{"loss": 2.0 - 0.1 * s, "step": s} for s in range(1, 11)] + [{"eval/AP50": 0.3, "step": 5},
+                                                                           {"eval/AP50": 0.5, "step": 10}]
+    path = draw_curves(history, tmp_path / "x" / "curves.png", title="t")
+    with Image.open(path) as image:
+        assert image.mode == "RGB" and image.size == (900, 680)
