@@ -9,6 +9,7 @@ tests/schema/test_deepspeed_file.py keeps :func:`transformers_mismatches` equal 
 from __future__ import annotations
 
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any, Optional
@@ -166,8 +167,12 @@ _TRAINING_NAMES = {
 }
 
 
-def load_violations(path: str) -> tuple[Any, list[RuleViolation]]:
-    """The parsed file, or None and the read problem at ``training.deepspeed``."""
+def load_violations(path: str) -> tuple[Any, Optional[list[RuleViolation]]]:
+    """The parsed file and ``[]``, or None and the read problem at ``training.deepspeed``; ``(None, None)`` for a
+    path to nothing, no problem here (validate may run where the run's files are not: the launch refuses it, as it
+    does a missing data file)."""
+    if not os.path.lexists(Path(path).expanduser()):
+        return None, None
     try:
         return read_deepspeed_json(path), []
     except FileReadError as exc:

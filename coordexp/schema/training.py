@@ -263,8 +263,12 @@ def zero_stage(deepspeed: Optional[str]) -> Optional[int]:
     if deepspeed in DEEPSPEED_PRESETS:
         return int(deepspeed.removeprefix("zero"))
     config, problems = load_violations(deepspeed)
+    return _stage_of(config) if problems == [] else None
+
+
+def _stage_of(config: object) -> Optional[int]:
     zero = config.get("zero_optimization", {}) if isinstance(config, dict) else None
-    return deepspeed_stage(zero.get("stage", 0)) if isinstance(zero, dict) and not problems else None
+    return deepspeed_stage(zero.get("stage", 0)) if isinstance(zero, dict) else None
 
 
 def deepspeed_violations(training: "_OwnedTrainingFields", *, adapter: bool, rolls_out: bool,
@@ -273,11 +277,13 @@ def deepspeed_violations(training: "_OwnedTrainingFields", *, adapter: bool, rol
     (it moves storage ZeRO owns), and ZeRO-3 with an adapter whose rollouts read merged weights (the merge copies
     adapted layers, which hold one rank's shard under ZeRO-3); a JSON file's content as transformers and DeepSpeed
     would refuse it at launch (``schema/deepspeed_file.py``)."""
-    stage = zero_stage(training.deepspeed)
+    stage = zero_stage(training.deepspeed) if training.deepspeed in DEEPSPEED_PRESETS else None
     problems: list[RuleViolation] = []
     if training.deepspeed is not None and training.deepspeed not in DEEPSPEED_PRESETS:
-        config, problems = load_violations(training.deepspeed)
-        if not problems:
+        config, read_problems = load_violations(training.deepspeed)  # read once, bounded
+        problems = read_problems or []
+        if read_problems == []:
+            stage = _stage_of(config)
             problems = content_violations(config, training, model_dtype=model_dtype, shown=training.deepspeed[:300])
     out = []
     if training.deepspeed is not None and colocate_offload:

@@ -180,3 +180,9 @@ def test_stage_reading_equals_deepspeeds(stage):
     assert deepspeed_stage(stage) == expected, (stage, expected)
     if isinstance(stage, float) and math.isnan(stage):
         assert expected is None
+
+
+def test_a_path_to_nothing_is_left_to_the_launch_but_a_broken_link_is_refused(tmp_path):
+    assert _report(tmp_path / "absent.json").ok  # validate may run where the run's files are not
+    (tmp_path / "dangling.json").symlink_to(tmp_path / "nowhere.json")
+    assert any("symlink to a missing file" in t for t in _errors(_report(tmp_path / "dangling.json")))

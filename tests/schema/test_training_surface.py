@@ -100,7 +100,8 @@ def test_contract_and_schema_show_the_new_keys_and_hide_refused_ones():
     assert set(NEW_KEYS) <= set(properties) and not set(REFUSED) & set(properties)
 
 
-def test_report_to_takes_a_list_or_one_name():
+def test_report_to_takes_a_list_or_one_name(monkeypatch):
+    monkeypatch.setattr("coordexp.schema.training._tensorboard_installed", lambda: True)  # validate asks for it
     assert _training({"report_to": "none"}).training.report_to == []
     assert _training({"report_to": ["none"]}).training.report_to == []  # upstream configs write the list form
     assert _training({"report_to": ["tensorboard", "wandb"]}).training.report_to == ["tensorboard", "wandb"]
