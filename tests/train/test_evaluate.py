@@ -180,3 +180,11 @@ def test_trainer_evaluation_logs_the_same_ap_figures(write_config, dataset):
     assert {"eval_AP", "eval_AP50", "eval_match_rate", "eval_fn_per_image"} <= set(metrics)
     assert 0.0 <= metrics["eval/AP50"] <= 1.0
     assert metrics["eval/samples"] == len(load_records(dataset.val_jsonl))
+
+
+def test_pngs_show_images_with_predictions_first(model, host, records, tmp_path):
+    """eval used to draw the first N records; one with predictions comes first now (issue 38)."""
+    last = len(records) - 1
+    _evaluate(model, host, records, lambda r: serialize_objects(r.objects if r is records[-1] else []),
+              out_dir=tmp_path, png_count=1, image_root=records[0].image_paths[0].parent.parent)
+    assert [p.name for p in (tmp_path / "png").glob("*.png")] == [f"eval_{last:04d}.png"]

@@ -229,7 +229,7 @@ def write_eval_files(
 ) -> DetectionEval:
     """``coco_gt.json``, ``coco_results.json`` (loads in any COCO API), ``predictions.jsonl`` (one line per image,
     norm1000 coords with score and logprob: ``coordexp convert to-results`` maps it onto an original COCO file),
-    ``metrics.json`` and up to ``png_count`` PNGs (images with ground truth first)."""
+    ``metrics.json`` and up to ``png_count`` PNGs (images with predictions first, then with ground truth)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "coco_gt.json").write_text(json.dumps(gt) + "\n", encoding="utf-8")
@@ -241,8 +241,11 @@ def write_eval_files(
         lines.append(json.dumps({"image": str(r.record.image_paths[0]), "width": r.record.width,
                                  "height": r.record.height, "objects": objects}))
     (out / "predictions.jsonl").write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    order = sorted(range(len(rollouts)), key=lambda k: (len(rollouts[k].record.objects) == 0, k))
-    pngs = [render_rollout(rollouts[k].entry, out / "png" / f"eval_{k:04d}.png") for k in order[:png_count]]
+    # images with predictions first (then those with ground truth): the pictures show what the model wrote
+    order = sorted(range(len(rollouts)), key=lambda k: (not rollouts[k].predictions,
+                                                        len(rollouts[k].record.objects) == 0, k))
+    pngs = [render_rollout(rollouts[k].entry, out / "png" / f"eval_{k:04d}.png",
+                           scores=[p.score(report.score) for p in rollouts[k].predictions]) for k in order[:png_count]]
     report.files = {"coco_gt": str(out / "coco_gt.json"), "coco_results": str(out / "coco_results.json"),
                     "predictions": str(out / "predictions.jsonl"), "metrics": str(out / "metrics.json"),
                     "pngs": ", ".join(str(p) for p in pngs)}

@@ -13,7 +13,8 @@ from typing import Any, Iterable, Sequence
 
 from coordexp.runtime.core.objects import DetObject
 
-__all__ = ["RolloutLogEntry", "append_rollout_log", "read_rollout_log", "render_rollout", "render_rollout_log", "COLOURS"]
+__all__ = ["RolloutLogEntry", "append_rollout_log", "read_rollout_log", "render_rollout", "render_rollout_log", "COLOURS",
+           "shown_step", "caption_lines"]
 
 ROLLOUT_LOG_NAME = "rollouts.jsonl"
 # Colour-blind-safe-ish palette: GT green, matched prediction blue, FP red, FN (unmatched GT) orange.
@@ -116,25 +117,63 @@ def _font(size: int) -> Any:
         return ImageFont.load_default()
 
 
-def render_rollout(entry: RolloutLogEntry, out_path: str | Path, *, scale: int | None = None) -> Path:
+def shown_step(entry: RolloutLogEntry) -> int:
+    """The step as the progress numbers it (from 1): a training rollout is logged at the ``global_step`` before its
+    optimizer step (0 for the first), an evaluation after the steps it evaluates."""
+    return entry.step + 1 if entry.tag == "train" else entry.step
+
+
+CAPTION_TEXT_LINES = 4  # of the model's raw text; the rest is cut with "..."
+
+
+def caption_lines(entry: RolloutLogEntry, width_chars: int, scores: Sequence[float] | None = None) -> list[str]:
+    """The header a PNG carries: image name, step, counts (and scores), then the raw text the model wrote."""
+    head = (f"{Path(entry.image).name}  {entry.tag} step {shown_step(entry)}  {len(entry.predictions)} predicted, "
+            f"{len(entry.gt)} GT, {len(entry.pairs)} matched")
+    lines = [head]
+    if scores:
+        lines.append("scores: " + " ".join(f"{score:.2f}" for score in scores))
+    text = " ".join(entry.text.split()) or "(no text)"
+    width = max(20, width_chars)
+    chunks = [text[i:i + width] for i in range(0, len(text), width)]
+    if len(chunks) > CAPTION_TEXT_LINES:
+        chunks = chunks[:CAPTION_TEXT_LINES]
+        chunks[-1] = chunks[-1][:width - 3] + "..."
+    return lines + [f"text: {chunks[0]}"] + chunks[1:]
+
+
+def render_rollout(entry: RolloutLogEntry, out_path: str | Path, *, scale: int | None = None,
+                   scores: Sequence[float] | None = None) -> Path:
     """Draw one rollout: GT (green), matched predictions (blue), FPs (red), FNs (orange, thicker), each labelled
-    with its desc. The image is upscaled (nearest) by ``scale``, by default until its long side reaches
-    :data:`MIN_CANVAS_SIDE`; fonts and line widths grow with the canvas."""
+    with its desc (and score, when ``scores`` has one per prediction); ground truth is drawn whatever matched. A
+    header names the image and step and shows the raw text the model wrote. The image is upscaled (nearest) by
+    ``scale``, by default until its long side reaches :data:`MIN_CANVAS_SIDE`; fonts and lines grow with it."""
     from PIL import Image, ImageDraw
 
     base = Image.open(entry.image).convert("RGB")
     width, height = base.size
     if scale is None:
         scale = max(1, -(-MIN_CANVAS_SIDE // max(width, height)))
-    canvas = base.resize((width * scale, height * scale), Image.NEAREST)
+    if scores is not None and len(scores) != len(entry.predictions):
+        scores = None
+    picture = base.resize((width * scale, height * scale), Image.NEAREST)
+    font = _font(max(12, max(picture.size) // 42))
+    probe = ImageDraw.Draw(picture)
+    left, top, right, bottom = probe.textbbox((0, 0), "0123456789", font=font)  # a typical text character
+    char_w, line_h = max(1.0, (right - left) / 10), bottom - top + 6
+    header = caption_lines(entry, int((picture.width - 8) // char_w), scores)
+    header_h = line_h * len(header) + 6
+    canvas = Image.new("RGB", (picture.width, picture.height + header_h), (0, 0, 0))
+    canvas.paste(picture, (0, header_h))
     draw = ImageDraw.Draw(canvas)
-    font = _font(max(12, max(canvas.size) // 42))
-    thin = max(2, max(canvas.size) // 300)
+    for n, line in enumerate(header):
+        draw.text((4 - left, 3 + n * line_h - top), line, fill=(255, 255, 255), font=font)
+    thin = max(2, max(picture.size) // 300)
     fn = set(entry.fn_indices)
     fp = set(entry.fp_indices)
 
     def outline(obj: DetObject, colour: tuple[int, int, int], line_width: int, label: str, below: bool) -> None:
-        points = [(x * scale, y * scale) for x, y in _pixels(obj, width, height)]
+        points = [(x * scale, y * scale + header_h) for x, y in _pixels(obj, width, height)]
         draw.line(points + [points[0]], fill=colour, width=line_width, joint="curve")
         left, top, right, bottom = draw.textbbox((0, 0), label, font=font)
         # ground truth labelled above the shape, predictions below it (a matched pair stays readable); on canvas
@@ -142,7 +181,7 @@ def render_rollout(entry: RolloutLogEntry, out_path: str | Path, *, scale: int |
         if below:
             y = min(max(p[1] for p in points) + 2, canvas.height - 2 * (bottom - top) - 14)
         else:
-            y = max(0.0, min(p[1] for p in points) - (bottom - top) - 6)
+            y = max(float(header_h), min(p[1] for p in points) - (bottom - top) - 6)
         draw.rectangle([x, y, x + right - left + 4, y + bottom - top + 4], fill=(0, 0, 0))
         draw.text((x + 2 - left, y + 2 - top), label, fill=colour, font=font)
 
@@ -150,8 +189,9 @@ def render_rollout(entry: RolloutLogEntry, out_path: str | Path, *, scale: int |
         outline(obj, COLOURS["fn"] if i in fn else COLOURS["gt"], 2 * thin if i in fn else thin,
                 f"{'FN' if i in fn else 'GT'} {obj.desc}", below=False)
     for i, obj in enumerate(entry.predictions):
-        outline(obj, COLOURS["fp"] if i in fp else COLOURS["matched"], thin, f"{'FP' if i in fp else 'P'} {obj.desc}",
-                below=True)
+        score = "" if scores is None else f" {scores[i]:.2f}"
+        outline(obj, COLOURS["fp"] if i in fp else COLOURS["matched"], thin,
+                f"{'FP' if i in fp else 'P'} {obj.desc}{score}", below=True)
     legend = "GT green | matched blue | FP red | FN orange"
     left, top, right, bottom = draw.textbbox((0, 0), legend, font=font)
     bar = bottom - top + 6
@@ -167,6 +207,5 @@ def render_rollout_log(run_dir: str | Path, out_dir: str | Path | None = None, *
     """Render the last ``limit`` logged rollouts of a run into ``out_dir`` (default ``run_dir/rollout_png``)."""
     entries = read_rollout_log(run_dir)[-limit:]
     target = Path(out_dir) if out_dir is not None else Path(run_dir) / "rollout_png"
-    return [
-        render_rollout(entry, target / f"{entry.tag}_step{entry.step:06d}_{i:02d}.png") for i, entry in enumerate(entries)
-    ]
+    return [render_rollout(entry, target / f"{entry.tag}_step{shown_step(entry):06d}_{i:02d}.png")
+            for i, entry in enumerate(entries)]
