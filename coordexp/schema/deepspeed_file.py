@@ -144,6 +144,11 @@ def content_violations(config: Any, training: Any, *, model_dtype: str, shown: s
     if "stage" in zero and deepspeed_stage(zero["stage"]) is None:
         out.append(RuleViolation(_WHERE, f"{shown}: zero_optimization.stage is {str(zero['stage'])[:50]!r}; "
                                  "DeepSpeed has stages 0, 1, 2 and 3", "Use stage 2 or 3."))
+    elif "stage" in zero and type(zero["stage"]) is not int:  # transformers' is_zero3() compares with the int 3
+        out.append(RuleViolation(_WHERE, f"{shown}: zero_optimization.stage is {zero['stage']!r}: DeepSpeed reads it "
+                                 f"as stage {deepspeed_stage(zero['stage'])}, transformers only an integer, so the "
+                                 "two would disagree (e.g. on ZeRO-3's partitioned loading and saving)",
+                                 f"Write the integer: \"stage\": {deepspeed_stage(zero['stage'])}."))
     out += _offload_violations(zero, shown)
     for key, value, want in transformers_mismatches(config, training, world_size=None):
         field = _TRAINING_NAMES.get(key, key)

@@ -113,6 +113,9 @@ def test_bf16_on_a_float32_model_is_refused_and_auto_agrees(tmp_path):
 def test_stage_three_written_as_deepspeed_reads_it_hits_the_zero3_adapter_refusal(tmp_path, stage):
     report = _report(_file(tmp_path, {"zero_optimization": {"stage": stage}}), **LORA_ROLLING_OUT)
     assert any("ZeRO-3 with tuner.train_type: lora" in t for t in _errors(report)), _errors(report)
+    # and on its own: transformers' is_zero3() reads only the integer, so the two would disagree
+    texts = _errors(_report(_file(tmp_path, {"zero_optimization": {"stage": stage}})))
+    assert any('Write the integer: "stage": 3' in t for t in texts), texts
 
 
 def test_the_cli_exits_2_with_one_line_per_problem_before_any_model_loads(tmp_path, stage2_config):
