@@ -54,7 +54,7 @@ def _write_coco(root: Path, split: str, count: int) -> None:
 
 
 def _train_briefly(config: Path) -> None:
-    """2 optimizer steps and 48-token rollouts: the written config otherwise trains as init wrote it."""
+    """2 optimizer steps and 48-token rollouts (eval reads the file too); otherwise the config is as written."""
     text = config.read_text(encoding="utf-8")
     text = re.sub(r"(?m)^(\s+max_steps:) \d+$", r"\1 2", text)
     text = re.sub(r"(?m)^(\s+max_new_tokens:) \d+$", r"\1 48", text)
@@ -83,13 +83,20 @@ def test_the_readme_quickstart_runs_as_written(tmp_path, monkeypatch):
     ran = []
     for words in commands:
         args = ["cpu" if (word == "gpu" and words[k] == "--device") else word for k, word in enumerate(words[1:])]
+        if args[0] == "train":  # the README's own override, which must also win over the file
+            args += ["--set", "training.max_steps=2"]
         result = runner.invoke(app, args, catch_exceptions=False)
         assert result.exit_code == 0, (args, result.output)
         ran.append(args[0])
         if args[0] == "init":
-            _train_briefly(Path(args[args.index("-o") + 1]))
+            config = Path(args[args.index("-o") + 1])
+            _train_briefly(config)
+            config.write_text(config.read_text(encoding="utf-8").replace("max_steps: 2", "max_steps: 9"))
     assert ran.count("train") == 2 and "eval" in ran
     assert (tmp_path / "runs" / "stage1" / "config.json").is_file()
+    for stage in ("stage1", "stage2"):  # --set won over the file's 9 steps
+        state = json.loads(next((tmp_path / "runs" / stage).glob("checkpoint-*/trainer_state.json")).read_text())
+        assert state["global_step"] == 2
     assert (tmp_path / "runs" / "stage2" / "rollouts.jsonl").is_file()
     results = json.loads((tmp_path / "results.json").read_text())
     assert isinstance(results, list)
