@@ -33,20 +33,49 @@ STUCK = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow  # starts a process
-def test_a_main_thread_that_never_stops_still_exits_130_with_its_stack():
-    proc = subprocess.Popen([sys.executable, "-c", STUCK], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+def _interrupted(program: str, timeout: float = 120) -> tuple[int, str, str]:
+    """Run ``program``, send SIGINT once it prints "ready"; its exit code, stdout and stderr."""
+    proc = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         assert proc.stdout.readline().strip() == "ready"
         proc.send_signal(signal.SIGINT)
-        code = proc.wait(timeout=120)
+        code = proc.wait(timeout=timeout)
     finally:
         if proc.poll() is None:
             proc.kill()
-    stderr = proc.stderr.read()
+    return code, proc.stdout.read(), proc.stderr.read()
+
+
+@pytest.mark.slow  # starts a process
+def test_a_main_thread_that_never_stops_still_exits_130_with_its_stack():
+    code, _, stderr = _interrupted(STUCK)
     assert code == 130, stderr
     assert "interrupted" in stderr and "swallowing_everything" in stderr  # the stuck thread's stack is shown
+
+
+HANDLED = textwrap.dedent("""
+    import signal, sys, threading, time
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as at a terminal
+    from coordexp.cli.train import watching_for_interrupt
+    try:
+        with watching_for_interrupt(grace_s=0.5):
+            print("ready", flush=True)
+            time.sleep(60)
+    except KeyboardInterrupt:
+        print("handled", flush=True)
+    time.sleep(2.0)  # well past the grace period: the process must still be alive
+    alive = [t.name for t in threading.enumerate() if t.name == "interrupt-watch"]
+    print("watchers", len(alive), "wakeup", signal.set_wakeup_fd(-1), flush=True)
+""")
+
+
+@pytest.mark.slow  # starts a process
+def test_a_handled_interrupt_does_not_end_the_callers_process():
+    """An in-process caller that catches the Ctrl-C keeps its process; the watcher and the wakeup fd are gone."""
+    code, stdout, stderr = _interrupted(HANDLED, timeout=60)
+    assert code == 0, stderr
+    assert "handled" in stdout and "watchers 0 wakeup -1" in stdout
 
 
 @pytest.mark.slow  # starts a process

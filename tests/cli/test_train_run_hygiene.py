@@ -1,7 +1,7 @@
 """Run hygiene of ``coordexp train`` / ``eval`` / ``serve-rollout`` (issue 38) and what ``train`` restores (issue 36
 item 6): ``--set`` overrides validated like the file and recorded in the run folder, a used output folder refused
 without ``--resume``/``--overwrite``, eval output per checkpoint; the launcher variables a zero2 check sets, the SIGINT
-wakeup fd and its watcher thread restored; a Ctrl-C that an in-process caller handles does not end its process."""
+wakeup fd and its watcher thread restored (a handled Ctrl-C: tests/cli/test_interrupt_watch.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 from pathlib import Path
 
@@ -62,38 +61,6 @@ def test_train_restores_environment_wakeup_fd_and_ends_its_watcher(tmp_path, mon
     finally:
         os.close(read_fd)
         os.close(write_fd)
-
-
-HANDLED = textwrap.dedent("""
-    import signal, sys, threading, time
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # as at a terminal
-    from coordexp.cli.train import watching_for_interrupt
-    try:
-        with watching_for_interrupt(grace_s=0.5):
-            print("ready", flush=True)
-            time.sleep(60)
-    except KeyboardInterrupt:
-        print("handled", flush=True)
-    time.sleep(2.0)  # well past the grace period: the process must still be alive
-    alive = [t.name for t in threading.enumerate() if t.name == "interrupt-watch"]
-    print("watchers", len(alive), "wakeup", signal.set_wakeup_fd(-1), flush=True)
-""")
-
-
-@pytest.mark.slow  # starts a process
-def test_a_handled_interrupt_does_not_end_the_callers_process():
-    proc = subprocess.Popen([sys.executable, "-c", HANDLED], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        assert proc.stdout.readline().strip() == "ready"
-        proc.send_signal(signal.SIGINT)
-        code = proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    output = proc.stdout.read()
-    assert code == 0, proc.stderr.read()
-    assert "handled" in output and "watchers 0 wakeup -1" in output
 
 
 # -- --set, used output folders, resume, eval / serve checkpoints ---------------------------------------------------
