@@ -119,6 +119,7 @@ def test_stage1_json_summary_and_resume_auto(assets):
     summary = json.loads(result.stdout[result.stdout.index("{"):])
     assert summary["steps"] == 1 and summary["global_step"] == 1
     assert summary["final_loss"] > 0 and summary["rollout"] == {}  # stage 1 has no rollouts
+    assert summary["evaluations"] == [] and summary["last_eval"] is None  # no data.val_jsonl: no evaluation
     assert summary["output_dir"] == str(assets / "run_s1")
     assert (assets / "run_s1" / "checkpoint-1").is_dir()
     from coordexp.cli.train import resolve_resume
