@@ -273,11 +273,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     try:
         app(args=argv, prog_name="coordexp")
     except SystemExit as exc:
-        # Ctrl-C: a thread blocked on a hung server must not hold the exit (docs/design.md, decision 14)
-        if exc.code == EXIT_INTERRUPTED:
-            from coordexp.cli.train import exit_interrupted
+        # Ctrl-C in training: a thread blocked on a hung server must not hold the exit (docs/design.md, decision 14)
+        from coordexp.cli import train as train_command
 
-            exit_interrupted()
+        if exc.code == EXIT_INTERRUPTED and train_command.training_interrupted:
+            train_command.exit_interrupted()
         raise
     except KeyboardInterrupt:
         err.print("interrupted")

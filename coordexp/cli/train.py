@@ -130,6 +130,10 @@ def watching_for_interrupt(grace_s: float = INTERRUPT_GRACE_S) -> Iterator[None]
         os.close(read_fd)
 
 
+training_interrupted = False
+"""Set when Ctrl-C stopped a training run in this process: rollout threads may still block on a server."""
+
+
 def exit_interrupted() -> None:
     """Ctrl-C in the ``coordexp`` process itself: end it now with 130. A rollout thread blocked on a hung server
     (HTTP, up to its timeout) would otherwise hold interpreter exit, which joins worker threads; checkpoints are
@@ -247,14 +251,19 @@ def _train(run: Any, validated: Any, *, config: Path, overrides: list[str], resu
 
         write_resolved_config(run.training.output_dir, validated, source=config, overrides=overrides)
     progress = ProgressCallback(err if as_json else None, title=f"{run.trainer_variant}: {safe(config.name)}")
+    global training_interrupted
     with watching_for_interrupt():  # a KeyboardInterrupt goes on to guarded(): "interrupted", exit 130
-        outcome = run_training(
-            run,
-            resume_from=resume_from,
-            callbacks=[progress],
-            rollout_log_every=run.training.logging_steps,
-            print_logs=False,
-        )
+        try:
+            outcome = run_training(
+                run,
+                resume_from=resume_from,
+                callbacks=[progress],
+                rollout_log_every=run.training.logging_steps,
+                print_logs=False,
+            )
+        except KeyboardInterrupt:
+            training_interrupted = True  # the console script then ends the process at once (exit_interrupted)
+            raise
     if not is_rank_zero():
         raise typer.Exit(EXIT_OK)
     summary = summarize_history(outcome.log_history)
