@@ -192,8 +192,9 @@ def train(
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the final summary as JSON on stdout.")] = False,
     overrides: Annotated[Optional[list[str]], typer.Option(
-        "--set", help="Override a config key: dotted.key=value (a YAML scalar; list items by index, a.0.b=1); "
-                      "repeatable, validated like the file.", show_default=False)] = None,
+        "--set", metavar="KEY=VALUE", show_default=False,
+        help="Override a config key: dotted.key=value (a YAML scalar; list items by index, a.0.b=1); repeatable, "
+             "validated like the file.")] = None,
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Train afresh in a used training.output_dir (its old checkpoint-* are removed).")] = False,
 ) -> None:

@@ -216,9 +216,11 @@ def test_callback_live_mode_renders_a_table_on_a_terminal():
     callback.on_train_begin(None, _State(0, True), None)
     callback.on_log(None, _State(1, True), None, logs={"loss": 0.5, "rollout/pred_valid": 1.0,
                                                        "rollout/pred_parsed": 2.0})
+    callback.on_log(None, _State(1, True), None, logs={"eval/AP50": 0.125, "eval/token_acc": 0.5})
     callback.on_train_end(None, _State(1, True), None)
     text = buffer.getvalue()
     assert "stage 2" in text and "parse valid" in text and "50.0%" in text and "0.5000" in text
+    assert "eval  step 1  AP50 0.125  parse valid -  match -  token acc 50.0%" in text  # under the live table
 
 
 def test_plain_lines_never_wrap_on_a_narrow_pipe():
