@@ -175,7 +175,9 @@ class ProgressCallback(TrainerCallback):
         bar = ProgressBar(total=max(s.max_steps, 1), completed=min(s.step, max(s.max_steps, 1)), width=60)
         if self.last_eval is None:
             return Group(bar, table)
-        return Group(bar, table, format_eval_line(self.last_eval))
+        from rich.text import Text
+
+        return Group(bar, table, Text(format_eval_line(self.last_eval)))  # plain: no number highlighting
 
     def _timed(self, step: int, max_steps: int) -> ProgressSnapshot:
         """The snapshot at ``step`` with elapsed time and the ETA the steps so far predict."""
