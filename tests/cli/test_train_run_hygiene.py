@@ -107,6 +107,7 @@ def test_set_overrides_record_the_run_and_a_used_folder_needs_resume_or_overwrit
     recorded = (run / "coordexp_config.yaml").read_text()
     assert "--set training.max_steps=1" in recorded and yaml.safe_load(recorded)["training"]["max_steps"] == 1
     assert (run / "checkpoint-1").is_dir()
+    assert _run("validate", str(run / "coordexp_config.yaml")).exit_code == 0  # the record is a config that runs
     again = _run("train", str(config), "--set", "training.max_steps=1", "--set", f"training.output_dir={run}")
     assert again.exit_code == 2 and "checkpoint-1" in again.output and "--overwrite" in again.output
     resumed = _run("train", str(config), "--set", "training.max_steps=2", "--set", f"training.output_dir={run}",
