@@ -238,7 +238,7 @@ class RolloutServerClient:
         url = self.url(endpoint)
         data = b"" if payload is None else json.dumps(payload).encode("utf-8")
         headers = {"Content-Type": "application/json"} if payload is not None else {}
-        if self._sync_token is not None:  # the server's weight-sync token (README: threat model)
+        if self._sync_token is not None:  # the server's weight-sync token (docs/rollout_server.md: threat model)
             headers["Authorization"] = f"Bearer {self._sync_token.get_secret_value()}"
         limit = "no timeout" if timeout is None else f"{timeout:g} s"
         try:

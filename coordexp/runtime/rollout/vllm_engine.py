@@ -49,7 +49,7 @@ __all__ = ["VllmUnavailableError", "EngineSettings", "AdapterHandle", "VllmEngin
 END_OF_TURN_TOKEN = "<|im_end|>"
 CPU_KV_CACHE_BYTES = 256 << 20
 MAX_LOGPROBS = 20  # top alternatives per token a request may ask for (vLLM's default max_logprobs, swift's cap)
-# vLLM on CPU, in-process: the recipe verified against HF (see the README's test-environment section).
+# vLLM on CPU, in-process: the recipe verified against HF (see docs/testing.md).
 CPU_ENVIRONMENT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                    "VLLM_TARGET_DEVICE": "cpu"}
 @dataclass(frozen=True)
