@@ -27,7 +27,7 @@ processor fits those images). Everything is written under ``--workdir``.
     python benchmarks/bench_learning.py --seed 10             # seeds 10, 11, 12
     python benchmarks/bench_learning.py --variant sampled=rollout_matching.decoding.temperature:0.7
     python benchmarks/bench_learning.py --stage1-steps 4 --k 2 --n-train 16 --n-val 4 --max-new-tokens 48  # smoke
-    python benchmarks/bench_learning.py --task grid --seed 100 --n-seeds 1      # one seed of the grid task
+    python benchmarks/bench_learning.py --task grid --seed 100 --n-seeds 1      # one grid seed (~16 min, 2 cores)
     python benchmarks/bench_learning.py --report WORKDIR/summary.json            # re-summarize a finished run
 """
 
