@@ -100,7 +100,9 @@ def _hint_for(err: dict, allowed: Optional[list[str]], key: str) -> tuple[str, s
     if kind in {"int_type", "float_type", "bool_type", "string_type"} and isinstance(value, str):
         if kind == "bool_type":
             return msg + got, "Write true or false without quotes (yes/no/on/off are strings)."
-        return msg + got, "Quoted values are strings; write the number without quotes."
+        if _looks_numeric(value):
+            return msg + got, "Quoted values are strings; write the number without quotes."
+        return msg + got, "Write a number here (digits, e.g. 10 or 1e-4), not a word."
     if kind == "bool_type":
         return msg + got, "Write true or false."
     if kind in {"model_type", "dict_type", "model_attributes_type"}:
@@ -141,3 +143,11 @@ def validation_issues(
         message, hint = _hint_for(err, allowed, key)
         yield path, ConfigIssue(format_path(path), message, hint)
 
+
+def _looks_numeric(text: str) -> bool:
+    """Whether ``text`` would be a number once unquoted (so the quotes are the mistake, not the value)."""
+    try:
+        float(text.strip())
+    except ValueError:
+        return False
+    return True

@@ -216,6 +216,14 @@ def _load_merged(path: Path, chain: tuple[Path, ...], state: _LoadState) -> Merg
     return merged
 
 
+def _base_hint(issue: ConfigIssue, base_path: Path) -> str:
+    """A missing base is looked up from the folder of the file that names it, not from the current directory."""
+    if issue.message == "file not found":
+        return (f"Looked for {base_path}: a relative extends path is read from the folder of the file that names "
+                "it. Fix the path or write it absolute.")
+    return issue.hint
+
+
 def _read_and_merge(
     path: Path, shown: str, resolved: Path, chain: tuple[Path, ...], state: _LoadState
 ) -> MergedConfig:
@@ -261,7 +269,7 @@ def _read_and_merge(
         except ConfigError as exc:
             issues.extend(
                 i if i.path or i.message.startswith("extends") else ConfigIssue(
-                    EXTENDS_KEY, f"base {base!r}: {i.message}", i.hint, shown
+                    EXTENDS_KEY, f"base {base!r}: {i.message}", _base_hint(i, base_path), shown
                 )
                 for i in exc.issues
             )

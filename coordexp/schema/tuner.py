@@ -71,6 +71,12 @@ class TunerConfig(StrictModel):
             return {**data, "lora_dropout": 0.0}
         return data
 
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _all_linear_as_a_string(cls, value: Any) -> Any:
+        """``target_modules: all-linear`` as ms-swift and PEFT users write it (PEFT's string form)."""
+        return [value] if value == "all-linear" else value
+
     @field_validator("target_modules", "modules_to_save")
     @classmethod
     def _module_names(cls, names: list[str]) -> list[str]:
