@@ -11,7 +11,7 @@ import torch
 
 from coordexp.runtime.model.data import DetectionRecord
 from coordexp.runtime.model.encoding import encode_prompt, encode_teacher_forced
-from coordexp.runtime.model.policy import expand_checkpoint_vocab
+from coordexp.runtime.model.merge_export import expand_vocab
 from coordexp.runtime.toy.tiny_model import TINY_INIT_STD, build_tiny_model
 from coordexp.runtime.core.tokens import NUM_COORD_BINS, CoordVocab
 from coordexp.schema.template import TemplateConfig
@@ -204,7 +204,7 @@ def test_expand_vocab_adds_coord_tokens_and_grows_embeddings(tmp_path, tiny_mode
     model.save_pretrained(str(plain))
     save_processor(plain, family, tokenizer, tiny_image_processor(family=family))
 
-    added = expand_checkpoint_vocab(plain, tmp_path / "expanded")
+    added = expand_vocab(plain, tmp_path / "expanded")
     assert added == NUM_COORD_BINS
     expanded = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "expanded"))
     new_tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "expanded"))
@@ -220,7 +220,7 @@ def test_expand_vocab_adds_coord_tokens_and_grows_embeddings(tmp_path, tiny_mode
     assert len({tuple(row) for row in coord_rows.tolist()}) == NUM_COORD_BINS
     spread = old[: len(tokenizer)].std(dim=0)
     assert torch.all((coord_rows.mean(dim=0) - old[: len(tokenizer)].mean(dim=0)).abs() < spread / 10)
-    assert expand_checkpoint_vocab(tmp_path / "expanded", tmp_path / "again") == 0  # idempotent
+    assert expand_vocab(tmp_path / "expanded", tmp_path / "again") == 0  # idempotent
     assert type(expanded).__name__ == type(model).__name__
     processor = load_processor(tmp_path / "expanded")
     assert processor.image_processor.patch_size == (16 if family == "qwen3_vl" else 14)
@@ -237,8 +237,10 @@ def test_an_unsupported_family_is_refused_naming_the_supported_ones(tmp_path, ti
     with pytest.raises(LaunchError, match="'llava' is not a supported Qwen-VL family; coordexp trains qwen2_vl, "
                                           "qwen2_5_vl, qwen3_vl"):
         checkpoint_family(other)
-    with pytest.raises(LaunchError, match="not a supported"):
-        expand_checkpoint_vocab(other, tmp_path / "out")
+    from coordexp.runtime.model.checkpoint_files import CheckpointFileError
+
+    with pytest.raises(CheckpointFileError, match="not a supported"):
+        expand_vocab(other, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from coordexp.errors import UserInputError
-from coordexp.runtime.core.tokens import CoordVocab, add_coord_tokens
-from coordexp.runtime.model.encoding import ImageTextProcessor, load_processor
+from coordexp.runtime.core.tokens import CoordVocab
+from coordexp.runtime.model.encoding import load_processor
 
 if TYPE_CHECKING:
     from coordexp.schema.contract import RunContract
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("coordexp.tuner")
 
 __all__ = ["LaunchError", "PROCESSOR_CLASS_NAMES", "SUPPORTED_FAMILIES", "checkpoint_family", "load_policy",
-           "make_processor", "save_processor", "expand_checkpoint_vocab"]
+           "make_processor", "save_processor"]
 
 PROCESSOR_CLASS_NAMES = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor",
                          "qwen3_vl": "Qwen3VLProcessor"}
@@ -154,25 +154,3 @@ def save_processor(path: Path, family: str, tokenizer: Any, image_processor: Any
     config = json.loads(config_file.read_text(encoding="utf-8"))
     config["processor_class"] = PROCESSOR_CLASS_NAMES[family]
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-
-
-def expand_checkpoint_vocab(source: str | Path, destination: str | Path) -> int:
-    """Load a local checkpoint, add the missing coord tokens (tokenizer + embeddings) and save it to ``destination``.
-
-    Returns the number of tokens added (0 when the checkpoint already had them all: it is then saved unchanged).
-    """
-    from transformers import AutoModelForImageTextToText
-
-    source, destination = Path(source), Path(destination)
-    family = checkpoint_family(source)
-    processor = load_processor(source)
-    model = AutoModelForImageTextToText.from_pretrained(str(source), dtype="auto")
-    tokenizer = processor.tokenizer
-    added = add_coord_tokens(tokenizer, model)
-    destination.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(destination))
-    if isinstance(processor, ImageTextProcessor):
-        save_processor(destination, family, tokenizer, processor.image_processor)
-    else:
-        processor.save_pretrained(str(destination))
-    return added
