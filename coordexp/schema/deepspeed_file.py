@@ -80,18 +80,23 @@ def transformers_mismatches(config: dict, training: Any, *, world_size: Optional
     return out
 
 
-def _section_violations(config: dict, shown: str) -> list[RuleViolation]:
-    out = []
-    for key in ("zero_optimization", "bf16", "fp16"):
-        if key in config and not isinstance(config[key], dict):
-            out.append(RuleViolation(_WHERE, f"{shown}: {key} is {type(config[key]).__name__}, not an object "
-                                     "(DeepSpeed and transformers read its fields)", f"Write {key}: {{...}}."))
-    for key, why in (("optimizer", "coordexp's per-part parameter groups (learning_rate, vit_lr, aligner_lr, tuner.coord_embed_lr)"),
-                     ("scheduler", "the configured schedule (lr_scheduler_type, warmup, min_lr)")):
-        if key in config:
-            out.append(RuleViolation(_WHERE, f"{shown}: the {key} block would replace {why}", f"Remove {key} "
-                                     "from the DeepSpeed file; set it in the training block instead."))
-    return out
+def _malformed_sections(config: dict, shown: str) -> list[RuleViolation]:
+    """The sections transformers and DeepSpeed read fields of, when one is not an object (nothing inside is read)."""
+    return [RuleViolation(_WHERE, f"{shown}: {key} is {type(config[key]).__name__}, not an object (DeepSpeed and "
+                          "transformers read its fields)", f"Write {key}: {{...}}.")
+            for key in ("zero_optimization", "bf16", "fp16") if key in config and not isinstance(config[key], dict)]
+
+
+_REPLACED_BLOCKS = (
+    ("optimizer", "coordexp's per-part parameter groups (learning_rate, vit_lr, aligner_lr, tuner.coord_embed_lr)"),
+    ("scheduler", "the configured schedule (lr_scheduler_type, warmup, min_lr)"),
+)
+
+
+def _replacing_blocks(config: dict, shown: str) -> list[RuleViolation]:
+    return [RuleViolation(_WHERE, f"{shown}: the {key} block would replace {why}",
+                          f"Remove {key} from the DeepSpeed file; set it in the training block instead.")
+            for key, why in _REPLACED_BLOCKS if key in config]
 
 
 def _offload_violations(zero: dict, shown: str) -> list[RuleViolation]:
@@ -137,8 +142,9 @@ def content_violations(config: Any, training: Any, *, model_dtype: str, shown: s
     if not isinstance(config, dict):
         return [RuleViolation(_WHERE, f"{shown} holds {type(config).__name__}, not a JSON object",
                               "Write a DeepSpeed config object, e.g. {\"zero_optimization\": {\"stage\": 2}}.")]
-    out = _section_violations(config, shown)
-    if any(" not an object" in v.message for v in out):  # the checks below read inside these sections
+    malformed = _malformed_sections(config, shown)
+    out = malformed + _replacing_blocks(config, shown)
+    if malformed:  # the checks below read inside these sections
         return out
     zero = config.get("zero_optimization", {})
     if "stage" in zero and deepspeed_stage(zero["stage"]) is None:
