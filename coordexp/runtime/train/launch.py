@@ -162,15 +162,8 @@ def run_training(
 
     from coordexp.runtime.train.deepspeed import process_state_restored
 
-    tensorboard_dir = os.environ.get("TENSORBOARD_LOGGING_DIR")  # training.logging_dir sets it for this run only
-    with process_state_restored():
-        try:
-            trainer = build_trainer(run, callbacks=callbacks, rollout_log_every=rollout_log_every)
-        finally:  # TensorBoardCallback read it when the trainer was built (default: OUTPUT_DIR/runs/...)
-            if tensorboard_dir is None:
-                os.environ.pop("TENSORBOARD_LOGGING_DIR", None)
-            else:
-                os.environ["TENSORBOARD_LOGGING_DIR"] = tensorboard_dir
+    with process_state_restored():  # also TENSORBOARD_LOGGING_DIR (training.logging_dir): this run's only
+        trainer = build_trainer(run, callbacks=callbacks, rollout_log_every=rollout_log_every)
         if not print_logs:
             trainer.remove_callback(PrinterCallback)  # raw log dicts on stdout; the CLI shows its own progress
         try:

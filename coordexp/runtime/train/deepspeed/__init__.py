@@ -62,14 +62,16 @@ def single_process_rendezvous() -> None:
 
 
 _RUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-            "ACCELERATE_USE_DEEPSPEED")  # LOCAL_WORLD_SIZE: accelerate sets it for a DeepSpeed run
+            "ACCELERATE_USE_DEEPSPEED",  # LOCAL_WORLD_SIZE: accelerate sets it for a DeepSpeed run
+            "TENSORBOARD_LOGGING_DIR")  # training.logging_dir, for this run's TensorBoardCallback only
 
 
 @contextmanager
 def process_state_restored() -> Iterator[None]:
-    """A DeepSpeed run leaves process-wide state behind: the launcher variables a single-process run sets, and
-    accelerate's ``ACCELERATE_USE_DEEPSPEED`` and shared DeepSpeed state, and transformers' global DeepSpeed config.
-    Restored on exit, so the next run in this process, or a process it starts, does not inherit DeepSpeed (a second
+    """A run leaves process-wide state behind: the launcher variables a single-process DeepSpeed run sets,
+    accelerate's ``ACCELERATE_USE_DEEPSPEED`` and shared DeepSpeed state, transformers' global DeepSpeed config, and
+    the ``TENSORBOARD_LOGGING_DIR`` that ``training.logging_dir`` sets.
+    Restored on exit, so the next run in this process, or a process it starts, inherits none of it (a second
     run in a notebook, a benchmark, the test suite). The process group stays: DeepSpeed's communication layer keeps
     it, and a second DeepSpeed run in the same process joins it again."""
     env = {name: os.environ.get(name) for name in _RUN_ENV}
