@@ -38,15 +38,13 @@ def prefix_ids(host: "HostContext", objects: Sequence[DetObject], n_prefix: int)
         raise ValueError(f"n_prefix {n_prefix} must lie in [0, {len(objects)}]")
     padded = list(objects) + [objects[-1] if objects else DetObject("box", "bbox_2d", (0, 0, 1, 1))]
     ids = host.tokenizer.encode(serialize_objects(padded, host.rollout.object_field_order), add_special_tokens=False)
+    if n_prefix == 0:
+        return ids[:1]
     parse = parse_rollout(ids, host.tokenizer, host.vocab, piece_table=host.pieces)
-    if len(parse.objects) < len(padded) or n_prefix == 0:
-        return ids[:1] if n_prefix == 0 else _refuse(len(parse.objects), len(padded))
+    if len(parse.objects) < len(padded):
+        raise ValueError(f"the ground-truth serialization parsed into {len(parse.objects)} entries, not "
+                         f"{len(padded)}; the tokenizer and the serializer disagree")
     return ids[:parse.objects[n_prefix - 1].token_span[1]]
-
-
-def _refuse(got: int, want: int) -> list[int]:
-    raise ValueError(f"the ground-truth serialization parsed into {got} entries, not {want}; the tokenizer and the "
-                     "serializer disagree")
 
 
 @dataclasses.dataclass(frozen=True)
