@@ -9,12 +9,11 @@ cells apart. Each occupied cell holds one box of random size and offset inside a
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 from typing import Any
 
-from coordexp.runtime.toy.synthetic import SyntheticDataset, _draw, add_position_code
+from coordexp.runtime.toy.synthetic import SyntheticDataset, _draw, add_position_code, write_splits
 
 __all__ = ["GRID_DESC", "GridLayout", "grid_cells", "grid_record", "write_grid_dataset"]
 
@@ -101,20 +100,6 @@ def write_grid_dataset(directory: str | Path, *, n_train: int, n_val: int, seed:
     image depends only on ``(seed, split, index)`` and the layout)."""
     if n_train < 1 or n_val < 0:
         raise ValueError(f"need n_train >= 1 and n_val >= 0, got n_train={n_train}, n_val={n_val}")
-    root = Path(directory)
-    image_dir = root / "images"
-    image_dir.mkdir(parents=True, exist_ok=True)
     side = layout.image_size
-    paths = {}
-    for split, count in (("train", n_train), ("val", n_val)):
-        lines = []
-        for index in range(count):
-            rng = random.Random(f"coordexp-grid:{seed}:{split}:{index}")
-            image, objects = grid_record(rng, layout, position_code)
-            name = f"{split}_{index:05d}.png"
-            image.save(image_dir / name, format="PNG", optimize=False)
-            lines.append(json.dumps({"images": [f"images/{name}"], "width": side, "height": side,
-                                     "objects": objects}, separators=(", ", ": ")))
-        paths[split] = root / f"{split}.jsonl"
-        paths[split].write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    return SyntheticDataset(root=root, train_jsonl=paths["train"], val_jsonl=paths["val"], image_dir=image_dir)
+    return write_splits(directory, n_train=n_train, n_val=n_val, rng_key=f"coordexp-grid:{seed}", size=(side, side),
+                        record=lambda rng: grid_record(rng, layout, position_code))

@@ -12,9 +12,9 @@ import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-__all__ = ["COLOURS", "SHAPES", "SyntheticDataset", "add_position_code", "write_synthetic_dataset",
+__all__ = ["COLOURS", "SHAPES", "SyntheticDataset", "add_position_code", "write_synthetic_dataset", "write_splits",
            "synthetic_record"]
 
 COLOURS: dict[str, tuple[int, int, int]] = {
@@ -226,6 +226,20 @@ def write_synthetic_dataset(
     width, height = image_size
     if width < 28 or height < 28:
         raise ValueError(f"image_size {image_size} is too small; use at least 28 x 28 pixels")
+
+    def record(rng: random.Random) -> tuple[Any, list[dict[str, Any]]]:
+        return synthetic_record(rng, (width, height), min_objects=min_objects, max_objects=max_objects, shapes=shapes,
+                                count_weights=count_weights, position_code=position_code)
+
+    return write_splits(directory, n_train=n_train, n_val=n_val, rng_key=f"coordexp-synthetic:{seed}",
+                        size=(width, height), record=record)
+
+
+def write_splits(directory: str | Path, *, n_train: int, n_val: int, rng_key: str, size: tuple[int, int],
+                 record: Callable[[random.Random], tuple[Any, list[dict[str, Any]]]]) -> SyntheticDataset:
+    """``train.jsonl``, ``val.jsonl`` and ``images/*.png`` under ``directory``: image ``index`` of ``split`` is
+    ``record(Random(f"{rng_key}:{split}:{index}"))``, so it depends only on those (same arguments -> same bytes)."""
+    width, height = size
     root = Path(directory)
     image_dir = root / "images"
     image_dir.mkdir(parents=True, exist_ok=True)
@@ -233,15 +247,11 @@ def write_synthetic_dataset(
     for split, count in (("train", n_train), ("val", n_val)):
         lines = []
         for index in range(count):
-            rng = random.Random(f"coordexp-synthetic:{seed}:{split}:{index}")
-            image, objects = synthetic_record(
-                rng, (width, height), min_objects=min_objects, max_objects=max_objects, shapes=shapes,
-                count_weights=count_weights, position_code=position_code,
-            )
+            image, objects = record(random.Random(f"{rng_key}:{split}:{index}"))
             name = f"{split}_{index:05d}.png"
             image.save(image_dir / name, format="PNG", optimize=False)
-            record = {"images": [f"images/{name}"], "width": width, "height": height, "objects": objects}
-            lines.append(json.dumps(record, separators=(", ", ": ")))
+            entry = {"images": [f"images/{name}"], "width": width, "height": height, "objects": objects}
+            lines.append(json.dumps(entry, separators=(", ", ": ")))
         paths[split] = root / f"{split}.jsonl"
         paths[split].write_text("".join(line + "\n" for line in lines), encoding="utf-8")
     return SyntheticDataset(root=root, train_jsonl=paths["train"], val_jsonl=paths["val"], image_dir=image_dir)
