@@ -239,7 +239,7 @@ def _train(run: Any, validated: Any, *, config: Path, overrides: list[str], resu
     """Check, train and report (``train`` after its input checks)."""
     from coordexp.runtime.train.args_check import check_training_arguments
     from coordexp.runtime.train.deepspeed import process_state_restored
-    from coordexp.runtime.train.launch import run_training
+    from coordexp.runtime.train.launch import release_process_group, run_training
     from coordexp.runtime.train.progress import ProgressCallback, summarize_history
 
     with process_state_restored():  # a zero2 check sets RANK/WORLD_SIZE/MASTER_PORT: they do not outlive it
@@ -265,6 +265,7 @@ def _train(run: Any, validated: Any, *, config: Path, overrides: list[str], resu
         except KeyboardInterrupt:
             training_interrupted = True  # the console script then ends the process at once (exit_interrupted)
             raise
+    release_process_group()
     if not is_rank_zero():
         raise typer.Exit(EXIT_OK)
     summary = summarize_history(outcome.log_history)

@@ -13,7 +13,7 @@ import torch
 
 def main(config_path: str, out_dir: str) -> None:
     from coordexp.runtime.rollout.weight_export import full_parameters
-    from coordexp.runtime.train.launch import build_trainer
+    from coordexp.runtime.train.launch import build_trainer, release_process_group
     from coordexp.schema.contract import load_contract
 
     trainer = build_trainer(load_contract(config_path))
@@ -42,6 +42,7 @@ def main(config_path: str, out_dir: str) -> None:
     }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w", encoding="utf-8") as handle:
         json.dump(payload, handle)
+    release_process_group()
 
 
 if __name__ == "__main__":

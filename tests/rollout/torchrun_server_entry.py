@@ -16,7 +16,7 @@ import sys
 def main(config_path: str, out_dir: str) -> int:
     import torch
 
-    from coordexp.runtime.train.launch import build_trainer
+    from coordexp.runtime.train.launch import build_trainer, release_process_group
     from coordexp.schema.contract import load_contract
 
     rank = int(os.environ.get("RANK", "0"))
@@ -50,6 +50,7 @@ def main(config_path: str, out_dir: str) -> int:
     }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w", encoding="utf-8") as handle:
         json.dump(payload, handle)
+    release_process_group()
     return 0
 
 

@@ -19,7 +19,8 @@ if TYPE_CHECKING:
     from coordexp.runtime.train.trainer import CoordExpTrainer
     from coordexp.schema.contract import RunContract
 
-__all__ = ["LaunchError", "load_policy", "training_arguments", "build_trainer", "TrainOutcome", "run_training"]
+__all__ = ["LaunchError", "load_policy", "training_arguments", "build_trainer", "TrainOutcome", "run_training",
+           "release_process_group"]
 
 def _accumulation_steps(t: Any, world_size: int) -> int:
     """``gradient_accumulation_steps``, or ``effective_batch_size / (per_device_train_batch_size * world_size)``
@@ -174,3 +175,16 @@ def run_training(
             if trainer.backend is not None:
                 trainer.backend.close()
     return TrainOutcome(Path(run.training.output_dir), trainer.state.global_step, tuple(trainer.state.log_history))
+
+
+def release_process_group() -> None:
+    """End this process's ``torch.distributed`` group after a run every rank finished: a barrier, then
+    ``destroy_process_group``. A torchrun process that exits with the group alive can abort in gloo's worker threads
+    at interpreter shutdown ("terminate called without an active exception", SIGABRT; docs/training.md).
+    Only on success: after a rank failed, the others may be inside a collective and a barrier would hang them. A
+    one-process group stays (a single-process DeepSpeed run's: the next run in this process joins it again)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+        dist.destroy_process_group()
