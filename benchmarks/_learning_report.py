@@ -12,7 +12,7 @@ CONTROL = "stage1_continued"
 FIGURES = ("AP", "AP50", "parse_valid_rate", "match_rate", "fp_per_image", "fn_per_image", "truncation_rate")
 GRID_FIGURES = ("precision", "f1", "duplicates_per_image", "premature_eos_rate", "count_error",
                 "rollout_tokens_per_image", "cell_precision", "next_object_tf", "next_object_free", "exposure_gap",
-                "deletion_recovery", "duplicate_probe")
+                "deletion_recovery", "duplicate_probe", "backtracks_per_image", "backtrack_recovery_rate")
 
 
 def figures_of(per_seed: Sequence[dict[str, Any]]) -> tuple[str, ...]:

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from coordexp.runtime.core.objects import DetObject
 from coordexp.runtime.toy.probe_run import ProbeCase, _probe_figures, probe_cases
-from coordexp.runtime.toy.probes import (GateThresholds, aggregate_figures, cell_precision, gate, greedy_match,
-                                         image_figures)
+from coordexp.runtime.toy.probes import (GateThresholds, aggregate_figures, backtracks, cell_precision, gate,
+                                         greedy_match, image_figures)
 
 
 def box(x1, y1, x2, y2):
@@ -52,6 +52,19 @@ def test_aggregate_figures_by_hand():
     assert agg["count_error"] == pytest.approx((0 + 1) / 2)
     assert agg["duplicates_per_image"] == 0.0
     assert agg["rollout_tokens_per_image"] == 75.0
+
+
+def test_backtracks_count_going_back_in_reading_order():
+    assert backtracks(GT, GT) == (0, 0)  # the reading order: never back
+    assert backtracks([GT[0], GT[2], GT[1]], GT) == (1, 1)  # skipped GT 1, went back for it: a recovery
+    assert backtracks([GT[0], GT[1], GT[2], GT[1]], GT) == (1, 0)  # went back to a written object: a duplicate
+    assert backtracks([GT[1], GT[1]], GT) == (0, 0)  # a repeat in place is a duplicate, not a backtrack
+    assert backtracks([GT[2], box(600, 600, 700, 700), GT[0], GT[0]], GT) == (2, 1)  # an FP moves nothing
+    f = image_figures([GT[0], GT[2], GT[1], GT[0]], GT, eos_stopped=True)
+    assert (f.backtracks, f.backtrack_recoveries, f.duplicates) == (2, 1, 1)
+    agg = aggregate_figures([f, image_figures(GT, GT, eos_stopped=True)])
+    assert agg["backtracks_per_image"] == 1.0 and agg["backtrack_recovery_rate"] == 0.5
+    assert aggregate_figures([image_figures(GT, GT, eos_stopped=True)])["backtrack_recovery_rate"] is None
 
 
 def test_cell_precision_counts_first_objects_in_occupied_cells_that_match():
@@ -120,6 +133,8 @@ def test_figure_invariants(preds, gts, eos):
     assert not any(d and g is not None for d, g in zip(duplicate, taken))
     assert f.duplicates + f.matched <= len(preds)
     assert sum(f.next_correct) <= f.matched and sum(f.rank_hit) == f.matched
+    assert 0 <= f.backtrack_recoveries <= f.backtracks <= len(preds) - 1 if preds else f.backtracks == 0
+    assert f.backtracks - f.backtrack_recoveries <= f.duplicates  # a backtrack that found nothing new repeats
     agg = aggregate_figures([f])
     for key in ("precision", "recall", "f1", "premature_eos_rate", "duplicates_per_image"):
         assert agg[key] is None or 0.0 <= agg[key] <= (len(preds) if key == "duplicates_per_image" else 1.0)

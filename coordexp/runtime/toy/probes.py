@@ -26,7 +26,7 @@ from coordexp.runtime.core.matching import aabb_iou_matrix
 from coordexp.runtime.core.objects import DetObject
 
 __all__ = ["IOU", "ImageFigures", "GateThresholds", "greedy_match", "image_figures", "aggregate_figures",
-           "cell_precision", "gate"]
+           "cell_precision", "gate", "backtracks"]
 
 IOU = 0.5
 
@@ -65,6 +65,29 @@ class ImageFigures:
     rank_hit: tuple[bool, ...]  # per GT rank: matched by some prediction
     next_correct: tuple[bool, ...]  # per GT rank: the r-th prediction matched GT object r
     tokens: int
+    backtracks: int = 0  # predictions on an object earlier in reading order than one already written
+    backtrack_recoveries: int = 0  # of those, the ones that found an object not yet written (the rest: duplicates)
+
+
+def backtracks(preds: Sequence[DetObject], gts: Sequence[DetObject], iou: float = IOU) -> tuple[int, int]:
+    """``(backtracks, recoveries)``: predictions on (IoU >= ``iou``) a ground-truth object earlier in reading order
+    than the furthest object written before them, and of those the ones that take an object not yet taken. A model
+    that learned from appended false negatives to go back after its list (the spec's ``Y_train``) backtracks; a
+    backtrack that is no recovery is a duplicate."""
+    taken, _ = greedy_match(preds, gts, iou)
+    if not preds or not gts:
+        return 0, 0
+    ious = aabb_iou_matrix(preds, gts)
+    furthest, back, recovered = -1, 0, 0
+    for row, g in zip(ious, taken):
+        rank = g if g is not None else (int(np.argmax(row)) if float(row.max()) >= iou else None)
+        if rank is None:
+            continue
+        if rank < furthest:
+            back += 1
+            recovered += g is not None
+        furthest = max(furthest, rank)
+    return back, recovered
 
 
 def image_figures(preds: Sequence[DetObject], gts: Sequence[DetObject], *, eos_stopped: bool, tokens: int = 0
@@ -75,9 +98,11 @@ def image_figures(preds: Sequence[DetObject], gts: Sequence[DetObject], *, eos_s
         if g is not None:
             hit[g] = True
     next_correct = tuple(r < len(taken) and taken[r] == r for r in range(len(gts)))
+    back, recovered = backtracks(preds, gts)
     return ImageFigures(n_pred=len(preds), n_gt=len(gts), matched=sum(hit), duplicates=sum(duplicate),
                         premature_eos=bool(eos_stopped) and len(preds) < len(gts), rank_hit=tuple(hit),
-                        next_correct=next_correct, tokens=int(tokens))
+                        next_correct=next_correct, tokens=int(tokens), backtracks=back,
+                        backtrack_recoveries=recovered)
 
 
 def _ratio(num: float, den: float) -> float | None:
@@ -86,7 +111,8 @@ def _ratio(num: float, den: float) -> float | None:
 
 def aggregate_figures(images: Sequence[ImageFigures]) -> dict[str, object]:
     """``precision``, ``recall``, ``f1`` (micro over objects), ``duplicates_per_image``, ``premature_eos_rate``,
-    ``count_error`` (mean |#pred - #gt|), ``recall_by_rank`` (list), ``rollout_tokens_per_image``."""
+    ``count_error`` (mean |#pred - #gt|), ``recall_by_rank`` (list), ``rollout_tokens_per_image``,
+    ``backtracks_per_image`` and ``backtrack_recovery_rate`` (recoveries over backtracks)."""
     n = len(images)
     pred = sum(i.n_pred for i in images)
     gt = sum(i.n_gt for i in images)
@@ -102,7 +128,10 @@ def aggregate_figures(images: Sequence[ImageFigures]) -> dict[str, object]:
             "premature_eos_rate": _ratio(sum(i.premature_eos for i in images), n),
             "count_error": _ratio(sum(abs(i.n_pred - i.n_gt) for i in images), n),
             "recall_by_rank": by_rank,
-            "rollout_tokens_per_image": _ratio(sum(i.tokens for i in images), n)}
+            "rollout_tokens_per_image": _ratio(sum(i.tokens for i in images), n),
+            "backtracks_per_image": _ratio(sum(i.backtracks for i in images), n),
+            "backtrack_recovery_rate": _ratio(sum(i.backtrack_recoveries for i in images),
+                                              sum(i.backtracks for i in images))}
 
 
 def cell_precision(preds_per_image: Sequence[Sequence[DetObject]], gts_per_image: Sequence[Sequence[DetObject]],
