@@ -361,7 +361,8 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
             print(f"[bench_learning] seed {seed} {name}: " + ", ".join(
                 f"{k} {e[k] if e[k] is None else round(e[k], 3)}" for k in (
                     "precision", "f1", "duplicates_per_image", "premature_eos_rate", "count_error",
-                    "exposure_gap", "deletion_recovery", "duplicate_probe")), flush=True)
+                    "exposure_gap", "deletion_recovery", "duplicate_probe", "backtracks_per_image",
+                    "backtrack_recovery_rate")), flush=True)
         if name == "stage1" and args.task == "grid":
             out["gate"] = g = gate(e)
             print(f"[bench_learning] seed {seed} {g.line()}", flush=True)
