@@ -147,6 +147,10 @@ def _args() -> argparse.Namespace:
     p.add_argument("--set", type=_setting, action="append", default=[], metavar="KEY:VALUE", dest="settings",
                    help="a config override for every run, stage 1 included (dotted key), e.g. "
                    "rollout_matching.hf_generate.compile:false; repeatable")
+    p.add_argument("--add-arms", action="store_true",
+                   help="the workdir holds a finished run (summary.json): train and evaluate only the --variant arms "
+                   "of each of its seeds from the saved stage-1 checkpoint, add them and re-summarize (the other "
+                   "options must equal the run's)")
     p.add_argument("--no-stage1-continued", action="store_true", help="skip the stage-1 continuation")
     p.add_argument("--no-rollout-only", action="store_true",
                    help="skip stage2_rollout_only (the recipe's stage 2 with rollouts at every step, gt_step_share 0)")
@@ -326,6 +330,66 @@ def _data_order(work: Path, names: list[str]) -> dict[str, Any]:
     return {"equal": not differ and bool(reference), "steps": len(reference), "differ": differ}
 
 
+# options an added arm must share with the run it joins (what its data, stage-1 checkpoint and evaluation came from)
+SAME_FOR_ADDED = ("task", "grid", "object_order", "probe_images", "eval_batch", "n_train", "n_val", "image_size",
+                  "min_objects", "max_objects", "shapes", "position_code", "family", "hidden", "layers", "rope_theta",
+                  "vision_depth", "vision_width", "vision_init_std", "stage1_steps", "stage1_lr", "stage1_batch", "k",
+                  "continue_lr", "continue_batch", "max_new_tokens", "decode_batch", "score", "settings",
+                  "train_jsonl", "val_jsonl", "model")
+
+
+def add_arms(args: argparse.Namespace, saved: dict[str, Any]) -> None:
+    """Train and evaluate the ``--variant`` arms on every seed of a finished run (``saved``, its summary.json) from
+    that seed's stage-1 checkpoint, under the seed's one evaluation config; the seed's data order is checked again
+    over every continuation on disk."""
+    if not args.variant:
+        raise SystemExit("--add-arms needs at least one --variant")
+    printable = _printable(args)
+    same = [k for k in SAME_FOR_ADDED if k != "max_new_tokens" or args.max_new_tokens_given]  # else sized per seed
+    differ = [k for k in same + ["max_new_tokens_given"] if printable.get(k) != saved["args"].get(k)]
+    if differ:
+        raise SystemExit("--add-arms: these options differ from the run's (pass the run's own): " + ", ".join(
+            f"{k} {printable.get(k)!r} != {saved['args'].get(k)!r}" for k in differ))
+    for out in saved["seeds"]:
+        seed, runs = out["seed"], out["runs"]
+        clash = [name for name, _ in args.variant if name in runs]
+        if clash:
+            raise SystemExit(f"--add-arms: seed {seed} already has {', '.join(clash)}")
+        work = args.workdir / f"seed{seed}"
+        stage1_dir = work / "stage1"
+        if not (stage1_dir / "config.json").is_file():
+            raise SystemExit(f"--add-arms: {stage1_dir} holds no saved stage-1 checkpoint")
+        model, train, val = _assets(args, work, seed)
+        if args.task == "grid":
+            _size_decoding(args, model)
+        eval_config = _config(args, work, "eval", "demo_stage2.yaml", model, train, val, seed, {},
+                              [(["rollout_matching", "decode_batch_size"], args.eval_batch)])
+        for name, overrides in args.variant:
+            config = _config(args, work, name, "demo_stage2.yaml", stage1_dir, train, val, seed, _continued(args),
+                             list(overrides))
+            print(f"[bench_learning] seed {seed}: training {name} (added) ...", flush=True)
+            runs[name] = {"train": _train(config)}
+            runs[name]["eval"] = e = _evaluate(args, work, eval_config, name)
+            print(f"[bench_learning] seed {seed} {name}: AP {_pct(e['AP'])} AP50 {_pct(e['AP50'])} "
+                  f"parse {_pct(e['parse_valid_rate'])} match {_pct(e['match_rate'])}", flush=True)
+        out["data_order"] = _data_order(work, [n for n in runs if n != "stage1"])
+    saved["args"]["variant"] = saved["args"].get("variant", []) + printable["variant"]
+
+
+def _continued(args: argparse.Namespace) -> dict[str, Any]:
+    """The training settings every continuation shares (the budget: K optimizer steps of the same records)."""
+    return {"max_steps": args.k, "learning_rate": args.continue_lr, "lr_scheduler_type": "constant",
+            "warmup_ratio": 0.0, "per_device_train_batch_size": args.continue_batch}
+
+
+def _printable(args: argparse.Namespace) -> dict[str, Any]:
+    """The options as the summary's ``args`` holds them (JSON)."""
+    printable = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "sized"}
+    printable["variant"] = [[name, [[".".join(k), v] for k, v in overrides]] for name, overrides in args.variant]
+    printable["settings"] = [[".".join(k), v] for k, v in args.settings]
+    return printable
+
+
 def run_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     """Stage 1, then every continuation from its checkpoint, each trained and evaluated under one evaluation
     config; the seed's figures (and, on the grid task, the pilot gate on stage 1)."""
@@ -344,8 +408,7 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     plan = [("stage1", _config(args, work, "stage1", "demo_stage1.yaml", model, train, val, seed, {
         "max_steps": args.stage1_steps, "learning_rate": args.stage1_lr,
         "per_device_train_batch_size": args.stage1_batch}))]
-    continued = {"max_steps": args.k, "learning_rate": args.continue_lr, "lr_scheduler_type": "constant",
-                 "warmup_ratio": 0.0, "per_device_train_batch_size": args.continue_batch}
+    continued = _continued(args)
     for name, overrides in continuation_plan(args):
         plan.append((name, _config(args, work, name, "demo_stage2.yaml", stage1_dir, train, val, seed, continued,
                                    overrides)))
@@ -394,12 +457,20 @@ def main() -> None:
         args.report.write_text(json.dumps(saved, indent=2) + "\n", encoding="utf-8")
         return
     args.workdir = args.workdir.resolve()
+    if args.add_arms:
+        path = args.workdir / "summary.json"
+        if not path.is_file():
+            raise SystemExit(f"--add-arms: no finished run in {args.workdir} (summary.json)")
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        add_arms(args, saved)
+        saved["summary"] = _report(saved["seeds"], saved["args"], args.workdir)
+        path.write_text(json.dumps(saved, indent=2) + "\n", encoding="utf-8")
+        print("JSON " + json.dumps(saved))
+        return
     args.workdir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     per_seed = [run_seed(args, seed) for seed in range(args.seed, args.seed + max(1, args.n_seeds))]
-    printable = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "sized"}
-    printable["variant"] = [[name, [[".".join(k), v] for k, v in overrides]] for name, overrides in args.variant]
-    printable["settings"] = [[".".join(k), v] for k, v in args.settings]
+    printable = _printable(args)
     summary = _report(per_seed, printable, args.workdir)
     result = {"args": printable, "seeds": per_seed, "summary": summary, "total_s": time.perf_counter() - started}
     (args.workdir / "summary.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")

@@ -51,3 +51,29 @@ def test_learning_benchmark_reports_every_run_of_every_seed_from_one_checkpoint(
     paired = [s["runs"]["stage2"]["eval"]["AP50"] - s["runs"]["stage1_continued"]["eval"]["AP50"] for s in result["seeds"]]
     assert result["summary"]["stage2 - stage1_continued"]["AP50"]["mean"] == pytest.approx(statistics.fmean(paired))
     assert (tmp_path / "seed5" / "eval_stage2" / "coco_results.json").is_file()
+
+    # --add-arms: one more arm on every seed of the finished run, from the saved stage-1 checkpoints; the run's
+    # other arms stay as they were, and options that differ from the run's are refused
+    base = ["--workdir", str(tmp_path), "--stage1-steps", "2", "--k", "1", "--n-train", "8", "--n-val", "2",
+            "--max-new-tokens", "24", "--score", "constant", "--add-arms"]
+    added = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_learning.py"), *base,
+         "--variant", "late=rollout_matching.gt_step_share:0.25"],
+        capture_output=True, text=True, timeout=900, cwd=ROOT,
+    )
+    assert added.returncode == 0, added.stderr[-3000:]
+    grown = json.loads(next(line for line in added.stdout.splitlines() if line.startswith("JSON "))[len("JSON "):])
+    for before, after in zip(result["seeds"], grown["seeds"]):
+        assert list(after["runs"]) == names + ["late"]
+        assert {n: after["runs"][n] for n in names} == before["runs"]
+        config = yaml.safe_load((tmp_path / f"seed{after['seed']}" / "late.yaml").read_text())
+        assert config["model"]["path"] == str(tmp_path / f"seed{after['seed']}" / "stage1")
+        assert config["rollout_matching"]["gt_step_share"] == 0.25
+    assert "late - stage1_continued" in grown["summary"]
+    assert json.loads((tmp_path / "summary.json").read_text())["seeds"] == grown["seeds"]
+    refused = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_learning.py"), *base, "--k", "2",
+         "--variant", "other=rollout_matching.gt_step_share:0.5"],
+        capture_output=True, text=True, timeout=900, cwd=ROOT,
+    )
+    assert refused.returncode != 0 and "k 2 != 1" in refused.stderr
