@@ -29,6 +29,8 @@ processor fits those images). Everything is written under ``--workdir``.
     python benchmarks/bench_learning.py --stage1-steps 4 --k 2 --n-train 16 --n-val 4 --max-new-tokens 48  # smoke
     python benchmarks/bench_learning.py --task grid --seed 100 --n-seeds 1      # one grid seed (~16 min, 2 cores)
     python benchmarks/bench_learning.py --report WORKDIR/summary.json            # re-summarize a finished run
+    python benchmarks/bench_learning.py --report A/summary.json B/summary.json --workdir AB   # two runs' seeds as one
+    python benchmarks/bench_learning.py --task grid --workdir W --add-arms --variant NAME=KEY:VALUE  # one more arm
 """
 
 from __future__ import annotations
@@ -112,7 +114,9 @@ def _args() -> argparse.Namespace:
     p.add_argument("--probe-images", type=int, default=None,
                    help="grid task: held-out images the probes decode (default: all --n-val)")
     p.add_argument("--eval-batch", type=int, default=16, help="decode batch of the shared evaluation config")
-    p.add_argument("--report", type=Path, help="only re-summarize this summary.json (tables, paired CIs, PNG)")
+    p.add_argument("--report", type=Path, nargs="+",
+                   help="only re-summarize this summary.json (tables, paired CIs, PNG); several: their seeds as one "
+                   "run, written to WORKDIR/summary.json (runs made with the same options, seeds apart)")
     p.add_argument("--n-train", type=int, default=2048)
     p.add_argument("--n-val", type=int, default=256, help="held-out images every checkpoint is evaluated on")
     p.add_argument("--image-size", type=int, default=None)
@@ -376,6 +380,26 @@ def add_arms(args: argparse.Namespace, saved: dict[str, Any]) -> None:
     saved["args"]["variant"] = saved["args"].get("variant", []) + printable["variant"]
 
 
+def merge_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One run of the seeds of several (summary.json contents): their options must agree (``SAME_FOR_ADDED`` and the
+    arms) and their seeds must differ; the wall time is the sum."""
+    first = runs[0]
+    keys = SAME_FOR_ADDED + ("variant",)
+    for other in runs[1:]:
+        differ = [k for k in keys if other["args"].get(k) != first["args"].get(k)]
+        if differ:
+            raise SystemExit("--report: runs made with other options cannot be summarized as one: " + ", ".join(differ))
+    seeds = [s for run in runs for s in run["seeds"]]
+    numbers = [s["seed"] for s in seeds]
+    if len(set(numbers)) != len(numbers):
+        raise SystemExit(f"--report: a seed appears twice among {numbers}")
+    if len(runs) == 1:
+        return first
+    merged = {**first, "args": {**first["args"], "seed": min(numbers), "n_seeds": len(numbers)}, "seeds": seeds}
+    merged["total_s"] = sum(run.get("total_s", 0.0) for run in runs)
+    return merged
+
+
 def _continued(args: argparse.Namespace) -> dict[str, Any]:
     """The training settings every continuation shares (the budget: K optimizer steps of the same records)."""
     return {"max_steps": args.k, "learning_rate": args.continue_lr, "lr_scheduler_type": "constant",
@@ -452,9 +476,11 @@ def _report(per_seed: list[dict[str, Any]], args: Any, workdir: Path) -> dict[st
 def main() -> None:
     args = _args()
     if args.report is not None:
-        saved = json.loads(args.report.read_text(encoding="utf-8"))
-        saved["summary"] = _report(saved["seeds"], saved["args"], args.report.parent)
-        args.report.write_text(json.dumps(saved, indent=2) + "\n", encoding="utf-8")
+        saved = merge_runs([json.loads(path.read_text(encoding="utf-8")) for path in args.report])
+        out = args.report[0] if len(args.report) == 1 else args.workdir.resolve() / "summary.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        saved["summary"] = _report(saved["seeds"], saved["args"], out.parent)
+        out.write_text(json.dumps(saved, indent=2) + "\n", encoding="utf-8")
         return
     args.workdir = args.workdir.resolve()
     if args.add_arms:

@@ -77,3 +77,22 @@ def test_learning_benchmark_reports_every_run_of_every_seed_from_one_checkpoint(
         capture_output=True, text=True, timeout=900, cwd=ROOT,
     )
     assert refused.returncode != 0 and "k 2 != 1" in refused.stderr
+
+    # --report over several runs: one seed each, summarized as one run, gives the two-seed run's summary
+    for seed in grown["seeds"]:
+        single = {**grown, "seeds": [seed]}
+        (tmp_path / f"one{seed['seed']}.json").write_text(json.dumps(single))
+    merged_dir = tmp_path / "merged"
+    subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_learning.py"), "--workdir", str(merged_dir),
+         "--report", str(tmp_path / "one5.json"), str(tmp_path / "one6.json")],
+        capture_output=True, text=True, timeout=900, cwd=ROOT, check=True,
+    )
+    merged = json.loads((merged_dir / "summary.json").read_text())
+    assert merged["seeds"] == grown["seeds"] and merged["summary"] == grown["summary"]
+    twice = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_learning.py"), "--workdir", str(merged_dir),
+         "--report", str(tmp_path / "one5.json"), str(tmp_path / "one5.json")],
+        capture_output=True, text=True, timeout=900, cwd=ROOT,
+    )
+    assert twice.returncode != 0 and "a seed appears twice" in twice.stderr
