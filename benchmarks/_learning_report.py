@@ -15,6 +15,11 @@ GRID_FIGURES = ("precision", "f1", "duplicates_per_image", "premature_eos_rate",
                 "deletion_recovery", "duplicate_probe", "backtracks_per_image", "backtrack_recovery_rate")
 
 
+# figures printed as they are (counts per image); every other figure is a rate, printed in percent
+PER_IMAGE = ("fp_per_image", "fn_per_image", "duplicates_per_image", "count_error", "rollout_tokens_per_image",
+             "backtracks_per_image")
+
+
 def figures_of(per_seed: Sequence[dict[str, Any]]) -> tuple[str, ...]:
     """The scalar figures every run of the first seed reports (the grid task adds :data:`GRID_FIGURES`)."""
     first = next(iter(per_seed[0]["runs"].values()))["eval"]
@@ -92,7 +97,8 @@ def _num(value: Any, scale: float = 1.0) -> str:
 _GRID_COLUMNS = (("prec%", "precision", 100), ("f1%", "f1", 100), ("dup/img", "duplicates_per_image", 1),
                  ("pEOS%", "premature_eos_rate", 100), ("cnt err", "count_error", 1),
                  ("tok/img", "rollout_tokens_per_image", 1), ("gap%", "exposure_gap", 100),
-                 ("delrec%", "deletion_recovery", 100), ("dupprb%", "duplicate_probe", 100))
+                 ("delrec%", "deletion_recovery", 100), ("dupprb%", "duplicate_probe", 100),
+                 ("back/img", "backtracks_per_image", 1), ("backrec%", "backtrack_recovery_rate", 100))
 
 
 def print_tables(per_seed: Sequence[dict[str, Any]], summary: dict[str, Any], header: str) -> None:
@@ -130,8 +136,7 @@ def print_tables(per_seed: Sequence[dict[str, Any]], summary: dict[str, Any], he
         for k, d in figures.items():
             if d["mean"] is None:
                 continue
-            scale = 1 if k in ("fp_per_image", "fn_per_image", "duplicates_per_image", "count_error",
-                               "rollout_tokens_per_image") else 100
+            scale = 1 if k in PER_IMAGE else 100
             ci = "-" if d["ci95"] is None else f"[{scale * d['ci95'][0]:+.2f}, {scale * d['ci95'][1]:+.2f}]"
             se = "-" if d["se"] is None else f"{scale * d['se']:.2f}"
             print(f"    {k:<26}{scale * d['mean']:>+9.2f}  se {se:>6}  CI {ci:<20} {d['up']} up / {d['down']} down")

@@ -151,6 +151,9 @@ def _args() -> argparse.Namespace:
     p.add_argument("--set", type=_setting, action="append", default=[], metavar="KEY:VALUE", dest="settings",
                    help="a config override for every run, stage 1 included (dotted key), e.g. "
                    "rollout_matching.hf_generate.compile:false; repeatable")
+    p.add_argument("--passed-gate-only", action="store_true",
+                   help="with --report: summarize only the seeds whose stage 1 passed the pilot gate (the others' "
+                   "comparisons are no result); the seeds left out are named")
     p.add_argument("--add-arms", action="store_true",
                    help="the workdir holds a finished run (summary.json): train and evaluate only the --variant arms "
                    "of each of its seeds from the saved stage-1 checkpoint, add them and re-summarize (the other "
@@ -478,6 +481,17 @@ def main() -> None:
     if args.report is not None:
         saved = merge_runs([json.loads(path.read_text(encoding="utf-8")) for path in args.report])
         out = args.report[0] if len(args.report) == 1 else args.workdir.resolve() / "summary.json"
+        if args.passed_gate_only:
+            if any("gate" not in s for s in saved["seeds"]):
+                raise SystemExit("--passed-gate-only: these seeds have no pilot gate (only --task grid runs one)")
+            failed = [s["seed"] for s in saved["seeds"] if not s["gate"]["passed"]]
+            saved = {**saved, "seeds": [s for s in saved["seeds"] if s["seed"] not in failed],
+                     "left_out_by_gate": failed}
+            print(f"seeds whose stage 1 failed the pilot gate, left out: {failed or 'none'}")
+            if not saved["seeds"]:
+                raise SystemExit("--passed-gate-only: no seed passed the gate")
+            if len(args.report) == 1:
+                out = args.workdir.resolve() / "summary.json"  # never overwrite the whole run with a part of it
         out.parent.mkdir(parents=True, exist_ok=True)
         saved["summary"] = _report(saved["seeds"], saved["args"], out.parent)
         out.write_text(json.dumps(saved, indent=2) + "\n", encoding="utf-8")

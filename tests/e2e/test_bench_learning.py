@@ -96,3 +96,24 @@ def test_learning_benchmark_reports_every_run_of_every_seed_from_one_checkpoint(
         capture_output=True, text=True, timeout=900, cwd=ROOT,
     )
     assert twice.returncode != 0 and "a seed appears twice" in twice.stderr
+
+    # --passed-gate-only: a seed whose stage 1 failed the pilot gate is left out and named
+    for seed, passed in ((5, True), (6, False)):
+        one = json.loads((tmp_path / f"one{seed}.json").read_text())
+        one["seeds"][0]["gate"] = {"passed": passed}
+        (tmp_path / f"gated{seed}.json").write_text(json.dumps(one))
+    gated = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_learning.py"), "--workdir", str(tmp_path / "gated"),
+         "--report", str(tmp_path / "gated5.json"), str(tmp_path / "gated6.json"), "--passed-gate-only"],
+        capture_output=True, text=True, timeout=900, cwd=ROOT, check=True,
+    )
+    assert "left out: [6]" in gated.stdout
+    kept = json.loads((tmp_path / "gated" / "summary.json").read_text())
+    assert [s["seed"] for s in kept["seeds"]] == [5] and kept["left_out_by_gate"] == [6]
+    assert kept["summary"]["stage2"]["AP50"]["mean"] == grown["seeds"][0]["runs"]["stage2"]["eval"]["AP50"]
+    ungated = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_learning.py"), "--workdir", str(tmp_path / "gated"),
+         "--report", str(tmp_path / "one5.json"), "--passed-gate-only"],
+        capture_output=True, text=True, timeout=900, cwd=ROOT,
+    )
+    assert ungated.returncode != 0 and "no pilot gate" in ungated.stderr
