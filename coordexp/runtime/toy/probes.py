@@ -34,11 +34,17 @@ IOU = 0.5
 def greedy_match(preds: Sequence[DetObject], gts: Sequence[DetObject], iou: float = IOU
                  ) -> tuple[list[int | None], list[bool]]:
     """``(gt index matched by each prediction or None, duplicate flag of each prediction)`` (module doc)."""
+    return _match(_ious(preds, gts), iou)
+
+
+def _ious(preds: Sequence[DetObject], gts: Sequence[DetObject]) -> np.ndarray:
+    """The (predictions x ground truth) IoU matrix, empty rows or columns included."""
+    return aabb_iou_matrix(preds, gts) if preds and gts else np.zeros((len(preds), len(gts)))
+
+
+def _match(ious: np.ndarray, iou: float) -> tuple[list[int | None], list[bool]]:
     taken: list[int | None] = []
     duplicate: list[bool] = []
-    if not preds:
-        return taken, duplicate
-    ious = aabb_iou_matrix(preds, gts) if gts else np.zeros((len(preds), 0))
     used: set[int] = set()
     for row in ious:
         free = [(v, g) for g, v in enumerate(row) if v >= iou and g not in used]
@@ -74,13 +80,14 @@ def backtracks(preds: Sequence[DetObject], gts: Sequence[DetObject], iou: float 
     than the furthest object written before them, and of those the ones that take an object not yet taken. A model
     that learned from appended false negatives to go back after its list (the spec's ``Y_train``) backtracks; a
     backtrack that is no recovery is a duplicate."""
-    taken, _ = greedy_match(preds, gts, iou)
-    if not preds or not gts:
-        return 0, 0
-    ious = aabb_iou_matrix(preds, gts)
+    ious = _ious(preds, gts)
+    return _backtracks(ious, _match(ious, iou)[0], iou)
+
+
+def _backtracks(ious: np.ndarray, taken: Sequence[int | None], iou: float) -> tuple[int, int]:
     furthest, back, recovered = -1, 0, 0
     for row, g in zip(ious, taken):
-        rank = g if g is not None else (int(np.argmax(row)) if float(row.max()) >= iou else None)
+        rank = g if g is not None else (int(np.argmax(row)) if len(row) and float(row.max()) >= iou else None)
         if rank is None:
             continue
         if rank < furthest:
@@ -92,13 +99,14 @@ def backtracks(preds: Sequence[DetObject], gts: Sequence[DetObject], iou: float 
 
 def image_figures(preds: Sequence[DetObject], gts: Sequence[DetObject], *, eos_stopped: bool, tokens: int = 0
                   ) -> ImageFigures:
-    taken, duplicate = greedy_match(preds, gts)
+    ious = _ious(preds, gts)  # one matrix for the match and the backtracks
+    taken, duplicate = _match(ious, IOU)
     hit = [False] * len(gts)
     for g in taken:
         if g is not None:
             hit[g] = True
     next_correct = tuple(r < len(taken) and taken[r] == r for r in range(len(gts)))
-    back, recovered = backtracks(preds, gts)
+    back, recovered = _backtracks(ious, taken, IOU)
     return ImageFigures(n_pred=len(preds), n_gt=len(gts), matched=sum(hit), duplicates=sum(duplicate),
                         premature_eos=bool(eos_stopped) and len(preds) < len(gts), rank_hit=tuple(hit),
                         next_correct=next_correct, tokens=int(tokens), backtracks=back,
