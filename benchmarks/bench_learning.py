@@ -366,19 +366,11 @@ def add_arms(args: argparse.Namespace, saved: dict[str, Any]) -> None:
         stage1_dir = work / "stage1"
         if not (stage1_dir / "config.json").is_file():
             raise SystemExit(f"--add-arms: {stage1_dir} holds no saved stage-1 checkpoint")
-        model, train, val = _assets(args, work, seed)
-        if args.task == "grid":
-            _size_decoding(args, model)
-        eval_config = _config(args, work, "eval", "demo_stage2.yaml", model, train, val, seed, {},
-                              [(["rollout_matching", "decode_batch_size"], args.eval_batch)])
+        _, train, val, eval_config = _seed_inputs(args, work, seed)
         for name, overrides in args.variant:
             config = _config(args, work, name, "demo_stage2.yaml", stage1_dir, train, val, seed, _continued(args),
                              list(overrides))
-            print(f"[bench_learning] seed {seed}: training {name} (added) ...", flush=True)
-            runs[name] = {"train": _train(config)}
-            runs[name]["eval"] = e = _evaluate(args, work, eval_config, name)
-            print(f"[bench_learning] seed {seed} {name}: AP {_pct(e['AP'])} AP50 {_pct(e['AP50'])} "
-                  f"parse {_pct(e['parse_valid_rate'])} match {_pct(e['match_rate'])}", flush=True)
+            runs[name] = _train_and_evaluate(args, work, seed, name, config, eval_config, added=True)
         out["data_order"] = _data_order(work, [n for n in runs if n != "stage1"])
     saved["args"]["variant"] = saved["args"].get("variant", []) + printable["variant"]
 
@@ -403,6 +395,34 @@ def merge_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
+def _seed_inputs(args: argparse.Namespace, work: Path, seed: int) -> tuple[Path, Path, Path, Path]:
+    """(model dir, train jsonl, val jsonl, the seed's one evaluation config); on the grid task decoding is sized
+    from the model's tokenizer first."""
+    model, train, val = _assets(args, work, seed)
+    if args.task == "grid":
+        _size_decoding(args, model)
+    eval_config = _config(args, work, "eval", "demo_stage2.yaml", model, train, val, seed, {},
+                          [(["rollout_matching", "decode_batch_size"], args.eval_batch)])
+    return model, train, val, eval_config
+
+
+def _train_and_evaluate(args: argparse.Namespace, work: Path, seed: int, name: str, config: Path, eval_config: Path,
+                        *, added: bool = False) -> dict[str, Any]:
+    """One arm: trained from ``config``, evaluated under the seed's ``eval_config``, its figures printed."""
+    print(f"[bench_learning] seed {seed}: training {name}{' (added)' if added else ''} ...", flush=True)
+    run = {"train": _train(config)}
+    run["eval"] = e = _evaluate(args, work, eval_config, name)
+    print(f"[bench_learning] seed {seed} {name}: AP {_pct(e['AP'])} AP50 {_pct(e['AP50'])} "
+          f"parse {_pct(e['parse_valid_rate'])} match {_pct(e['match_rate'])}", flush=True)
+    if args.task == "grid":
+        print(f"[bench_learning] seed {seed} {name}: " + ", ".join(
+            f"{k} {e[k] if e[k] is None else round(e[k], 3)}" for k in (
+                "precision", "f1", "duplicates_per_image", "premature_eos_rate", "count_error",
+                "exposure_gap", "deletion_recovery", "duplicate_probe", "backtracks_per_image",
+                "backtrack_recovery_rate")), flush=True)
+    return run
+
+
 def _continued(args: argparse.Namespace) -> dict[str, Any]:
     """The training settings every continuation shares (the budget: K optimizer steps of the same records)."""
     return {"max_steps": args.k, "learning_rate": args.continue_lr, "lr_scheduler_type": "constant",
@@ -424,14 +444,11 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
 
     work = args.workdir / f"seed{seed}"
     work.mkdir(parents=True, exist_ok=True)
-    model, train, val = _assets(args, work, seed)
+    model, train, val, eval_config = _seed_inputs(args, work, seed)
     if args.task == "grid":
-        _size_decoding(args, model)
         print(f"[bench_learning] grid {args.grid}: max_new_tokens {args.max_new_tokens}, repeat guard "
               f"max_object_keys {args.sized[0][1]}", flush=True)
     stage1_dir = work / "stage1"
-    eval_config = _config(args, work, "eval", "demo_stage2.yaml", model, train, val, seed, {},
-                          [(["rollout_matching", "decode_batch_size"], args.eval_batch)])
     plan = [("stage1", _config(args, work, "stage1", "demo_stage1.yaml", model, train, val, seed, {
         "max_steps": args.stage1_steps, "learning_rate": args.stage1_lr,
         "per_device_train_batch_size": args.stage1_batch}))]
@@ -442,19 +459,9 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     runs: dict[str, dict[str, Any]] = {}
     out: dict[str, Any] = {"seed": seed, "runs": runs}
     for name, config in plan:
-        print(f"[bench_learning] seed {seed}: training {name} ...", flush=True)
-        runs[name] = {"train": _train(config)}
-        runs[name]["eval"] = e = _evaluate(args, work, eval_config, name)
-        print(f"[bench_learning] seed {seed} {name}: AP {_pct(e['AP'])} AP50 {_pct(e['AP50'])} "
-              f"parse {_pct(e['parse_valid_rate'])} match {_pct(e['match_rate'])}", flush=True)
-        if args.task == "grid":
-            print(f"[bench_learning] seed {seed} {name}: " + ", ".join(
-                f"{k} {e[k] if e[k] is None else round(e[k], 3)}" for k in (
-                    "precision", "f1", "duplicates_per_image", "premature_eos_rate", "count_error",
-                    "exposure_gap", "deletion_recovery", "duplicate_probe", "backtracks_per_image",
-                    "backtrack_recovery_rate")), flush=True)
+        runs[name] = _train_and_evaluate(args, work, seed, name, config, eval_config)
         if name == "stage1" and args.task == "grid":
-            out["gate"] = g = gate(e)
+            out["gate"] = g = gate(runs[name]["eval"])
             print(f"[bench_learning] seed {seed} {g.line()}", flush=True)
             out["gate"] = g.to_dict()
     out["data_order"] = _data_order(work, [n for n, _ in plan[1:]])
