@@ -5,7 +5,6 @@ active exception", on the two-rank token-figure test). A one-process group stays
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -13,14 +12,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from coordexp.runtime.train.launch import release_process_group
+from testkit import free_port
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _rank(rank: int, world: int, port: int, out: str) -> None:
@@ -34,11 +28,11 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
 
 
 def test_two_ranks_end_their_group(tmp_path):
-    mp.spawn(_rank, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     assert [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)] == ["3.0 False", "3.0 False"]
 
 
 def test_a_one_process_group_stays(tmp_path):
     # in a fresh process: this pytest process may already hold a one-process group of an in-process DeepSpeed run
-    mp.spawn(_rank, args=(1, _free_port(), str(tmp_path)), nprocs=1, join=True)
+    mp.spawn(_rank, args=(1, free_port(), str(tmp_path)), nprocs=1, join=True)
     assert (tmp_path / "rank0.txt").read_text() == "1.0 True"
