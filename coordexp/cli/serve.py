@@ -31,9 +31,13 @@ def serve_rollout(
     checkpoint: Annotated[Optional[Path], typer.Option(
         "--checkpoint", help="Serve this saved model (a training output_dir or checkpoint-N) instead of model.path; "
                              "loaded as `coordexp eval --checkpoint` loads it.")] = None,
-    log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level.")] = "info",
-    access_log: Annotated[bool, typer.Option(
-        "--access-log/--no-access-log", help="Log every request with its status (on by default).")] = True,
+    log_level: Annotated[Optional[str], typer.Option(
+        "--log-level", show_default=False, help="uvicorn log level (default: warning, info with --verbose).")] = None,
+    access_log: Annotated[Optional[bool], typer.Option(
+        "--access-log/--no-access-log", show_default=False,
+        help="Log every request with its status (default: off, on with --verbose).")] = None,
+    verbose: Annotated[bool, typer.Option(
+        "--verbose", help="uvicorn's start-up lines and the access log (every request with its status).")] = False,
     sync_host: Annotated[Optional[str], typer.Option(
         "--sync-host", help="Address the weight-sync rendezvous listens on (default: --host).")] = None,
     sync_token: Annotated[Optional[str], typer.Option(
@@ -46,11 +50,12 @@ def serve_rollout(
     max_body_mb: Annotated[float, typer.Option(
         "--max-body-mb", help="Largest request body accepted (MiB); larger is 413.")] = 64.0,
     system: Annotated[Optional[str], typer.Option(
-        "--system", show_default=False, help="System prompt for requests that send none (default: the chat "
-        "template's own, as `swift rollout`). --system-from-config uses the config's template.system_prompt.")] = None,
-    system_from_config: Annotated[bool, typer.Option(
-        "--system-from-config", help="Requests without a system message get the config's template.system_prompt.")
-    ] = False,
+        "--system", show_default=False, help="System prompt for requests that send none (default: the config's "
+        "template.system_prompt, which the model was trained with).")] = None,
+    system_from_config: Annotated[Optional[bool], typer.Option(
+        "--system-from-config/--no-system-from-config", show_default=False,
+        help="Requests without a system message get the config's template.system_prompt (the default); "
+        "--no-system-from-config leaves them the chat template's own default, as `swift rollout`.")] = None,
     max_batch_seqs: Annotated[Optional[int], typer.Option(
         "--max-batch-seqs", show_default=False, help="Sequences per merged engine call (concurrent /infer/ calls "
         "share it round-robin; default: vLLM's max_num_seqs or 256, HF: 4 x decode_batch_size).")] = None,
@@ -79,8 +84,9 @@ def serve_rollout(
 
     if not 0 < max_body_mb <= 4096:
         fail(f"--max-body-mb {max_body_mb} is out of range", "Use a size in (0, 4096] MiB")
-    if system is not None and system_from_config:
-        fail("--system and --system-from-config both set the default system prompt", "Pass one of them")
+    if system is not None and system_from_config is not None:
+        fail(f"--system and {'--system-from-config' if system_from_config else '--no-system-from-config'} both set "
+             "the default system prompt", "Pass one of them")
     if max_batch_seqs is not None and not 1 <= max_batch_seqs <= 65536:
         fail(f"--max-batch-seqs {max_batch_seqs} is out of range", "Use 1..65536 sequences")
     if not 0 <= batch_window_ms <= 1000:
@@ -97,9 +103,12 @@ def serve_rollout(
     policy = RendezvousPolicy.resolve(  # exposed beyond loopback without a token: refused here (exit 2)
         http_host=host, sync_host=sync_host, token=sync_token,
         max_timeout_s=sync_timeout_max if sync_timeout_max is not None else run.rollout_matching.serving.sync_timeout_s)
+    from coordexp.optional_deps import require_installed
+
+    kind = resolve_engine_kind(engine)  # type: ignore[arg-type]
+    require_installed(run, "serve_vllm" if kind == "vllm" else "serve")  # fastapi, uvicorn, vLLM: exit 3, no load
     sock = bind_socket(host, port)  # ServeInputError (2) / ServeSystemError (3) before anything loads
     try:
-        kind = resolve_engine_kind(engine)  # type: ignore[arg-type]
         err.print(f"loading {safe(run.model.path)} with the {kind} engine "
                   f"(repeat_terminate {'on' if run.rollout_matching.repeat_terminate.enabled else 'off'}) ...")
         server_engine = build_engine(run, kind)
@@ -109,10 +118,12 @@ def serve_rollout(
         seqs = max_batch_seqs or default_batch_policy(server_engine).max_batch_seqs
         app = build_app(run, server_engine, image_root=root, bind_host=host, policy=policy,
                         max_body_bytes=int(max_body_mb * 2**20),
-                        system=run.template.system_prompt if system_from_config else system,
+                        system=system if system is not None else run.template.system_prompt
+                        if system_from_config is not False else None,
                         batch=BatchPolicy(max_batch_seqs=seqs, window_s=batch_window_ms / 1000),
                         max_request_tokens=max_request_tokens)
-        run_server(app, sock, log_level=log_level, access_log=access_log)
+        run_server(app, sock, log_level=log_level or ("info" if verbose else "warning"),
+                   access_log=verbose if access_log is None else access_log)
     finally:
         sock.close()
     raise typer.Exit(EXIT_OK)

@@ -8,7 +8,8 @@ counts engine calls and merged ones); weights never change inside one. Weight-sy
 queue (swift clients broadcast right after the reply); anything that can be checked before the broadcast
 (metadata, a missing communicator, no LoRA support) is a 4xx instead, so the client never blocks on a receive that
 will not happen. A failure after the acknowledgement is reported to the sender by the transport and listed by
-``GET /coordexp/sync_status/``; it is never only logged.
+``GET /coordexp/sync_status/``; it is never only logged. ``POST /detect/`` (``detect.py``) answers one image with
+the detector's objects in pixels and their scores, through the same queue as ``/infer/``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from fastapi.responses import JSONResponse
 from coordexp.runtime.rollout import protocol as p
 from coordexp.runtime.rollout.repeat_guard_check import repeat_guard_reply
 from coordexp.runtime.server.batching import BatchPolicy, Scheduler
+from coordexp.runtime.server.detect import Detector, add_detect_route
 from coordexp.runtime.server.engine import EngineError, GenerationParams, RolloutEngine
 from coordexp.runtime.server.infer import END_OF_TURN_TOKEN, MAX_TOP_LOGPROBS, InferPlanner
 from coordexp.runtime.server.inputs import InferInputError, scrub_paths
@@ -393,26 +395,33 @@ def create_app(engine: RolloutEngine, processor: Any, template: TemplateConfig, 
         """Whether this server's repeat guard is on (the learner fails fast when its config needs it and it is off)."""
         return repeat_guard_reply(engine.repeat_terminate)
 
-    @app.post("/infer/")
-    async def infer(body: p.InferRequestBody) -> JSONResponse:
+    async def run_infer(body: p.InferRequestBody, path: str) -> list[dict[str, Any]]:
+        """One ``/infer/`` body answered (``path``: the route, for messages): limits, queue, 4xx mapping."""
         limits = request_limits(body, max_model_len=service.max_model_len, chars_per_token=service.chars_per_token,
                                 default_max_tokens=service.planner.defaults.max_new_tokens,
                                 max_request_tokens=service.max_request_tokens)
         if limits:  # checked before queueing: an unbounded request never reaches the worker
-            refused("/infer/", 400, "; ".join(limits))
-            raise HTTPException(400, "/infer/: " + "; ".join(limits))
+            refused(path, 400, "; ".join(limits))
+            raise HTTPException(400, f"{path}: " + "; ".join(limits))
         try:
-            return JSONResponse(await on_worker(queued=lambda: service.submit_infer(body)))
+            return await on_worker(queued=lambda: service.submit_infer(body))
         except HTTPException:
             raise
         except (InferInputError, EngineError) as exc:
-            log.info("/infer/ refused: %s", exc)
-            raise HTTPException(400, f"/infer/: {scrub_paths(str(exc))}") from None
+            log.info("%s refused: %s", path, exc)
+            raise HTTPException(400, f"{path}: {scrub_paths(str(exc))}") from None
         except Exception:  # noqa: BLE001 - the log keeps the traceback; the body names no path or exception text
             incident = uuid.uuid4().hex[:12]
-            log.exception("/infer/ failed (incident %s)", incident)
-            raise HTTPException(500, f"/infer/ failed inside the server (incident {incident}); the server log has "
+            log.exception("%s failed (incident %s)", path, incident)
+            raise HTTPException(500, f"{path} failed inside the server (incident {incident}); the server log has "
                                      "the details") from None
+
+    @app.post("/infer/")
+    async def infer(body: p.InferRequestBody) -> JSONResponse:
+        return JSONResponse(await run_infer(body, "/infer/"))
+
+    add_detect_route(app, Detector(processor.tokenizer, template.user_prompt, service.image_root,
+                                   logprobs=callable(getattr(engine, "token_logprobs", None))), run_infer)
 
     @app.post("/init_communicator/")
     async def init_communicator(body: p.InitCommunicatorRequest, request: Request) -> dict:
