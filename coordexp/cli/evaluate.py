@@ -61,12 +61,26 @@ def run_with_checkpoint(run: Any, checkpoint: Optional[Path]) -> tuple[Any, Path
 
 
 def default_out_dir(run: Any, checkpoint: Optional[Path], split: str) -> Path:
-    """``OUTPUT_DIR/eval_SPLIT``; with ``--checkpoint DIR``, ``OUTPUT_DIR/eval_DIRNAME`` (``_train`` for the train
-    split), so evaluating several checkpoints keeps each one's results."""
+    """``OUTPUT_DIR/eval_SPLIT``; with ``--checkpoint DIR``: ``OUTPUT_DIR/eval_checkpoint-N`` for this run's own
+    ``checkpoint-N`` (``_train`` for the train split), else ``eval_<run>_<folder>_<hash of its real path>``
+    (``_train``), so results of different checkpoints never share a folder (another run's ``checkpoint-2``, a
+    folder named ``val`` or ``x_train``); names are cut to stay well under the file system's 255 bytes."""
+    import hashlib
+    import re
+
+    out_dir = Path(run.training.output_dir)
     if checkpoint is None:
-        return Path(run.training.output_dir) / f"eval_{split}"
-    name = Path(checkpoint).resolve().name + ("" if split == "val" else f"_{split}")
-    return Path(run.training.output_dir) / f"eval_{name}"
+        return out_dir / f"eval_{split}"
+    suffix = "" if split == "val" else f"_{split}"
+    real = Path(os.path.realpath(checkpoint))
+    if re.fullmatch(r"checkpoint-[0-9]{1,18}", real.name) and real.parent == Path(os.path.realpath(out_dir)):
+        return out_dir / f"eval_{real.name}{suffix}"
+    digest = hashlib.sha256(os.fsencode(str(real))).hexdigest()[:10]
+
+    def short(name: str) -> str:
+        return re.sub(r"[^A-Za-z0-9._-]", "_", name)[:60] or "_"
+
+    return out_dir / f"eval_{short(real.parent.name)}_{short(real.name)}_{digest}{suffix}"
 
 
 def check_checkpoint_files(model_dir: Path, adapter: Optional[Path]) -> None:

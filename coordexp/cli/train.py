@@ -18,7 +18,7 @@ import typer
 from coordexp.cli.frame import (EXIT_INTERRUPTED, EXIT_OK, err, fail, guarded, is_rank_zero, load_run_and_config,
                                  out, safe, write_result)
 
-__all__ = ["register", "train", "show_rollouts", "resolve_resume", "used_output_problem"]
+__all__ = ["register", "train", "show_rollouts", "resolve_resume", "check_output_place", "EXIT_TERMINATED"]
 
 
 def resolve_resume(resume: Optional[str], output_dir: str) -> Optional[str]:
@@ -45,24 +45,6 @@ def resolve_resume(resume: Optional[str], output_dir: str) -> Optional[str]:
         raise FileNotFoundError(f"--resume {resume} cannot be resumed from: {problem}; pass a complete checkpoint-* "
                                 "path or 'auto'")
     return resume
-
-
-SAVED_MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors",
-                     "pytorch_model.bin")
-
-
-def used_output_problem(output_dir: str | Path) -> Optional[str]:
-    """What makes ``output_dir`` a used run folder (its checkpoints, or a saved model), else None: a fresh run there
-    would mix its checkpoints with the old run's and overwrite its model."""
-    folder = Path(output_dir)
-    if not folder.is_dir():
-        return None
-    checkpoints = sorted(p.name for p in folder.glob("checkpoint-*") if p.is_dir())
-    if checkpoints:
-        shown = ", ".join(checkpoints[:3]) + (", ..." if len(checkpoints) > 3 else "")
-        return f"holds {len(checkpoints)} checkpoint(s) ({shown})"
-    saved = [name for name in SAVED_MODEL_FILES if (folder / name).is_file()]
-    return f"holds a saved model ({saved[0]})" if saved else None
 
 
 def _finished(resume_from: Optional[str], max_steps: Optional[int]) -> Optional[int]:
@@ -149,16 +131,6 @@ def exit_interrupted() -> None:
     os._exit(EXIT_INTERRUPTED)
 
 
-def _remove_checkpoints(output_dir: str) -> None:
-    """--overwrite: the old run's checkpoints go, so ``--resume auto`` and ``save_total_limit`` see this run's only."""
-    import shutil
-
-    for checkpoint in sorted(Path(output_dir).glob("checkpoint-*")):
-        if checkpoint.is_dir():
-            shutil.rmtree(checkpoint)
-            err.print(f"removed {safe(checkpoint)} (--overwrite)")
-
-
 def _summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     def pct(value: Any) -> str:
         return "-" if value is None else f"{100 * float(value):.1f}%"
@@ -185,30 +157,87 @@ def _summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
+def check_output_place(run: Any, config: Path, *, overwrite: bool, resume: bool) -> None:
+    """Where the run will write, checked before anything loads (exit 2 naming ``training.output_dir``): a
+    directory or a new path under a writable one; apart from the run's inputs (never the model it starts from);
+    no files a run did not write (unless ``--overwrite``, which moves aside only a run's entries); and a used run
+    folder only with ``--resume`` or ``--overwrite``."""
+    from coordexp.cli.file_guard import check_output_dir
+    from coordexp.runtime.train.run_folder import (PREVIOUS_DIR, foreign_entries, input_overlap, run_entries,
+                                                   used_output_problem)
+
+    out_dir = run.training.output_dir
+    check_output_dir(Path(out_dir), "training.output_dir")
+    if run.training.logging_dir is not None:
+        check_output_dir(Path(run.training.logging_dir), "training.logging_dir")
+    data = run.data
+    model_overlap = input_overlap(out_dir, [("model.path", str(run.model.path))])
+    if model_overlap is not None and (overwrite or model_overlap[1] != "contains"):
+        fail(f"training.output_dir {out_dir} {model_overlap[1]} model.path {run.model.path}: the run would write "
+             "over the model it starts from", "Choose an output_dir apart from model.path "
+             "(--set training.output_dir=DIR); model.path is never overwritten")
+    inputs = [("data.train_jsonl", data.train_jsonl), ("data.val_jsonl", data.val_jsonl),
+              ("data.image_root", data.image_root), ("the config", str(config))]
+    overlap = input_overlap(out_dir, inputs) if overwrite else None
+    if overlap is not None and overlap[1] in ("is", "contains"):
+        fail(f"training.output_dir {out_dir} {overlap[1]} {overlap[0]}: --overwrite could move the run's inputs "
+             "aside", "Choose an output_dir that holds none of the run's inputs (--set training.output_dir=DIR)")
+    if resume:
+        return
+    foreign = foreign_entries(Path(out_dir))
+    if foreign and not overwrite:
+        shown = ", ".join(safe(name) for name in foreign[:4]) + (", ..." if len(foreign) > 4 else "")
+        colliding = run_entries(Path(out_dir))
+        fail(f"training.output_dir {out_dir} holds {len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} no "
+             f"coordexp run wrote ({shown}); a run there could write over them",
+             "Choose a new or empty output_dir (--set training.output_dir=DIR)" + (
+                 f"; --overwrite moves the {len(colliding)} a run writes ({', '.join(colliding[:3])}) into "
+                 f"OUTPUT_DIR/{PREVIOUS_DIR}/ and leaves the rest" if colliding else
+                 "; --overwrite trains there and leaves every one of them as it is"))
+    used = used_output_problem(out_dir)
+    if used is not None and not overwrite:
+        fail(f"training.output_dir {out_dir} {used}: a fresh run would overwrite it",
+             f"Continue it with --resume auto, start afresh with --overwrite (the old run is moved to "
+             f"OUTPUT_DIR/{PREVIOUS_DIR}/), or choose another output_dir (--set training.output_dir=DIR)")
+
+
+def _replayed_overrides(output_dir: str, given: list[str]) -> list[str]:
+    """``--resume``: the run record's overrides, then the ones given now (which win); the record is the run."""
+    from coordexp.cli.overrides import recorded_overrides
+
+    recorded = recorded_overrides(output_dir) or []
+    if recorded and is_rank_zero():
+        err.print("reusing the run's recorded overrides: " + " ".join(f"--set {safe(t)}" for t in recorded))
+    return recorded + given
+
+
 def train(
     config: Annotated[Path, typer.Argument(help="YAML run config.", show_default=False)],
     resume: Annotated[
-        Optional[str], typer.Option("--resume", help="Checkpoint directory to resume from, or 'auto' (newest).")
+        Optional[str], typer.Option("--resume", help="Checkpoint directory to resume from, or 'auto' (newest); "
+                                    "the run record's --set overrides are reused.")
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the final summary as JSON on stdout.")] = False,
     overrides: Annotated[Optional[list[str]], typer.Option(
         "--set", metavar="KEY=VALUE", show_default=False,
-        help="Override a config key: dotted.key=value (a YAML scalar; list items by index, a.0.b=1); repeatable, "
-             "validated like the file.")] = None,
+        help="Override a config key: dotted.key=value (a YAML 1.2 value, read like the file; list items by index, "
+             "a.0.b=1); repeatable, validated like the file.")] = None,
     overwrite: Annotated[bool, typer.Option(
-        "--overwrite", help="Train afresh in a used training.output_dir (its old checkpoint-* are removed).")] = False,
+        "--overwrite", help="Train afresh in a used training.output_dir: once the new run is built, the old run "
+                            "(model, checkpoints, logs, record) is moved to OUTPUT_DIR/.previous/<time>.")] = False,
 ) -> None:
     """Train from a YAML config (stage 1 or stage 2); everything else comes from the file (and --set)."""
-    overrides = list(overrides or [])
-    run, validated = load_run_and_config(config, as_json=as_json, overrides=overrides)
+    given = list(overrides or [])
+    run, _ = load_run_and_config(config, as_json=as_json, overrides=given)
     if resume is not None and overwrite:
         fail("--resume and --overwrite contradict each other", "Pass --resume to continue the run, or --overwrite "
              "to start it afresh")
-    used = None if resume is not None else used_output_problem(run.training.output_dir)
-    if used is not None and not overwrite:
-        fail(f"training.output_dir {run.training.output_dir} {used}: a fresh run would overwrite it",
-             "Continue it with --resume auto, start afresh with --overwrite, or choose another output_dir "
-             "(--set training.output_dir=DIR)")
+    effective = given
+    if resume is not None:
+        effective = _replayed_overrides(run.training.output_dir, given)
+        if effective != given:
+            run, _ = load_run_and_config(config, as_json=as_json, overrides=effective)
+    check_output_place(run, config, overwrite=overwrite, resume=resume is not None)
     try:
         resume_from = resolve_resume(resume, run.training.output_dir)
     except FileNotFoundError as exc:
@@ -230,12 +259,83 @@ def train(
     from coordexp.cli.quiet import deepspeed_quiet
 
     with deepspeed_quiet(run.training.deepspeed is None):  # DeepSpeed's import-time lines, where it is not used
-        _train(run, validated, config=config, overrides=overrides, resume_from=resume_from, used=used,
-               as_json=as_json)
+        _train(run, config=config, given=given, effective=effective, resume_from=resume_from,
+               overwrite=overwrite, as_json=as_json)
 
 
-def _train(run: Any, validated: Any, *, config: Path, overrides: list[str], resume_from: Optional[str],
-           used: Optional[str], as_json: bool) -> None:
+EXIT_TERMINATED = 143
+"""SIGTERM (SLURM, Kubernetes preemption): 128 + 15, as a shell reports it."""
+
+
+class RunTerminated(KeyboardInterrupt):
+    """SIGTERM during a run: unwinds like Ctrl-C (nothing half-written: checkpoints are atomic), exit 143."""
+
+
+@contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises :class:`RunTerminated` in the main thread while the block runs (when its disposition is the
+    default: a handler or SIG_IGN the parent set is left alone); the previous handler is restored after."""
+    import signal
+    import threading
+
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
+        yield
+        return
+
+    def raise_terminated(signum: int, frame: Any) -> None:
+        raise RunTerminated()
+
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def resume_advice(config: Path, output_dir: str, overrides: list[str]) -> list[str]:
+    """What an interrupted run kept and the exact command that continues it (secrets left for the user to add)."""
+    import shlex
+
+    from coordexp.cli.overrides import SECRET_MASK, masked_text
+    from coordexp.runtime.train.checkpoints import choose_resume
+
+    sets = [t for t in (masked_text(text) for text in overrides) if SECRET_MASK not in t]
+    command = " ".join(["coordexp", "train", shlex.quote(str(config)), "--resume", "auto",
+                        *(f"--set {shlex.quote(t)}" for t in sets)])
+    newest = choose_resume(output_dir).path
+    if newest is None:
+        return [f"no complete checkpoint was saved in {output_dir}; start again with: "
+                f"coordexp train {shlex.quote(str(config))} --overwrite "
+                + " ".join(f"--set {shlex.quote(t)}" for t in sets)]
+    return [f"last complete checkpoint: {newest}", f"continue with: {command}"]
+
+
+def _prepare_folder(run: Any, *, config: Path, given: list[str], effective: list[str],
+                    resume_from: Optional[str], overwrite: bool) -> None:
+    """Once the run is built (rank 0): ``--overwrite`` moves the old run aside, then the record is written (a
+    resumed run appends to its record)."""
+    from coordexp.cli.overrides import append_resume_record, write_run_record
+    from coordexp.runtime.train.run_folder import RUN_RECORD_NAME, is_run_record, move_previous_run
+    from coordexp.schema.loader import load_merged
+
+    if not is_rank_zero():
+        return
+    out_dir = Path(run.training.output_dir)
+    if overwrite:
+        moved = move_previous_run(out_dir)
+        if moved is not None:
+            err.print(f"moved the previous run's {len(moved[1])} entries to {safe(moved[0])} (--overwrite)")
+    if resume_from is not None and is_run_record(out_dir / RUN_RECORD_NAME):
+        append_resume_record(out_dir, checkpoint=resume_from, overrides=given)
+        return
+    from coordexp.cli.overrides import apply_overrides
+
+    write_run_record(out_dir, apply_overrides(load_merged(config), effective), source=config, overrides=effective)
+
+
+def _train(run: Any, *, config: Path, given: list[str], effective: list[str], resume_from: Optional[str],
+           overwrite: bool, as_json: bool) -> None:
     """Check, train and report (``train`` after its input checks)."""
     from coordexp.runtime.train.args_check import check_training_arguments
     from coordexp.runtime.train.deepspeed import process_state_restored
@@ -245,15 +345,9 @@ def _train(run: Any, validated: Any, *, config: Path, overrides: list[str], resu
     with process_state_restored():  # a zero2 check sets RANK/WORLD_SIZE/MASTER_PORT: they do not outlive it
         check_training_arguments(run)  # what transformers would refuse after the model loads: exit 2 now
 
-    if used is not None and is_rank_zero():
-        _remove_checkpoints(run.training.output_dir)
-    if is_rank_zero():
-        from coordexp.cli.overrides import write_resolved_config
-
-        write_resolved_config(run.training.output_dir, validated, source=config, overrides=overrides)
     progress = ProgressCallback(err if as_json else None, title=f"{run.trainer_variant}: {safe(config.name)}")
     global training_interrupted
-    with watching_for_interrupt():  # a KeyboardInterrupt goes on to guarded(): "interrupted", exit 130
+    with watching_for_interrupt(), terminate_as_interrupt():  # Ctrl-C: guarded() says "interrupted", exit 130
         try:
             outcome = run_training(
                 run,
@@ -261,8 +355,16 @@ def _train(run: Any, validated: Any, *, config: Path, overrides: list[str], resu
                 callbacks=[progress],
                 rollout_log_every=run.training.logging_steps,
                 print_logs=False,
+                before_train=lambda: _prepare_folder(run, config=config, given=given, effective=effective,
+                                                     resume_from=resume_from, overwrite=overwrite),
             )
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
+            if is_rank_zero():
+                for line in resume_advice(config, run.training.output_dir, effective):
+                    err.print(safe(line))
+            if isinstance(exc, RunTerminated):
+                err.print("terminated (SIGTERM)")
+                raise typer.Exit(EXIT_TERMINATED) from None
             training_interrupted = True  # the console script then ends the process at once (exit_interrupted)
             raise
     release_process_group()

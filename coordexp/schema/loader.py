@@ -24,6 +24,7 @@ from coordexp.schema.yaml_io import YamlReadError, read_yaml_file
 __all__ = [
     "MergedConfig",
     "ValidationReport",
+    "written_config",
     "deep_merge",
     "load_config",
     "load_merged",
@@ -326,6 +327,13 @@ def _resolve_paths(data: dict, merged: MergedConfig) -> dict:
             expanded = Path(origin).absolute().parent / expanded
         parent[key_path[-1]] = os.path.normpath(str(expanded))
     return data
+
+
+def written_config(merged: MergedConfig) -> dict:
+    """What the user wrote (the files' keys after ``extends``, and any ``--set``), relative paths made absolute
+    against the file that set each: a run record of it validates to the same config from any folder, and keeps
+    which keys were written (defaults stay defaults)."""
+    return _resolve_paths(copy.deepcopy(merged.data), merged)
 
 
 def _in_parent(issue: ConfigIssue, top: Optional[str]) -> ConfigIssue:

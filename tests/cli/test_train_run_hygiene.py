@@ -105,7 +105,7 @@ def test_set_overrides_record_the_run_and_a_used_folder_needs_resume_or_overwrit
     result = _run("train", str(config), "--set", "training.max_steps=1", "--set", f"training.output_dir={run}")
     assert result.exit_code == 0, result.output
     recorded = (run / "coordexp_config.yaml").read_text()
-    assert "--set training.max_steps=1" in recorded and yaml.safe_load(recorded)["training"]["max_steps"] == 1
+    assert '# --set: "training.max_steps=1"' in recorded and yaml.safe_load(recorded)["training"]["max_steps"] == 1
     assert (run / "checkpoint-1").is_dir()
     assert _run("validate", str(run / "coordexp_config.yaml")).exit_code == 0  # the record is a config that runs
     again = _run("train", str(config), "--set", "training.max_steps=1", "--set", f"training.output_dir={run}")
@@ -121,7 +121,7 @@ def test_set_overrides_record_the_run_and_a_used_folder_needs_resume_or_overwrit
 
 
 def test_used_output_problem_names_checkpoints_and_saved_models(tmp_path):
-    from coordexp.cli.train import used_output_problem
+    from coordexp.runtime.train.run_folder import used_output_problem
 
     assert used_output_problem(tmp_path / "absent") is None and used_output_problem(tmp_path) is None
     (tmp_path / "model.safetensors").write_bytes(b"")

@@ -24,7 +24,8 @@ from coordexp.errors import UserInputError
 from coordexp.runtime.model.adapters import (ADAPTER_CONFIG, AdapterDirError, hub_offline, load_adapter_weights,
                                              read_adapter_config)
 
-__all__ = ["ExportError", "ExportPlan", "plan_export", "write_merged", "export_merged", "expand_vocab"]
+__all__ = ["ExportError", "ExportPlan", "plan_export", "write_merged", "export_merged", "expand_vocab",
+           "first_non_finite"]
 
 _OUT_HINT = "choose a new or empty output directory you may write"
 
@@ -167,7 +168,8 @@ def plan_export(adapter_dir: str | Path, out_dir: str | Path, *, base: str | Pat
     return ExportPlan(adapter_dir, chosen, processor, target, notes)
 
 
-def _non_finite(state: dict[str, Any]) -> tuple[str, int] | None:
+def first_non_finite(state: dict[str, Any]) -> tuple[str, int] | None:
+    """(name, count) of the first floating tensor holding NaN or Inf, else None (also `train`'s start check)."""
     import torch
 
     for name, tensor in state.items():
@@ -196,7 +198,7 @@ def _load_merged(plan: ExportPlan) -> Any:
     from coordexp.runtime.model.tuner import align_tie_flag
 
     model = _load_local(plan.base, dtype=torch.float32)
-    bad = _non_finite(model.state_dict())
+    bad = first_non_finite(model.state_dict())
     if bad is not None:
         raise ExportError(f"{plan.base}: tensor {bad[0]} of the base model holds {bad[1]} non-finite value(s); the "
                           "merged model would too, so nothing was written", hint="merge into an intact base (--base)")
@@ -205,7 +207,7 @@ def _load_merged(plan: ExportPlan) -> Any:
     dtype = _saved_dtype(plan.base)
     if dtype is not None:
         merged = merged.to(dtype)  # merged in float32, saved in the base's own dtype
-    bad = _non_finite(merged.state_dict())
+    bad = first_non_finite(merged.state_dict())
     if bad is not None:
         where = f" after conversion to the base's {dtype}" if dtype is not None else ""
         raise ExportError(
@@ -281,12 +283,12 @@ def expand_vocab(source: str | Path, destination: str | Path) -> int:
     target = _check_out_dir(destination)
     with hub_offline():
         model = _load_local(source, dtype="auto")
-    bad = _non_finite(model.state_dict())
+    bad = first_non_finite(model.state_dict())
     if bad is not None:
         raise ExportError(f"{source}: tensor {bad[0]} holds {bad[1]} non-finite value(s); nothing was written",
                           hint="expand an intact checkpoint")
     added = add_coord_tokens(processor.tokenizer, model)
-    bad = _non_finite(model.state_dict())
+    bad = first_non_finite(model.state_dict())
     if bad is not None:  # the new rows start at the mean of the old ones: overflow in a half dtype
         raise ExportError(f"{source}: adding the coord tokens gives tensor {bad[0]} {bad[1]} non-finite value(s); "
                           "nothing was written", hint="expand a float32 copy of the checkpoint")

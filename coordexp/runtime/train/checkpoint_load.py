@@ -84,6 +84,10 @@ def load_checkpoint_weights(model: Any, checkpoint_dir: str | Path) -> bool:
                         raise CheckpointMismatchError(
                             f"{checkpoint}: tensor {saved} has shape {tuple(value.shape)}, the model's {name} "
                             f"{tuple(target.shape)}", hint="resume from a checkpoint of this run's model")
+                    if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                        raise CheckpointMismatchError(
+                            f"{path}: tensor {saved} holds {int((~torch.isfinite(value)).sum())} non-finite "
+                            "value(s) (NaN or Inf); nothing was trained", hint="resume from an earlier checkpoint-N")
                     target.copy_(value.to(dtype=target.dtype))
                     loaded.add(name)
     loaded_ids = {id(own[n]) for n in loaded}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from coordexp.runtime.rollout.registry import create_backend
 from coordexp.runtime.model.data import load_records
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from coordexp.schema.contract import RunContract
 
 __all__ = ["LaunchError", "load_policy", "training_arguments", "build_trainer", "TrainOutcome", "run_training",
-           "release_process_group"]
+           "release_process_group", "check_finite_weights"]
 
 def _accumulation_steps(t: Any, world_size: int) -> int:
     """``gradient_accumulation_steps``, or ``effective_batch_size / (per_device_train_batch_size * world_size)``
@@ -117,6 +117,7 @@ def build_trainer(
 
     if model is None or processor is None:
         model, processor = load_policy(run)
+        check_finite_weights(model, run.model.path)
     data = run.data
     train_records = load_records(data.train_jsonl, data.image_root, max_samples=data.max_train_samples,
                                  object_order=data.object_order)
@@ -143,6 +144,17 @@ def build_trainer(
     )
 
 
+def check_finite_weights(model: Any, source: Any) -> None:
+    """Refuse a model with a NaN or Inf weight before it trains (the loss guard would hide it and the saved model
+    would carry it on): the check ``export-merged`` makes, a :class:`LaunchError` (exit 2) naming the tensor."""
+    from coordexp.runtime.model.merge_export import first_non_finite
+
+    bad = first_non_finite(model.state_dict())
+    if bad is not None:
+        raise LaunchError(f"{source}: tensor {bad[0]} holds {bad[1]} non-finite value(s) (NaN or Inf); nothing was "
+                          "trained or written", hint="start from an intact checkpoint (model.path)")
+
+
 @dataclass(frozen=True)
 class TrainOutcome:
     output_dir: Path
@@ -157,8 +169,11 @@ def run_training(
     callbacks: Sequence[Any] = (),
     rollout_log_every: int = 0,
     print_logs: bool = True,
+    before_train: Callable[[], None] | None = None,
 ) -> TrainOutcome:
-    """Train, save the final model (with its processor) to ``training.output_dir`` and return the log history."""
+    """Train, save the final model (with its processor) to ``training.output_dir`` and return the log history.
+    ``before_train`` runs once the model, data and trainer are built, before the first step (what ``train`` does to
+    the run folder: ``--overwrite``'s move, the run record), so a run that cannot start has changed nothing."""
     from transformers.trainer_callback import PrinterCallback
 
     from coordexp.runtime.train.deepspeed import process_state_restored
@@ -168,6 +183,8 @@ def run_training(
         if not print_logs:
             trainer.remove_callback(PrinterCallback)  # raw log dicts on stdout; the CLI shows its own progress
         try:
+            if before_train is not None:
+                before_train()
             trainer.train(resume_from_checkpoint=resume_from)
             trainer.save_model()
             trainer.save_state()  # OUTPUT_DIR/trainer_state.json: the whole run's log history (coordexp plot-run)
