@@ -202,11 +202,12 @@ def print_report(report: Any) -> None:
             table.add_row(name, *(_fmt(metrics[k]) for k in
                                   ("AP", "AP50", "AP75", "AP_small", "AP_medium", "AP_large", "AR100")))
     out.print(table)
+    print_set_figures(report.figures)
     c, ratios = report.counters, report.counters.ratios()
     out.print(
-        f"rollouts: parse valid {_pct(ratios['parse_valid_rate'])}, match rate {_pct(ratios['match_rate'])}, "
-        f"{c.pred_valid} valid objects / {c.gt_objects} GT, {c.matched} matched, "
-        f"truncated {c.truncated_rollouts}/{c.samples}"
+        f"rollouts: parse valid {_pct(ratios['parse_valid_rate'])}, match rate {_pct(ratios['match_rate'])} "
+        f"(the stage-2 matcher: mask-IoU gate, class ignored), {c.pred_valid} valid objects / {c.gt_objects} GT, "
+        f"{c.matched} matched, truncated {c.truncated_rollouts}/{c.samples}"
     )
     if report.left_out:
         out.print(f"[yellow]not scored[/yellow] (desc is no ground-truth category): "
@@ -221,6 +222,33 @@ def print_report(report: Any) -> None:
         out.print(cats)
     for key, value in report.files.items():
         out.print(f"{key}: {safe(value)}")
+
+
+def print_set_figures(figures: dict) -> None:
+    """The set figures (docs/figures.md): what the model wrote, judged as a set at box IoU 0.5."""
+    from rich.table import Table
+
+    if not figures:
+        return
+    table = Table(title="the set the model wrote (box IoU >= 0.5, greedy in written order; percent)")
+    for name in ("", "precision", "recall", "F1"):
+        table.add_column(name, justify="right" if name else "left")
+    table.add_row("class-aware", *(_fmt(figures.get(k)) for k in ("precision", "recall", "f1")))
+    table.add_row("any class", *(_fmt(figures.get(k)) for k in ("precision_any_class", "recall_any_class",
+                                                                 "f1_any_class")))
+    out.print(table)
+
+    def number(key: str) -> str:
+        value = figures.get(key)
+        return "-" if value is None else f"{value:.2f}"
+
+    out.print(f"predictions per GT {number('pred_per_gt')}, certified duplicates per image "
+              f"{number('duplicates_per_image')}, count error {number('count_error')} per image, premature EOS "
+              f"{_pct(figures.get('premature_eos_rate'))}, truncated {_pct(figures.get('truncation_rate'))}")
+    by_rank = [v for v in figures.get("recall_by_rank") or []]
+    if by_rank:
+        shown = " ".join(_fmt(v) for v in by_rank[:10]) + (" ..." if len(by_rank) > 10 else "")
+        out.print(f"recall by reading-order rank (percent): {shown}")
 
 
 def register(app: typer.Typer) -> None:

@@ -19,8 +19,8 @@ from coordexp.schema.loader import load_config
 from coordexp.schema.matching import MatchingConfig, OtConfig
 from coordexp.schema.model import ModelConfig
 from coordexp.schema.pipeline import PipelineConfig
-from coordexp.schema.rollout import (DecodingConfig, HfGenerateConfig, OffloadConfig, OverlapConfig,
-                                      RepeatTerminateConfig)
+from coordexp.schema.rollout import (CollapseAlarmConfig, DecodingConfig, HfGenerateConfig, OffloadConfig,
+                                      OverlapConfig, RepeatTerminateConfig)
 from coordexp.schema.root import CoordExpConfig
 from coordexp.schema.template import TemplateConfig
 from coordexp.schema.training import TrainingConfig
@@ -154,6 +154,7 @@ class RolloutMatchingContract:
     hf_generate: HfGenerateConfig = field(default_factory=HfGenerateConfig)  # static KV cache / compiled decode
     gt_step_share: float = 0.0  # share of stage-2 optimizer steps trained on the GT serialization (channel A)
     trailing_unmatched: Literal["keep", "drop"] = "keep"  # the prefix ends after the last matched object when "drop"
+    collapse_alarm: CollapseAlarmConfig = field(default_factory=CollapseAlarmConfig)  # stage-2 window checks
 
     @property
     def offload_active(self) -> bool:
@@ -303,6 +304,7 @@ def build_contract(cfg: CoordExpConfig) -> RunContract:
         hf_generate=rm.hf_generate,
         gt_step_share=rm.gt_step_share,
         trailing_unmatched=rm.trailing_unmatched,
+        collapse_alarm=rm.collapse_alarm,
     )
     data = cfg.data
     if data.image_root is None:

@@ -34,6 +34,7 @@ __all__ = [
     "OffloadConfig",
     "OverlapConfig",
     "HfGenerateConfig",
+    "CollapseAlarmConfig",
     "RolloutMatchingConfig",
 ]
 
@@ -298,6 +299,30 @@ class HfGenerateConfig(StrictModel):
         return static, compiled
 
 
+class CollapseAlarmConfig(StrictModel):
+    """A warning (or a stop) when a stage-2 logging window's rollouts look like a repeat collapse (docs/figures.md):
+    the upstream project's COCO run went from 1.09 to 3.05 predictions per ground-truth object with precision 0.61
+    -> 0.25 and 15.6% truncated, and nothing said so during training. Each bound warns once when first crossed."""
+
+    enabled: bool = Field(True, description="Check every stage-2 logging window's rollouts.")
+    pred_per_gt_max: float_in(gt=0.0, le=1000.0) = Field(
+        1.5, description="Valid predictions per ground-truth object above this, with the window's match precision "
+        "precision_drop below its best earlier window, fires the alarm.")
+    precision_drop: Probability = Field(
+        0.1, description="How far (a fraction, 0.1 = 10 points) match precision must fall from its best window for "
+        "pred_per_gt_max to fire.")
+    duplicate_rate_max: Probability = Field(
+        0.2, description="Certified duplicates (a repeat of an earlier prediction; docs/figures.md) per valid "
+        "prediction above this fires the alarm.")
+    truncation_rate_max: Probability = Field(
+        0.15, description="Share of rollouts cut by the length limit or the repeat guard above this fires the alarm.")
+    parse_valid_min: Probability = Field(
+        0.5, description="Share of parsed objects that are valid below this fires the alarm.")
+    action: Literal["warn", "stop"] = Field(
+        "warn", description="warn: one line per bound crossed; stop: also save a checkpoint and end the run, the "
+        "reason in the run summary.")
+
+
 class RolloutMatchingConfig(StrictModel):
     """``rollout_matching``: every stage-2 rollout, matching and loss-pipeline key (docs/design.md)."""
 
@@ -313,6 +338,7 @@ class RolloutMatchingConfig(StrictModel):
     pipeline: Optional[PipelineConfig] = Field(None, description="Loss modules; required (no implicit default).")
     matching: MatchingConfig = Field(default_factory=MatchingConfig)
     ot: OtConfig = Field(default_factory=OtConfig)
+    collapse_alarm: CollapseAlarmConfig = Field(default_factory=CollapseAlarmConfig)
     gt_step_share: Probability = Field(
         0.0, description="Share of stage-2 optimizer steps that train the ground-truth serialization (channel A: "
         "stage-1 targets, no rollout) instead of rollouts, spread evenly over the run; 0 = rollouts only, the spec's "

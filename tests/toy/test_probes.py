@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordexp.runtime.core.objects import DetObject
-from coordexp.runtime.toy.probe_run import ProbeCase, _probe_figures, probe_cases
+from coordexp.runtime.train.probe import ProbeCase, probe_cases
+from coordexp.runtime.train.probe import probe_figures as _probe_figures
 from coordexp.runtime.toy.probes import (GateThresholds, aggregate_figures, backtracks, cell_precision, gate,
                                          greedy_match, image_figures)
 

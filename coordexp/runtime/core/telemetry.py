@@ -71,6 +71,7 @@ _SCALAR_FIELDS: tuple[str, ...] = (
     "eos_stopped",
     "rollout_tokens",
     "trailing_dropped",
+    "certified_duplicates",
 )
 _REASON_FIELDS: tuple[str, ...] = ("dropped_by_reason", "prefix_fallbacks_by_reason")
 
@@ -101,6 +102,7 @@ class RolloutCounters:
     eos_stopped: int = 0  # rollouts that ended with the end-of-turn token (not by the length limit)
     rollout_tokens: int = 0  # generated tokens, summed
     trailing_dropped: int = 0  # parsed entries after the last matched one, cut from Y_train (trailing_unmatched: drop)
+    certified_duplicates: int = 0  # valid predictions that repeat an earlier one (core.set_figures; label safe)
 
     def __post_init__(self) -> None:
         for name in _SCALAR_FIELDS:
@@ -143,6 +145,7 @@ class RolloutCounters:
         rollout_tokens: int,
         cut_fallbacks: int = 0,
         trailing_dropped: int = 0,
+        certified_duplicates: int = 0,
     ) -> "RolloutCounters":
         """Counters of one rollout. ``drop_reasons`` lists one reason per non-valid parsed object; the
         :data:`AMBIGUOUS_REASON` entries count as ambiguous-excluded. ``fp`` is derived as valid - matched.
@@ -182,6 +185,7 @@ class RolloutCounters:
             eos_stopped=int(eos_stopped),
             rollout_tokens=rollout_tokens,
             trailing_dropped=trailing_dropped,
+            certified_duplicates=certified_duplicates,
         )
 
     def merge(self, other: "RolloutCounters") -> "RolloutCounters":
@@ -222,6 +226,7 @@ class RolloutCounters:
             "rollout_tokens_per_image": self.rollout_tokens,
             "prefix_fallbacks_per_image": self.prefix_fallbacks,
             "trailing_dropped_per_image": self.trailing_dropped,
+            "duplicates_per_image": self.certified_duplicates,
         }
         per_sample_rate = {
             "truncation_rate": self.truncated_rollouts,
@@ -234,6 +239,8 @@ class RolloutCounters:
             "ambiguous_excluded_rate": _ratio(self.pred_ambiguous_excluded, self.pred_parsed),
             "match_rate": _ratio(self.matched, self.gt_objects),
             "match_precision": _ratio(self.matched, self.pred_valid),
+            "pred_per_gt": _ratio(self.pred_valid, self.gt_objects),
+            "duplicate_rate": _ratio(self.certified_duplicates, self.pred_valid),
             **{name: _ratio(count, self.samples) for name, count in {**per_image, **per_sample_rate}.items()},
         }
 

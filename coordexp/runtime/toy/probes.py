@@ -24,122 +24,15 @@ import numpy as np
 
 from coordexp.runtime.core.matching import aabb_iou_matrix
 from coordexp.runtime.core.objects import DetObject
+from coordexp.runtime.core.set_figures import (IOU, ImageFigures, aggregate_figures, backtracks, greedy_match,
+                                               image_figures)
 
 __all__ = ["IOU", "ImageFigures", "GateThresholds", "greedy_match", "image_figures", "aggregate_figures",
            "cell_precision", "gate", "backtracks"]
 
-IOU = 0.5
-
-
-def greedy_match(preds: Sequence[DetObject], gts: Sequence[DetObject], iou: float = IOU
-                 ) -> tuple[list[int | None], list[bool]]:
-    """``(gt index matched by each prediction or None, duplicate flag of each prediction)`` (module doc)."""
-    return _match(_ious(preds, gts), iou)
-
-
-def _ious(preds: Sequence[DetObject], gts: Sequence[DetObject]) -> np.ndarray:
-    """The (predictions x ground truth) IoU matrix, empty rows or columns included."""
-    return aabb_iou_matrix(preds, gts) if preds and gts else np.zeros((len(preds), len(gts)))
-
-
-def _match(ious: np.ndarray, iou: float) -> tuple[list[int | None], list[bool]]:
-    taken: list[int | None] = []
-    duplicate: list[bool] = []
-    used: set[int] = set()
-    for row in ious:
-        free = [(v, g) for g, v in enumerate(row) if v >= iou and g not in used]
-        if free:
-            _, g = max(free)
-            used.add(g)
-            taken.append(g)
-            duplicate.append(False)
-        else:
-            taken.append(None)
-            duplicate.append(bool(len(row)) and bool(np.any(row >= iou)))
-    return taken, duplicate
-
-
-@dataclass(frozen=True)
-class ImageFigures:
-    """One image's free-running figures."""
-
-    n_pred: int
-    n_gt: int
-    matched: int
-    duplicates: int
-    premature_eos: bool  # stopped by EOS while fewer objects were written than the image holds
-    rank_hit: tuple[bool, ...]  # per GT rank: matched by some prediction
-    next_correct: tuple[bool, ...]  # per GT rank: the r-th prediction matched GT object r
-    tokens: int
-    backtracks: int = 0  # predictions on an object earlier in reading order than one already written
-    backtrack_recoveries: int = 0  # of those, the ones that found an object not yet written (the rest: duplicates)
-
-
-def backtracks(preds: Sequence[DetObject], gts: Sequence[DetObject], iou: float = IOU) -> tuple[int, int]:
-    """``(backtracks, recoveries)``: predictions on (IoU >= ``iou``) a ground-truth object earlier in reading order
-    than the furthest object written before them, and of those the ones that take an object not yet taken. A model
-    that learned from appended false negatives to go back after its list (the spec's ``Y_train``) backtracks; a
-    backtrack that is no recovery is a duplicate."""
-    ious = _ious(preds, gts)
-    return _backtracks(ious, _match(ious, iou)[0], iou)
-
-
-def _backtracks(ious: np.ndarray, taken: Sequence[int | None], iou: float) -> tuple[int, int]:
-    furthest, back, recovered = -1, 0, 0
-    for row, g in zip(ious, taken):
-        rank = g if g is not None else (int(np.argmax(row)) if len(row) and float(row.max()) >= iou else None)
-        if rank is None:
-            continue
-        if rank < furthest:
-            back += 1
-            recovered += g is not None
-        furthest = max(furthest, rank)
-    return back, recovered
-
-
-def image_figures(preds: Sequence[DetObject], gts: Sequence[DetObject], *, eos_stopped: bool, tokens: int = 0
-                  ) -> ImageFigures:
-    ious = _ious(preds, gts)  # one matrix for the match and the backtracks
-    taken, duplicate = _match(ious, IOU)
-    hit = [False] * len(gts)
-    for g in taken:
-        if g is not None:
-            hit[g] = True
-    next_correct = tuple(r < len(taken) and taken[r] == r for r in range(len(gts)))
-    back, recovered = _backtracks(ious, taken, IOU)
-    return ImageFigures(n_pred=len(preds), n_gt=len(gts), matched=sum(hit), duplicates=sum(duplicate),
-                        premature_eos=bool(eos_stopped) and len(preds) < len(gts), rank_hit=tuple(hit),
-                        next_correct=next_correct, tokens=int(tokens), backtracks=back,
-                        backtrack_recoveries=recovered)
-
 
 def _ratio(num: float, den: float) -> float | None:
     return None if den == 0 else num / den
-
-
-def aggregate_figures(images: Sequence[ImageFigures]) -> dict[str, object]:
-    """``precision``, ``recall``, ``f1`` (micro over objects), ``duplicates_per_image``, ``premature_eos_rate``,
-    ``count_error`` (mean |#pred - #gt|), ``recall_by_rank`` (list), ``rollout_tokens_per_image``,
-    ``backtracks_per_image`` and ``backtrack_recovery_rate`` (recoveries over backtracks)."""
-    n = len(images)
-    pred = sum(i.n_pred for i in images)
-    gt = sum(i.n_gt for i in images)
-    matched = sum(i.matched for i in images)
-    precision, recall = _ratio(matched, pred), _ratio(matched, gt)
-    f1 = None if precision is None or recall is None else (
-        0.0 if precision + recall == 0 else 2 * precision * recall / (precision + recall))
-    ranks = max((i.n_gt for i in images), default=0)
-    by_rank = [_ratio(sum(i.rank_hit[r] for i in images if r < i.n_gt), sum(r < i.n_gt for i in images))
-               for r in range(ranks)]
-    return {"precision": precision, "recall": recall, "f1": f1,
-            "duplicates_per_image": _ratio(sum(i.duplicates for i in images), n),
-            "premature_eos_rate": _ratio(sum(i.premature_eos for i in images), n),
-            "count_error": _ratio(sum(abs(i.n_pred - i.n_gt) for i in images), n),
-            "recall_by_rank": by_rank,
-            "rollout_tokens_per_image": _ratio(sum(i.tokens for i in images), n),
-            "backtracks_per_image": _ratio(sum(i.backtracks for i in images), n),
-            "backtrack_recovery_rate": _ratio(sum(i.backtrack_recoveries for i in images),
-                                              sum(i.backtracks for i in images))}
 
 
 def cell_precision(preds_per_image: Sequence[Sequence[DetObject]], gts_per_image: Sequence[Sequence[DetObject]],

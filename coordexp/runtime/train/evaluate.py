@@ -24,6 +24,7 @@ import numpy as np
 from coordexp.runtime.core.coco import CocoImage, ScoredObject, build_coco_gt, coco_results, relative_image_name
 from coordexp.runtime.core.coco_metrics import CocoMetrics, evaluate_coco
 from coordexp.runtime.core.objects import DetObject
+from coordexp.runtime.core.set_figures import FIGURE_NAMES, ImageFigures, aggregate_figures, image_figures
 from coordexp.runtime.core.telemetry import RolloutCounters, sum_counters
 from coordexp.runtime.model.scoring import response_token_logprobs
 from coordexp.runtime.core.distribution import eval_rollout_seed
@@ -46,6 +47,7 @@ __all__ = [
     "roll_out_and_score",
     "score_samples",
     "detection_metrics",
+    "rollout_image_figures",
     "write_eval_files",
     "evaluate_detection",
     "run_evaluation",
@@ -92,6 +94,7 @@ class DetectionEval:
     score: ScoreMode
     images: int
     left_out: dict[str, int] = field(default_factory=dict)  # predictions COCO cannot score, by reason
+    figures: dict[str, Any] = field(default_factory=dict)  # set figures (core.set_figures), fractions
     files: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
 
@@ -105,13 +108,16 @@ class DetectionEval:
                 value = metrics[key]
                 if value is not None:
                     logs[f"{prefix}/{name}{key}"] = value
+        logs.update({f"{prefix}/{key}": float(self.figures[key]) for key in FIGURE_NAMES
+                     if self.figures.get(key) is not None})
         return logs
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "images": self.images, "score": self.score, "bbox": self.bbox.to_dict(),
             "segm": None if self.segm is None else self.segm.to_dict(),
-            "counters": self.counters.to_log_dict(prefix=""), "ratios": self.counters.ratios(),
+            "figures": dict(self.figures), "counters": self.counters.to_log_dict(prefix=""),
+            "ratios": self.counters.ratios(),
             "left_out": dict(self.left_out), "files": dict(self.files), "seconds": self.seconds,
         }
 
@@ -167,7 +173,7 @@ def score_samples(
             total = float(values[lo:hi].sum()) if values is not None else float("nan")
             predictions.append(ScoredPrediction(parsed.to_det_object(), total, hi - lo))
         counters = sample.counters if sample.counters is not None else RolloutCounters()
-        out.append(ImageRollout(record, tuple(predictions), counters, sample.log_entry(record, step, "eval")))
+        out.append(ImageRollout(record, tuple(predictions), counters, sample.log_entry(record, step, "eval", host.tokenizer)))
     return out
 
 
@@ -195,6 +201,14 @@ def roll_out_and_score(
     return out
 
 
+def rollout_image_figures(rollouts: Sequence[ImageRollout]) -> list[ImageFigures]:
+    """Each image's set figures (:mod:`coordexp.runtime.core.set_figures`): its valid predictions in written order
+    against its ground truth, with how the rollout ended."""
+    return [image_figures([p.obj for p in r.predictions], r.record.objects, eos_stopped=r.counters.eos_stopped > 0,
+                          tokens=r.counters.rollout_tokens, truncated=r.counters.truncated_rollouts > 0)
+            for r in rollouts]
+
+
 def detection_metrics(
     rollouts: Sequence[ImageRollout], *, score: ScoreMode = "logprob", image_root: str | Path | None = None
 ) -> tuple[DetectionEval, dict[str, Any], list[dict[str, Any]]]:
@@ -219,6 +233,7 @@ def detection_metrics(
         score=score,
         images=len(images),
         left_out=dict(left_out),
+        figures=aggregate_figures(rollout_image_figures(rollouts)),
     )
     return report, gt, results
 
@@ -302,14 +317,17 @@ def run_evaluation(
     if jsonl is None:
         raise LaunchError(f"the config has no data.{split}_jsonl to evaluate",
                           hint="set data.val_jsonl, or pass --split train")
+    why = "--limit"
     if limit is None:
         limit = run.data.max_val_samples if split == "val" else run.data.max_train_samples
+        why = f"data.max_{split}_samples"
     records = load_records(jsonl, run.data.image_root, max_samples=limit)
     model, processor = load_policy(run, adapter=adapter)
     host = HostContext.create(processor, run.rollout_matching, run.template)
     backend = create_backend(run, model, processor)
     if log is not None:
-        log(f"rolling out {len(records)} {split} images from {jsonl} ({type(backend).__name__})")
+        bound = f", the first {limit} ({why})" if limit is not None else ", all of them"
+        log(f"rolling out {len(records)} {split} images from {jsonl}{bound} ({type(backend).__name__})")
     try:
         return evaluate_detection(
             model, host, backend, records, decode_batch_size=run.rollout_matching.decode_batch_size, seed=run.seed,

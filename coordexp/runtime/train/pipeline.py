@@ -420,7 +420,8 @@ class MicroStepPipeline:
                            policy_versions=[o.policy_version for o in outputs], backend=metadata)
         s = self.settings
         if s.rollout_log_every and s.rollout_log_dir is not None and step % s.rollout_log_every == 0:
-            append_rollout_log(s.rollout_log_dir, [x.log_entry(r, step, tag) for r, x in zip(records, samples)])
+            append_rollout_log(s.rollout_log_dir, [x.log_entry(r, step, tag, self.host.tokenizer)
+                                                     for r, x in zip(records, samples)])
 
     def close(self, *, interrupted: bool = False) -> None:
         """Forget the in-flight prefetch (waited for unless the run was interrupted: a hung server must not hold

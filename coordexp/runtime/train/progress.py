@@ -29,6 +29,8 @@ class ProgressSnapshot:
     match_rate: Optional[float] = None
     fn_appended: Optional[float] = None
     fill_ratio: Optional[float] = None
+    pred_per_gt: Optional[float] = None  # valid predictions per ground-truth object (a repeat collapse raises it)
+    duplicates_per_image: Optional[float] = None  # certified duplicates (core.set_figures)
     tokens_per_s: Optional[float] = None
     elapsed_s: Optional[float] = None
     eta_s: Optional[float] = None
@@ -44,10 +46,15 @@ class EvalFigures:
     parse_valid_rate: Optional[float] = None
     match_rate: Optional[float] = None
     token_acc: Optional[float] = None
+    precision: Optional[float] = None  # class-aware, box IoU 0.5 (core.set_figures)
+    recall: Optional[float] = None
+    f1: Optional[float] = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "AP50": self.ap50, "parse_valid_rate": self.parse_valid_rate,
-                "match_rate": self.match_rate, "token_acc": self.token_acc}
+        """Fractions (the text surfaces print percent)."""
+        return {"step": self.step, "AP50": self.ap50, "precision": self.precision, "recall": self.recall,
+                "f1": self.f1, "parse_valid_rate": self.parse_valid_rate, "match_rate": self.match_rate,
+                "token_acc": self.token_acc}
 
 
 def eval_figures(logs: Mapping[str, Any], step: int) -> Optional[EvalFigures]:
@@ -61,7 +68,8 @@ def eval_figures(logs: Mapping[str, Any], step: int) -> Optional[EvalFigures]:
 
     return EvalFigures(step=step, ap50=number("eval/AP50"),
                        parse_valid_rate=_ratio(logs.get("eval/pred_valid"), logs.get("eval/pred_parsed")),
-                       match_rate=number("eval/match_rate"), token_acc=number("eval/token_acc"))
+                       match_rate=number("eval/match_rate"), token_acc=number("eval/token_acc"),
+                       precision=number("eval/precision"), recall=number("eval/recall"), f1=number("eval/f1"))
 
 
 def _ratio(numerator: Any, denominator: Any) -> Optional[float]:
@@ -86,6 +94,9 @@ def snapshot_from_logs(
         update["match_rate"] = logs.get("rollout/match_rate")
     if "rollout/fn_appended" in logs:
         update["fn_appended"] = float(logs["rollout/fn_appended"])
+    for name in ("pred_per_gt", "duplicates_per_image"):
+        if f"rollout/{name}" in logs:
+            update[name] = float(logs[f"rollout/{name}"])
     if "packing/fill_ratio" in logs:
         update["fill_ratio"] = float(logs["packing/fill_ratio"])
     if tokens is not None and seconds is not None and seconds > 0:
@@ -115,7 +126,8 @@ def _fields(s: ProgressSnapshot) -> list[tuple[str, str]]:
     fields = [("step", f"{s.step}/{s.max_steps}" if s.max_steps > 0 else str(s.step)), ("loss", _fmt(s.loss, ".4f"))]
     if s.rollouts_seen:
         fields += [("parse valid", _pct(s.parse_valid_rate)), ("match", _pct(s.match_rate)),
-                   ("FN appended", _fmt(s.fn_appended, ".0f"))]
+                   ("FN appended", _fmt(s.fn_appended, ".0f")), ("pred/GT", _fmt(s.pred_per_gt, ".2f")),
+                   ("dup/img", _fmt(s.duplicates_per_image, ".2f"))]
     if s.fill_ratio is not None:
         fields.append(("fill", _pct(s.fill_ratio)))
     fields += [("tok/s", _fmt(s.tokens_per_s, ".0f")), ("elapsed", format_duration(s.elapsed_s)),
@@ -129,15 +141,18 @@ def format_log_line(snapshot: ProgressSnapshot) -> str:
 
 
 def _eval_fields(figures: EvalFigures) -> list[tuple[str, str]]:
-    fields = [("step", str(figures.step)), ("AP50", _fmt(figures.ap50, ".3f")),
-              ("parse valid", _pct(figures.parse_valid_rate)), ("match", _pct(figures.match_rate))]
+    fields = [("step", str(figures.step)), ("AP50", _pct(figures.ap50))]
+    if figures.f1 is not None or figures.precision is not None:
+        fields += [("P", _pct(figures.precision)), ("R", _pct(figures.recall)), ("F1", _pct(figures.f1))]
+    fields += [("parse valid", _pct(figures.parse_valid_rate)), ("match", _pct(figures.match_rate))]
     if figures.token_acc is not None:
         fields.append(("token acc", _pct(figures.token_acc)))
     return fields
 
 
 def format_eval_line(figures: EvalFigures) -> str:
-    """The plain line an evaluation prints: ``eval  step 50  AP50 0.412  parse valid 98.0%  match 61.5% ...``."""
+    """The plain line an evaluation prints, percent throughout: ``eval  step 50  AP50 41.2%  P 80.0%  R 70.0%  F1
+    74.7%  parse valid 98.0%  match 61.5% ...`` (P/R/F1 class-aware at box IoU 0.5, match the stage-2 matcher's)."""
     return "eval  " + "  ".join(f"{name} {value}" for name, value in _eval_fields(figures))
 
 
@@ -244,20 +259,22 @@ class ProgressCallback(TrainerCallback):
 
 
 _RUN_COUNTERS = ("samples", "pred_valid", "pred_parsed", "gt_objects", "matched", "fn_appended", "fp",
-                 "truncated_rollouts")
+                 "truncated_rollouts", "certified_duplicates")
 
 
 def summarize_history(log_history: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Steps, first/final training loss, the rollout counters summed over the whole run (each logging window logs
     its own sums) with the rates recomputed from them, and every evaluation's headline figures."""
     train_logs = [entry for entry in log_history if "loss" in entry]
+    # every training window: the logged ones and the last, partial one (trainer.log tags it "final")
+    windows = [entry for entry in log_history if "loss" in entry or entry.get("window") == "final"]
     summary: dict[str, Any] = {
         "steps": max((int(entry.get("step", 0)) for entry in log_history), default=0),
         "first_loss": float(train_logs[0]["loss"]) if train_logs else None,
         "final_loss": float(train_logs[-1]["loss"]) if train_logs else None,
     }
     rollout: dict[str, float] = {}
-    for entry in train_logs:
+    for entry in windows:
         for name in _RUN_COUNTERS:
             value = entry.get(f"rollout/{name}")
             if value is not None:
@@ -266,8 +283,14 @@ def summarize_history(log_history: Sequence[Mapping[str, Any]]) -> dict[str, Any
     if rollout:
         summary["parse_valid_rate"] = _ratio(rollout.get("pred_valid"), rollout.get("pred_parsed"))
         summary["match_rate"] = _ratio(rollout.get("matched"), rollout.get("gt_objects"))
+        summary["pred_per_gt"] = _ratio(rollout.get("pred_valid"), rollout.get("gt_objects"))
+        summary["duplicates_per_image"] = _ratio(rollout.get("certified_duplicates"), rollout.get("samples"))
+        summary["truncation_rate"] = _ratio(rollout.get("truncated_rollouts"), rollout.get("samples"))
     evaluations = [figures.to_dict() for entry in log_history
                    if (figures := eval_figures(entry, int(entry.get("step", 0)))) is not None]
+    summary["collapse_alarms"] = [{"step": int(entry.get("step", 0)), "reasons": str(entry["collapse_alarm"]),
+                                   "action": entry.get("action", "warn")}
+                                  for entry in log_history if "collapse_alarm" in entry]
     summary["evaluations"] = evaluations
     summary["last_eval"] = evaluations[-1] if evaluations else None
     return summary

@@ -24,10 +24,11 @@ from coordexp.runtime.core.objects import TokenSupervision
 from coordexp.runtime.core.ot import pair_coord_targets
 from coordexp.runtime.core.parsing import RolloutParse, cut_after_objects, parse_rollout
 from coordexp.runtime.core.pieces import PieceTable
+from coordexp.runtime.core.set_figures import certified_duplicates
 from coordexp.runtime.core.targets import TrainTarget, build_train_target
 from coordexp.runtime.core.telemetry import RolloutCounters
 from coordexp.runtime.core.tokens import CoordVocab
-from coordexp.runtime.train.visualize import RolloutLogEntry
+from coordexp.runtime.train.visualize import RolloutLogEntry, bounded_text
 from coordexp.schema.pipeline import TokenCeConfig
 
 if TYPE_CHECKING:
@@ -103,13 +104,19 @@ class SampleTarget:
     def length(self) -> int:
         return self.encoded.total_len
 
-    def log_entry(self, record: "DetectionRecord", step: int, tag: str = "train") -> RolloutLogEntry:
-        """The rollout as drawn by ``coordexp show-rollouts`` (predictions are the valid parsed objects)."""
+    def log_entry(self, record: "DetectionRecord", step: int, tag: str = "train", tokenizer: Any = None
+                  ) -> RolloutLogEntry:
+        """The rollout as drawn by ``coordexp show-rollouts`` (predictions are the valid parsed objects); with
+        ``tokenizer``, also the raw text the model wrote (bounded) and its token count."""
         preds = () if self.parse is None else tuple(self.parse.objects[i].to_det_object() for i in self.valid_positions)
         pairs = () if self.match is None else tuple(self.match.pairs)
         text = "" if self.parse is None else self.parse.prefix_text
+        response = () if self.parse is None else self.parse.response_ids
+        raw = "" if tokenizer is None or not response else bounded_text(
+            tokenizer.decode(list(response), skip_special_tokens=False))
         return RolloutLogEntry(
-            step=step, image=str(record.image_paths[0]), gt=record.objects, predictions=preds, pairs=pairs, text=text, tag=tag
+            step=step, image=str(record.image_paths[0]), gt=record.objects, predictions=preds, pairs=pairs, text=text,
+            tag=tag, raw_text=raw, raw_tokens=len(response),
         )
 
 
@@ -171,6 +178,7 @@ def build_rollout_sample(
         rollout_tokens=len(rollout.response_token_ids),
         cut_fallbacks=parse.cut_fallbacks,
         trailing_dropped=len(parse.objects) - len(target_parse.objects),
+        certified_duplicates=sum(certified_duplicates(preds, gts)),
     )
     return SampleTarget(encoded, target, counters, parse, match, valid_positions)
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 import torch
 from transformers import Trainer, TrainerCallback
+from transformers.integrations import TensorBoardCallback
 
 from coordexp.runtime.model.data import with_object_permutation
 from coordexp.runtime.model.encoding import encode_prompt
@@ -36,6 +37,7 @@ from coordexp.runtime.model.weight_version import note_optimizer_step
 from coordexp.runtime.rollout.weight_export import full_parameters, zero3_partitioned
 from coordexp.runtime.rollout.zero3_decode import GatheredDecodeModel
 from coordexp.runtime.train import checkpoints
+from coordexp.runtime.train.collapse import CollapseCallback
 from coordexp.runtime.train.dataset import identity_collator
 from coordexp.runtime.train.deepspeed import backward_row, padding_rows
 from coordexp.runtime.train.metrics import StepStats, WindowContext, reduce_values, step_log_values
@@ -94,6 +96,7 @@ class CoordExpTrainer(Trainer):
         kwargs.setdefault("data_collator", identity_collator)
         super().__init__(*args, **kwargs)
         self.add_callback(WeightStepRecorder())
+        _file_eval_figures_under_eval(self)
         self.run = run
         self.host = host
         self.stage2 = run.trainer_variant == "stage2_rollout_aligned"
@@ -113,6 +116,9 @@ class CoordExpTrainer(Trainer):
         self._coord_ids = torch.tensor(host.vocab.ids, dtype=torch.long)
         self._lookahead: tuple[Any, Any] | None = None  # (epoch iterator, next step's first micro-batch)
         self._record_index: dict[str, int] | None = None  # training record source -> index (object_order: random)
+        if self.stage2 and run.rollout_matching.collapse_alarm.enabled:
+            self.add_callback(CollapseCallback(run.rollout_matching.collapse_alarm, say=_warn_line,
+                                               record=self.run_log.write))
 
     @property
     def backend(self) -> "RolloutBackend | None":
@@ -326,7 +332,9 @@ class CoordExpTrainer(Trainer):
 
     # -- logging ----------------------------------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if "loss" in logs and self.stats.micro_steps:
+        if "train_runtime" in logs and self.stats.micro_steps:  # the last, partial window: logged, not dropped
+            self.log({"window": "final"}, start_time)
+        if ("loss" in logs or logs.get("window") == "final") and self.stats.micro_steps:
             backend = self.backend
             fallbacks = backend.run_metadata().get("fallback_events") if backend is not None else None
             packing = self.run.rollout_matching.packing
@@ -473,3 +481,30 @@ class CoordExpTrainer(Trainer):
         else:
             family = self.accelerator.unwrap_model(self.model).config.model_type
             save_processor(out, family, processor.tokenizer, processor.image_processor)
+
+
+def _file_eval_figures_under_eval(trainer: Any) -> None:
+    """transformers' TensorBoard callback files every key without an ``eval_`` prefix under ``train/``; the
+    trainer logs evaluations as ``eval/<name>`` (trainer_state.json keeps that name), so they are handed to it as
+    ``eval_<name>``, which it files under ``eval/<name>``."""
+    for callback in list(trainer.callback_handler.callbacks):
+        if isinstance(callback, TensorBoardCallback) and not isinstance(callback, _EvalTagsTensorBoard):
+            trainer.callback_handler.remove_callback(callback)
+            trainer.callback_handler.add_callback(_EvalTagsTensorBoard(tb_writer=callback.tb_writer))
+
+
+class _EvalTagsTensorBoard(TensorBoardCallback):
+    """:func:`_file_eval_figures_under_eval`'s callback (text values, such as the final window's tag, skipped)."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        renamed = {("eval_" + k[5:] if str(k).startswith("eval/") else k): v for k, v in (logs or {}).items()
+                   if not isinstance(v, str)}
+        return super().on_log(args, state, control, logs=renamed, **kwargs)
+
+
+def _warn_line(message: str) -> None:
+    """A warning line on stderr, unwrapped (a pipe's 80 columns never split it), markup-free."""
+    from rich.console import Console
+
+    Console(stderr=True, highlight=False).print(f"! {message}", markup=False, soft_wrap=True, style="yellow")
+

@@ -13,10 +13,11 @@ from typing import Any, Iterable, Sequence
 
 from coordexp.runtime.core.objects import DetObject
 
-__all__ = ["RolloutLogEntry", "append_rollout_log", "read_rollout_log", "render_rollout", "render_rollout_log", "COLOURS",
+__all__ = ["RolloutLogEntry", "bounded_text", "RAW_TEXT_CHARS", "append_rollout_log", "read_rollout_log", "render_rollout", "render_rollout_log", "COLOURS",
            "shown_step", "caption_lines"]
 
 ROLLOUT_LOG_NAME = "rollouts.jsonl"
+RAW_TEXT_CHARS = 4000  # a degenerate 512-token answer fits; a longer one is cut (its token count is kept)
 # Colour-blind-safe-ish palette: GT green, matched prediction blue, FP red, FN (unmatched GT) orange.
 COLOURS = {"gt": (0, 170, 80), "matched": (30, 100, 255), "fp": (230, 30, 30), "fn": (255, 150, 0)}
 
@@ -30,9 +31,16 @@ class RolloutLogEntry:
     gt: tuple[DetObject, ...]
     predictions: tuple[DetObject, ...]  # valid parsed objects, appearance order
     pairs: tuple[tuple[int, int], ...]  # (prediction index, gt index)
-    text: str = ""
+    text: str = ""  # the parsed prefix (what Y_train keeps of the rollout)
     tag: str = "train"
     extra: dict[str, Any] = field(default_factory=dict)
+    raw_text: str = ""  # what the model wrote, decoded (at most RAW_TEXT_CHARS characters, then a cut marker)
+    raw_tokens: int = 0  # how many tokens it wrote
+
+    @property
+    def class_mismatches(self) -> tuple[int, ...]:
+        """Prediction indices matched (geometry only, as the spec's matcher) to a ground truth of another desc."""
+        return tuple(p for p, g in self.pairs if self.predictions[p].desc != self.gt[g].desc)
 
     @property
     def fp_indices(self) -> tuple[int, ...]:
@@ -70,7 +78,14 @@ class RolloutLogEntry:
             text=raw.get("text", ""),
             tag=raw.get("tag", "train"),
             extra=raw.get("extra", {}),
+            raw_text=str(raw.get("raw_text", "")),
+            raw_tokens=int(raw.get("raw_tokens", 0)),
         )
+
+
+def bounded_text(text: str, limit: int = RAW_TEXT_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, the cut said in the text itself."""
+    return text if len(text) <= limit else text[:limit] + f" ...[cut: {len(text) - limit} more characters]"
 
 
 def append_rollout_log(run_dir: str | Path, entries: Sequence[RolloutLogEntry]) -> Path:
@@ -128,12 +143,17 @@ CAPTION_TEXT_LINES = 4  # of the model's raw text; the rest is cut with "..."
 
 def caption_lines(entry: RolloutLogEntry, width_chars: int, scores: Sequence[float] | None = None) -> list[str]:
     """The header a PNG carries: image name, step, counts (and scores), then the raw text the model wrote."""
+    mismatched = len(entry.class_mismatches)
     head = (f"{Path(entry.image).name}  {entry.tag} step {shown_step(entry)}  {len(entry.predictions)} predicted, "
-            f"{len(entry.gt)} GT, {len(entry.pairs)} matched")
+            f"{len(entry.gt)} GT, {len(entry.pairs)} matched" + (f" ({mismatched} to another class)" if mismatched
+                                                                  else ""))
     lines = [head]
     if scores:
         lines.append("scores: " + " ".join(f"{score:.2f}" for score in scores))
-    text = " ".join(entry.text.split()) or "(no text)"
+    raw = entry.raw_text or entry.text  # logs written before raw_text existed hold the parsed prefix only
+    text = " ".join(raw.split()) or "(no text)"
+    if entry.raw_tokens:
+        text = f"({entry.raw_tokens} tokens) {text}"
     width = max(20, width_chars)
     chunks = [text[i:i + width] for i in range(0, len(text), width)]
     if len(chunks) > CAPTION_TEXT_LINES:
@@ -188,11 +208,13 @@ def render_rollout(entry: RolloutLogEntry, out_path: str | Path, *, scale: int |
     for i, obj in enumerate(entry.gt):
         outline(obj, COLOURS["fn"] if i in fn else COLOURS["gt"], 2 * thin if i in fn else thin,
                 f"{'FN' if i in fn else 'GT'} {obj.desc}", below=False)
+    other_class = {p: entry.gt[g].desc for p, g in entry.pairs if p in set(entry.class_mismatches)}
     for i, obj in enumerate(entry.predictions):
         score = "" if scores is None else f" {scores[i]:.2f}"
+        wrong = f" (GT: {other_class[i]})" if i in other_class else ""
         outline(obj, COLOURS["fp"] if i in fp else COLOURS["matched"], thin,
-                f"{'FP' if i in fp else 'P'} {obj.desc}{score}", below=True)
-    legend = "GT green | matched blue | FP red | FN orange"
+                f"{'FP' if i in fp else 'P'} {obj.desc}{wrong}{score}", below=True)
+    legend = "GT green | matched blue (class ignored) | FP red | FN orange"
     left, top, right, bottom = draw.textbbox((0, 0), legend, font=font)
     bar = bottom - top + 6
     draw.rectangle([0, canvas.height - bar, canvas.width, canvas.height], fill=(0, 0, 0))
