@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -40,6 +40,7 @@ from coordexp.cli.frame import (
 from coordexp.cli.init import register as register_init
 from coordexp.cli.plot import register as register_plot
 from coordexp.cli.preflight import register as register_preflight
+from coordexp.cli.probe import register as register_probe
 from coordexp.cli.serve import register as register_serve
 from coordexp.cli.train import register as register_train
 
@@ -90,6 +91,7 @@ def validate(
     from coordexp.cli.named_files import missing_named_files
 
     missing = {shown: missing_named_files(report.config) if report.ok else [] for shown, report, _ in results}
+    packages = {shown: _missing_packages(report) for shown, report, _ in results}
 
     if as_json:
         payload = []
@@ -101,6 +103,8 @@ def validate(
                 "warnings": [w.to_dict() for w in report.warnings],
             }
             item["missing_files"] = [{"key": key, "path": file} for key, file in missing[shown]]
+            item["missing_packages"] = [{"package": d.package, "needed_for": why, "install": d.install_line}
+                                        for d, why in packages[shown]]
             if print_contract:
                 item["contract"] = contract
             payload.append(item)
@@ -116,12 +120,28 @@ def validate(
                 out.print("  [yellow]! warning[/yellow] " + issue_line(warning, top))
             for key, file in missing[shown]:
                 out.print(f"  [yellow]! not found[/yellow] {key}: {safe(file)}")
+            for dep, why in packages[shown]:
+                out.print(f"  [yellow]! not installed[/yellow] {dep.package} ({safe(why)}): {dep.install_line}")
             if missing[shown]:
                 out.print(f"  [dim]validate checks the file, not the machine; `coordexp preflight {safe(shown)}` "
                           "checks these files[/dim]")
             if contract is not None:
                 sys.stdout.write(json.dumps(contract, indent=2) + "\n")
     raise typer.Exit(EXIT_OK if all(r.ok for _, r, _ in results) else EXIT_INVALID)
+
+
+def _missing_packages(report: Any) -> list:
+    """Optional packages a valid config needs that are not installed here (a warning: validate checks the file)."""
+    from coordexp.optional_deps import missing_for
+    from coordexp.schema.contract import build_contract
+    from coordexp.schema.errors import ConfigError
+
+    if not report.ok:
+        return []
+    try:
+        return missing_for(build_contract(report.config))
+    except ConfigError:  # a contract-only rule: validate's own report shows it elsewhere
+        return []
 
 
 def schema(
@@ -262,6 +282,7 @@ register_demo(app)
 register_serve(app)
 register_preflight(app)
 register_eval(app)
+register_probe(app)
 register_convert(app)
 register_init(app)
 register_plot(app)
@@ -270,6 +291,9 @@ register_plot(app)
 def main(argv: Optional[list[str]] = None) -> None:
     """Console-script entry: commands report their own errors (:func:`coordexp.cli.frame.guarded`); this reports
     what escapes outside a command the same way, so a bare traceback never reaches the user."""
+    from coordexp.cli.quiet import library_bars_quiet
+
+    library_bars_quiet()  # no "Loading weights" / "Writing model shards" bars in logs (stderr not a terminal)
     try:
         app(args=argv, prog_name="coordexp")
     except SystemExit as exc:

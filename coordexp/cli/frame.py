@@ -42,6 +42,7 @@ from coordexp.errors import (
     UserInputError,
     exit_code_for,
 )
+from coordexp.optional_deps import as_missing_dependency
 
 __all__ = [
     "EXIT_OK", "EXIT_INTERNAL", "EXIT_INVALID", "EXIT_EXTERNAL", "EXIT_INTERRUPTED", "DEBUG_ENV",
@@ -236,6 +237,7 @@ def guarded(command: F) -> F:
             err.print("interrupted")
             raise typer.Exit(EXIT_INTERRUPTED) from None
         except Exception as exc:  # noqa: BLE001 - the one place exceptions become exit codes
+            exc = as_missing_dependency(exc) or exc  # an optional package's ImportError: exit 3 with its install line
             raise typer.Exit(report_exception(exc, as_json=bool(kwargs.get("as_json")))) from None
 
     return run  # type: ignore[return-value]

