@@ -172,10 +172,11 @@ def test_set_values_are_read_as_yaml_1_2(text, value):
     assert parse_override(f"training.x={text}").value == value
 
 
-@pytest.mark.parametrize("bad", ["a=&x [*x]", "a=" + "9" * 5000, "a=[" * 200,
-                                 "a=" + "&a [x,x,x,x,x,x,x,x,x]\n" + "".join(
-                                     f"&{chr(98 + i)} [*{chr(97 + i)},*{chr(97 + i)},*{chr(97 + i)},"
-                                     f"*{chr(97 + i)},*{chr(97 + i)},*{chr(97 + i)}]\n" for i in range(8))])
+_BOMB = "[&a0 [x,x,x,x,x,x,x,x,x], " + ", ".join(
+    f"&a{i} [" + ",".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 9)) + "]"  # 9**9 nodes once expanded
+
+
+@pytest.mark.parametrize("bad", ["a=&x [*x]", "a=" + "9" * 5000, "a=" + "[" * 200, "a=" + _BOMB])
 def test_set_values_are_bounded_like_file_values(bad):
     from coordexp.cli.overrides import parse_override
     from coordexp.errors import UserInputError
@@ -323,3 +324,102 @@ def test_eval_result_folders_of_different_checkpoints_never_collide(tmp_path):
              default_out_dir(run, tmp_path / "x_train", "val"), default_out_dir(run, out / "checkpoint-2", "train")]
     assert len(set(names)) == len(names)
     assert len(default_out_dir(run, tmp_path / ("n" * 250), "train").name.encode()) < 200
+
+
+# -- end to end (train) ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow  # trains twice
+def test_full_then_lora_with_overwrite_leaves_the_lora_run_for_eval(tmp_path, tiny_model_dir):
+    pytest.importorskip("peft")
+    from coordexp.cli.evaluate import run_with_checkpoint
+    from coordexp.cli.frame import load_run_and_config
+
+    config = _config(tmp_path, tiny_model_dir, save_steps=1)
+    first = _run("train", str(config))
+    assert first.exit_code == 0, first.output
+    run = tmp_path / "run"
+    assert (run / "model.safetensors").is_file()
+    (run / "checkpoint-tools").mkdir()
+    (run / "checkpoint-tools" / "notes.txt").write_text("mine")
+    lora = _config(tmp_path, tiny_model_dir, lora=True, save_steps=1)
+    second = _run("train", str(lora), "--overwrite")
+    assert second.exit_code == 0, second.output
+    assert (run / "checkpoint-tools" / "notes.txt").read_text() == "mine"
+    assert not (run / "model.safetensors").exists() and (run / "adapter_model.safetensors").is_file()
+    previous = list((run / ".previous").iterdir())
+    assert len(previous) == 1 and (previous[0] / "model.safetensors").is_file()
+    assert (previous[0] / "checkpoint-1").is_dir() and (previous[0] / "coordexp_config.yaml").is_file()
+    loaded, _ = load_run_and_config(lora)
+    _, model_dir, adapter = run_with_checkpoint(loaded, None)
+    assert adapter is not None and adapter.resolve() == run.resolve()  # eval of OUTPUT_DIR: the LoRA run
+    assert model_dir.resolve() == Path(tiny_model_dir).resolve()
+
+
+@pytest.mark.slow  # trains
+def test_resume_auto_replays_the_recorded_overrides_and_appends_to_the_record(tmp_path, tiny_model_dir):
+    config = _config(tmp_path, tiny_model_dir, save_steps=1)  # the file says max_steps 1
+    sets = ["--set", "training.max_steps=3", "--set", "training.learning_rate=2e-5"]
+    result = _run("train", str(config), *sets)
+    assert result.exit_code == 0, result.output
+    run = tmp_path / "run"
+    for name in ("checkpoint-2", "checkpoint-3"):  # as if the run had been stopped after checkpoint-1
+        shutil.rmtree(run / name)
+    for path in run.iterdir():
+        if path.is_file() and path.name != "coordexp_config.yaml":
+            path.unlink()
+    record_before = (run / "coordexp_config.yaml").read_text()
+    resumed = _run("train", str(config), "--resume", "auto", "--json")
+    assert resumed.exit_code == 0, resumed.output
+    summary = json.loads(resumed.stdout[resumed.stdout.index("{"):])
+    assert summary["global_step"] == 3  # the recorded max_steps, not the file's 1
+    record = (run / "coordexp_config.yaml").read_text()
+    assert record.startswith(record_before) and "# resumed at" in record
+
+
+@pytest.mark.slow  # starts a training process
+def test_sigterm_exits_143_without_a_traceback_and_says_how_to_resume(tmp_path, tiny_model_dir):
+    config = _config(tmp_path, tiny_model_dir, save_steps=1)
+    process = subprocess.Popen([sys.executable, "-m", "coordexp", "train", str(config), "--set",
+                                "training.max_steps=400"], cwd=tmp_path, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not (tmp_path / "run" / "checkpoint-1").is_dir() and process.poll() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=120)
+    text = " ".join((stdout + stderr).split())
+    assert process.returncode == 143, text[-2000:]
+    assert "Traceback" not in text
+    assert "last complete checkpoint" in text and "--resume auto --set training.max_steps=400" in text
+
+
+@pytest.mark.slow  # trains twice, with evaluation
+def test_a_run_retrained_from_its_record_evaluates_and_warms_up_the_same_way(tmp_path, tiny_model_dir):
+    import torch
+
+    from coordexp.runtime.toy.synthetic import write_synthetic_dataset
+
+    write_synthetic_dataset(tmp_path / "data", n_train=4, n_val=2, seed=0)
+    config = tmp_path / "stage1.yaml"
+    made = _run("init", "-o", str(config), "--model", str(tiny_model_dir), "--device", "cpu",
+                "--train-jsonl", str(tmp_path / "data" / "train.jsonl"),
+                "--val-jsonl", str(tmp_path / "data" / "val.jsonl"))
+    assert made.exit_code == 0, made.output
+    sets = ["--set", "training.max_steps=2", "--set", "training.eval_steps=1", "--set", "training.save_steps=2",
+            "--set", "rollout_matching.max_new_tokens=32"]
+    first = _run("train", str(config), *sets, "--set", f"training.output_dir={tmp_path / 'a'}")
+    assert first.exit_code == 0, first.output
+    again = _run("train", str(tmp_path / "a" / "coordexp_config.yaml"), "--set",
+                 f"training.output_dir={tmp_path / 'b'}")
+    assert again.exit_code == 0, again.output
+
+    def figures(folder: Path) -> tuple:
+        args = torch.load(folder / "training_args.bin", weights_only=False)
+        state = json.loads((folder / "trainer_state.json").read_text())
+        evaluations = sum(1 for entry in state["log_history"] if any(k.startswith("eval") for k in entry))
+        return str(args.eval_strategy), args.warmup_steps, args.eval_steps, evaluations
+
+    assert figures(tmp_path / "a") == figures(tmp_path / "b")
+    assert figures(tmp_path / "a")[3] > 0
