@@ -10,7 +10,6 @@ or by other tools may be partial) and names every one it skips.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -18,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from coordexp.runtime.model.checkpoint_files import ADAPTER_WEIGHT_FILES, WEIGHT_FILES
+from coordexp.runtime.model.checkpoint_files import (ADAPTER_WEIGHT_FILES, WEIGHT_FILES, CheckpointFileError,
+                                                     read_json_object)
 
 __all__ = ["STAGING_PREFIX", "staging_dir", "publish_checkpoint", "clear_staging", "checkpoint_problem",
            "ResumeChoice", "choose_resume", "finished_step"]
@@ -26,6 +26,7 @@ __all__ = ["STAGING_PREFIX", "staging_dir", "publish_checkpoint", "clear_staging
 STAGING_PREFIX = ".staging-"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 _STATE = "trainer_state.json"
+_MAX_STEP = 10 ** 12  # no run takes a trillion optimizer steps: a larger global_step is a damaged state
 
 
 def staging_dir(run_dir: str | Path, step: int) -> Path:
@@ -85,10 +86,10 @@ def checkpoint_problem(path: str | Path) -> str | None:
     if not state.is_file():
         return f"no {_STATE} (the save did not finish)"
     try:
-        step = json.loads(state.read_text(encoding="utf-8")).get("global_step")
-    except (OSError, ValueError, AttributeError) as exc:
-        return f"{_STATE} is unreadable ({type(exc).__name__})"
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        step = read_json_object(state).get("global_step")  # bounded: size, nesting, a regular file
+    except CheckpointFileError as exc:
+        return f"{_STATE} is unreadable ({exc.message.replace(f'{state}: ', '', 1)[:200]})"
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < _MAX_STEP:
         return f"{_STATE} has no valid global_step"
     weights = (root / name for name in (*WEIGHT_FILES, *ADAPTER_WEIGHT_FILES))
     if not any(path.is_file() and path.stat().st_size > 0 for path in weights):
@@ -98,7 +99,7 @@ def checkpoint_problem(path: str | Path) -> str | None:
 
 def finished_step(path: str | Path) -> int:
     """The optimizer steps a (complete) checkpoint had taken."""
-    return int(json.loads((Path(path) / _STATE).read_text(encoding="utf-8"))["global_step"])
+    return int(read_json_object(Path(path) / _STATE)["global_step"])
 
 
 @dataclass(frozen=True)
