@@ -23,7 +23,8 @@ from coordexp.cli.file_guard import check_output_dir, check_output_file, same_fi
 from coordexp.cli.frame import EXIT_OK, err, guarded, load_run, out, safe, write_result
 from coordexp.errors import UserInputError
 
-__all__ = ["register", "evaluate", "resolve_checkpoint", "run_with_checkpoint", "default_out_dir"]
+__all__ = ["register", "evaluate", "resolve_checkpoint", "run_with_checkpoint", "default_out_dir", "input_files",
+           "check_checkpoint_files", "check_out_dir", "print_set_figures"]
 
 SCORES = ("logprob", "mean_logprob", "constant")
 # What runtime.train.evaluate.write_eval_files writes under --out (PNGs go to png/eval_NNNN.png).
@@ -96,7 +97,7 @@ def check_checkpoint_files(model_dir: Path, adapter: Optional[Path]) -> None:
         load_checked_processor(model_dir)  # the rollout loads it from here: an unusable tokenizer fails now
 
 
-def _input_files(run: Any, config: Path, model_dir: Path, adapter: Optional[Path]) -> list[Path]:
+def input_files(run: Any, config: Path, model_dir: Path, adapter: Optional[Path]) -> list[Path]:
     """Files eval reads: the config, the data files and every file of the checkpoint (and adapter) directory but
     eval's own result names (results written there by an earlier eval may be replaced by this one)."""
     files = [config] + [Path(p) for p in (run.data.train_jsonl, run.data.val_jsonl) if p]
@@ -172,7 +173,7 @@ def evaluate(
     run, model_dir, adapter = run_with_checkpoint(run, checkpoint)
     target = out_dir if out_dir is not None else default_out_dir(run, checkpoint, split)
     check_checkpoint_files(model_dir, adapter)
-    check_out_dir(target, _input_files(run, config, model_dir, adapter), pngs)
+    check_out_dir(target, input_files(run, config, model_dir, adapter), pngs)
 
     from coordexp.runtime.train.evaluate import run_evaluation
 

@@ -168,8 +168,8 @@ def test_format_log_line_is_plain_marks_missing_values_and_drops_columns_that_ca
 
     line = format_log_line(ProgressSnapshot(step=5, max_steps=20, loss=0.12345, parse_valid_rate=0.8,
                                             tokens_per_s=1234.4, rollouts_seen=True, elapsed_s=65, eta_s=3725))
-    assert line == ("step 5/20  loss 0.1235  parse valid 80.0%  match -  FN appended -  tok/s 1234  elapsed 1m05s  "
-                    "ETA 1h02m")
+    assert line == ("step 5/20  loss 0.1235  parse valid 80.0%  match -  FN appended -  pred/GT -  dup/img -  "
+                    "tok/s 1234  elapsed 1m05s  ETA 1h02m")
     stage1 = format_log_line(ProgressSnapshot(step=5, max_steps=20, loss=0.5, fill_ratio=0.9))
     assert stage1 == "step 5/20  loss 0.5000  fill 90.0%  tok/s -  elapsed -  ETA -"  # no rollout columns
 
@@ -198,7 +198,7 @@ def test_callback_prints_one_line_per_log_on_rank_zero_only(rank0):
     if rank0:
         assert [line.split()[:4] for line in lines] == [["step", "1/4", "loss", "2.0000"],
                                                         ["eval", "step", "1", "AP50"], ["step", "2/4", "loss", "1.0000"]]
-        assert lines[1] == "eval  step 1  AP50 0.250  parse valid 75.0%  match 50.0%"
+        assert lines[1] == "eval  step 1  AP50 25.0%  parse valid 75.0%  match 50.0%"  # percent, as coordexp eval
         assert "elapsed" in lines[2] and "ETA" in lines[2]
     else:
         assert lines == []
@@ -220,7 +220,7 @@ def test_callback_live_mode_renders_a_table_on_a_terminal():
     callback.on_train_end(None, _State(1, True), None)
     text = buffer.getvalue()
     assert "stage 2" in text and "parse valid" in text and "50.0%" in text and "0.5000" in text
-    assert "eval  step 1  AP50 0.125  parse valid -  match -  token acc 50.0%" in text  # under the live table
+    assert "eval  step 1  AP50 12.5%  parse valid -  match -  token acc 50.0%" in text  # under the live table
 
 
 def test_plain_lines_never_wrap_on_a_narrow_pipe():
@@ -250,17 +250,34 @@ def test_summarize_history_sums_the_whole_run_and_keeps_each_evaluation():
         {"eval/AP50": 0.4, "eval/pred_valid": 9.0, "eval/pred_parsed": 10.0, "eval/match_rate": 0.6,
          "eval/token_acc": 0.9, "step": 2},
         {"loss": 2.0, "step": 3},  # a ground-truth step: no rollouts
-        {"train_runtime": 1.0, "step": 3},
+        # the last, partial window (trainer.log logs it before the end-of-training entry): counted too
+        {"window": "final", "step": 4, "rollout/pred_valid": 2.0, "rollout/pred_parsed": 2.0, "rollout/matched": 2.0,
+         "rollout/gt_objects": 2.0, "rollout/fn_appended": 0.0, "rollout/fp": 0.0, "rollout/samples": 1.0},
+        {"train_runtime": 1.0, "step": 4},
     ]
     summary = summarize_history(history)
-    assert (summary["steps"], summary["first_loss"], summary["final_loss"]) == (3, 3.0, 2.0)
+    assert (summary["steps"], summary["first_loss"], summary["final_loss"]) == (4, 3.0, 2.0)
     assert summary["rollout"]["fn_appended"] == 19.0 and summary["rollout"]["fp"] == 3.0
-    assert summary["parse_valid_rate"] == 0.5 and summary["match_rate"] == 0.3
+    assert summary["parse_valid_rate"] == 0.6 and summary["match_rate"] == pytest.approx(8 / 22)
+    assert summary["pred_per_gt"] == pytest.approx(6 / 22)
     assert summary["last_eval"] == {"step": 2, "AP50": 0.4, "parse_valid_rate": 0.9, "match_rate": 0.6,
-                                    "token_acc": 0.9}
+                                    "token_acc": 0.9, "precision": None, "recall": None, "f1": None}
     assert summary["evaluations"] == [summary["last_eval"]]
     assert summarize_history([]) == {"steps": 0, "first_loss": None, "final_loss": None, "rollout": {},
-                                     "evaluations": [], "last_eval": None}
+                                     "collapse_alarms": [], "evaluations": [], "last_eval": None}
+
+
+def test_eval_line_shows_the_set_figures_and_the_progress_line_the_collapse_figures():
+    from coordexp.runtime.train.progress import ProgressSnapshot, eval_figures, format_eval_line, snapshot_from_logs
+
+    figures = eval_figures({"eval/AP50": 0.5, "eval/precision": 0.8, "eval/recall": 0.6, "eval/f1": 0.685714,
+                            "eval/match_rate": 0.7}, 10)
+    assert format_eval_line(figures) == ("eval  step 10  AP50 50.0%  P 80.0%  R 60.0%  F1 68.6%  parse valid -  "
+                                         "match 70.0%")
+    snapshot = snapshot_from_logs(ProgressSnapshot(), {"loss": 1.0, "rollout/pred_per_gt": 3.05,
+                                                       "rollout/duplicates_per_image": 1.5}, step=3, max_steps=9,
+                                  seconds=None)
+    assert (snapshot.pred_per_gt, snapshot.duplicates_per_image) == (3.05, 1.5)
 
 
 def test_summary_table_shows_the_last_evaluation():
@@ -269,5 +286,5 @@ def test_summary_table_shows_the_last_evaluation():
     rows = dict(_summary_rows({"steps": 4, "final_loss": 1.0, "rollout": {},
                                "last_eval": {"step": 4, "AP50": 0.5, "parse_valid_rate": None, "match_rate": 0.25,
                                              "token_acc": None}}))
-    assert rows["eval at step 4: AP50"] == "0.500" and rows["eval at step 4: match"] == "25.0%"
+    assert rows["eval at step 4: AP50"] == "50.0%" and rows["eval at step 4: match"] == "25.0%"  # one unit
     assert rows["eval at step 4: parse valid"] == "-" and "eval at step 4: token acc" not in rows

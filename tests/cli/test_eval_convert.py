@@ -147,3 +147,50 @@ def test_eval_json_and_bad_arguments(trained_run, tmp_path):
     assert _run("eval", trained_run, "--split", "test").exit_code == 2
     missing = _run("eval", trained_run, "--checkpoint", tmp_path / "nothing")
     assert missing.exit_code == 2 and "holds no saved model" in missing.stderr
+
+
+def test_eval_json_carries_the_set_figures(trained_run, tmp_path):
+    """Issue 42: precision / recall / F1 (class-aware and any class), predictions per GT, certified duplicates,
+    premature EOS and recall by rank in `eval --json`, fractions, consistent with the rollout counters."""
+    result = _run("eval", trained_run, "--limit", "3", "--json", "--score", "constant", "--out", tmp_path / "e")
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    figures = payload["figures"]
+    for key in ("recall", "recall_any_class", "duplicates_per_image", "pred_per_gt", "premature_eos_rate",
+                "truncation_rate", "count_error"):
+        assert isinstance(figures[key], float) and figures[key] >= 0.0, key
+    assert all(figures[k] is None or 0.0 <= figures[k] <= 1.0 for k in ("precision", "f1", "precision_any_class"))
+    records = load_records(trained_run.parent / "data" / "val.jsonl", max_samples=3)
+    assert len(figures["recall_by_rank"]) == max(len(r.objects) for r in records)
+    counters = payload["counters"]  # counted by the rollout telemetry, apart from the set figures
+    assert figures["pred_per_gt"] == pytest.approx(counters["pred_valid"] / counters["gt_objects"])
+    assert figures["truncation_rate"] == pytest.approx(counters["truncated_rollouts"] / counters["samples"])
+    text = _run("eval", trained_run, "--limit", "3", "--score", "constant", "--out", tmp_path / "t").stdout
+    assert "class-aware" in text and "any class" in text and "predictions per GT" in text
+
+
+def test_probe_reports_deletion_recovery_and_oracle_k(trained_run, tmp_path):
+    result = _run("probe", trained_run, "--limit", "3", "--oracle-k", "2", "--json", "--out", tmp_path / "p")
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    assert payload["ok"] and payload["images"] == 3 and payload["oracle_k"] == 2
+    assert "deletion_recovery" in payload and "exposure_gap" in payload and "duplicate_probe" in payload
+    assert payload["greedy_recall"] <= payload["oracle_k_recall"] <= 1.0  # samples only add found objects
+    assert payload["greedy_recall"] == pytest.approx(payload["recall"])  # the same greedy rollouts
+    assert (tmp_path / "p" / "probe.json").is_file() and (tmp_path / "p" / "recall_by_rank.png").is_file()
+    assert _run("probe", trained_run, "--oracle-k", "-1").exit_code == 2
+
+
+def test_rollout_log_carries_the_raw_text(trained_run, tmp_path):
+    """The logged rollouts keep what the model wrote (not only the parsed prefix) and how many tokens it was."""
+    from coordexp.runtime.train.run_log import read_run_log
+    from coordexp.runtime.train.visualize import read_rollout_log
+
+    run_dir = trained_run.parent / "run"
+    entries = read_rollout_log(run_dir)
+    written = [n for r in read_run_log(run_dir, event="rollout") if r["tag"] == "train" for n in r["response_tokens"]]
+    assert [e.raw_tokens for e in entries if e.tag == "train"] == written
+    assert all(e.raw_text or not e.raw_tokens for e in entries)
+    assert any(len(e.raw_text) > len(e.text) for e in entries) or all(e.raw_text.startswith(e.text) for e in entries)
+    shown = _run("show-rollouts", run_dir, "--out", tmp_path / "png")
+    assert shown.exit_code == 0, shown.output

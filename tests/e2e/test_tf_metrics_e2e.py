@@ -44,6 +44,10 @@ def test_token_accuracy_is_reported_and_picks_the_best_checkpoint(tmp_path, writ
         assert h["text_token_loss"] == pytest.approx(h["loss/token_ce"], rel=1e-4)
     for h in evals:
         assert "eval/AP50" in h and {"eval/text_token_acc", "eval/coord_token_loss"} <= set(h)
+        # the set figures of the evaluation's rollouts (issue 42), fractions like AP
+        assert 0.0 <= h["eval/recall"] <= 1.0 and 0.0 <= h["eval/recall_any_class"] <= 1.0
+        assert h["eval/count_error"] >= 0.0 and h["eval/duplicates_per_image"] >= 0.0
+        assert all(0.0 <= h[k] <= 1.0 for k in ("eval/precision", "eval/f1") if k in h)  # undefined: nothing written
     # HF keeps the first step with the highest eval_token_acc (greater_is_better defaults to true for it)
     values = [h["eval/token_acc"] for h in evals]
     best_step = evals[values.index(max(values))]["step"]

@@ -242,8 +242,9 @@ def plot_recall_by_rank(figures: dict[str, Any], path: str | Path) -> Path:
     for r, value in enumerate(values):
         x0 = pad + 4 + r * bar
         if value is not None:
-            y = height - pad - float(value) * (height - pad - 30)
-            draw.rectangle([x0, y, x0 + max(1.0, bar - 3), height - pad - 1], fill=(30, 100, 255))
+            y = height - pad - min(1.0, max(0.0, float(value))) * (height - pad - 30)
+            draw.rectangle([x0, min(y, height - pad - 1), x0 + max(1.0, bar - 3), height - pad - 1],
+                           fill=(30, 100, 255))
         if slots <= 30 or r % max(1, slots // 15) == 0:
             draw.text((x0, height - pad + 4), str(r), fill=(0, 0, 0), font=font)
     draw.text((width // 2 - 20, height - 16), "rank", fill=(0, 0, 0), font=font)
