@@ -146,11 +146,19 @@ def _summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
             ("FP", f"{rollout.get('fp', 0):.0f}"),
             ("truncated rollouts", f"{rollout.get('truncated_rollouts', 0):.0f}"),
         ]
+        if summary.get("pred_per_gt") is not None:
+            rows += [("predictions per GT", f"{summary['pred_per_gt']:.2f}"),
+                     ("certified duplicates per image", f"{summary.get('duplicates_per_image') or 0:.2f}")]
+    for alarm in summary.get("collapse_alarms") or []:
+        rows.append((f"collapse alarm at step {alarm['step']} ({alarm['action']})", alarm["reasons"]))
     last_eval = summary.get("last_eval")
     if last_eval:
         when = f"eval at step {last_eval['step']}"
-        rows += [(f"{when}: AP50", "-" if last_eval["AP50"] is None else f"{last_eval['AP50']:.3f}"),
-                 (f"{when}: parse valid", pct(last_eval["parse_valid_rate"])),
+        rows += [(f"{when}: AP50", pct(last_eval["AP50"]))]
+        if last_eval.get("f1") is not None:
+            rows += [(f"{when}: precision / recall / F1", " / ".join(pct(last_eval.get(k)) for k in
+                                                                     ("precision", "recall", "f1")))]
+        rows += [(f"{when}: parse valid", pct(last_eval["parse_valid_rate"])),
                  (f"{when}: match", pct(last_eval["match_rate"]))]
         if last_eval.get("token_acc") is not None:
             rows.append((f"{when}: token acc", pct(last_eval["token_acc"])))
