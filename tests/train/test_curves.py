@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from coordexp.runtime.train.curves import draw_curves, find_trainer_state, load_log_history, run_curves
+from coordexp.runtime.train.curves import (draw_curves, find_trainer_state, load_log_history, rollout_curves,
+                                           run_curves)
 
 
 def test_the_run_folders_state_wins_else_the_newest_checkpoints(tmp_path):
@@ -44,3 +45,15 @@ def test_draw_curves_writes_a_png_with_both_panels(tmp_path):
     path = draw_curves(history, tmp_path / "x" / "curves.png", title="t")
     with Image.open(path) as image:
         assert image.mode == "RGB" and image.size == (900, 680)
+
+
+def test_stage2_runs_get_a_rollout_panel_and_the_set_figures(tmp_path):
+    from PIL import Image
+
+    history = [{"loss": 1.0, "step": s, "rollout/pred_per_gt": 1.0 + s / 5, "rollout/duplicates_per_image": s / 10}
+               for s in range(1, 6)] + [{"eval/AP50": 0.3, "eval/f1": 0.4, "eval/recall": 0.5, "step": 5}]
+    _, evals = run_curves(history)
+    assert [c.name for c in evals] == ["eval AP50", "eval recall", "eval f1"]
+    assert [c.name for c in rollout_curves(history)] == ["pred_per_gt", "duplicates_per_image"]
+    with Image.open(draw_curves(history, tmp_path / "c.png", title="t")) as image:
+        assert image.size == (900, 60 + 3 * 310)

@@ -9,11 +9,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-__all__ = ["Curve", "find_trainer_state", "load_log_history", "run_curves", "draw_curves", "EVAL_CURVES"]
+__all__ = ["Curve", "find_trainer_state", "load_log_history", "run_curves", "rollout_curves", "draw_curves",
+           "EVAL_CURVES", "ROLLOUT_CURVES"]
 
-EVAL_CURVES = ("AP50", "AP", "match_rate", "token_acc")
+EVAL_CURVES = ("AP50", "AP", "precision", "recall", "f1", "match_rate", "token_acc")
 """The ``eval/<name>`` figures drawn (fractions in [0, 1]), when the run logged them."""
-_COLOURS = ((31, 119, 180), (214, 39, 40), (44, 160, 44), (148, 103, 189), (255, 127, 14))
+ROLLOUT_CURVES = ("pred_per_gt", "duplicates_per_image", "truncation_rate")
+"""The stage-2 training windows' ``rollout/<name>`` figures a collapse moves (docs/figures.md)."""
+_COLOURS = ((31, 119, 180), (214, 39, 40), (44, 160, 44), (148, 103, 189), (255, 127, 14), (140, 86, 75),
+            (127, 127, 127))
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -64,6 +68,11 @@ def run_curves(history: Sequence[Mapping[str, Any]]) -> tuple[list[Curve], list[
     return losses, evals
 
 
+def rollout_curves(history: Sequence[Mapping[str, Any]]) -> list[Curve]:
+    """The stage-2 windows' collapse figures (:data:`ROLLOUT_CURVES`); empty for stage 1."""
+    return [Curve(name, points) for name in ROLLOUT_CURVES if (points := _series(history, f"rollout/{name}"))]
+
+
 def _panel(draw: Any, box: tuple[int, int, int, int], title: str, curves: Sequence[Curve], font: Any) -> None:
     left, top, right, bottom = box
     draw.rectangle(box, outline=(90, 90, 90))
@@ -93,21 +102,28 @@ def _panel(draw: Any, box: tuple[int, int, int, int], title: str, curves: Sequen
             draw.line(points, fill=colour, width=2)
         for x, y in points:
             draw.ellipse((x - 2, y - 2, x + 2, y + 2), fill=colour)
-        draw.text((left + 8 + 130 * index, top + 6), f"{curve.name} {curve.points[-1][1]:.4g}", fill=colour, font=font)
+        row, column = divmod(index, 5)
+        draw.text((left + 8 + 150 * column, top + 6 + 14 * row), f"{curve.name} {curve.points[-1][1]:.4g}",
+                  fill=colour, font=font)
 
 
 def draw_curves(history: Sequence[Mapping[str, Any]], out_png: Path, *, title: str) -> Path:
-    """Two panels (training loss; evaluation figures) over steps, each with its range and last values."""
+    """Panels over steps, each with its range and last values: training loss; evaluation figures; and for stage 2
+    the rollout windows' predictions per GT, duplicates and truncation."""
     from PIL import Image, ImageDraw, ImageFont
 
     losses, evals = run_curves(history)
+    rollouts = rollout_curves(history)
+    panels = [("training loss", losses), ("evaluation", evals)] + ([("stage-2 rollouts", rollouts)] if rollouts
+                                                                    else [])
     width, panel_h = 900, 260
-    image = Image.new("RGB", (width, 60 + 2 * (panel_h + 50)), "white")
+    image = Image.new("RGB", (width, 60 + len(panels) * (panel_h + 50)), "white")
     draw = ImageDraw.Draw(image)
     font = ImageFont.load_default()
     draw.text((20, 12), title, fill=(0, 0, 0), font=font)
-    _panel(draw, (80, 60, width - 30, 60 + panel_h), "training loss", losses, font)
-    _panel(draw, (80, 110 + panel_h, width - 30, 110 + 2 * panel_h), "evaluation", evals, font)
+    for k, (name, curves) in enumerate(panels):
+        top = 60 + k * (panel_h + 50)
+        _panel(draw, (80, top, width - 30, top + panel_h), name, curves, font)
     out_png.parent.mkdir(parents=True, exist_ok=True)
     image.save(out_png)
     return out_png
