@@ -102,8 +102,12 @@ def _print_summary(result: Any, total: float) -> None:
     table.add_column("after stage 2", justify="right")
     b, a = result.before, result.after
     table.add_row("parse valid rate", _pct(b.parse_valid_rate), _pct(a.parse_valid_rate))
-    table.add_row("match rate", _pct(b.match_rate), _pct(a.match_rate))
+    table.add_row("match rate (stage-2 matcher)", _pct(b.match_rate), _pct(a.match_rate))
     table.add_row("box AP50 (COCO)", _pct(b.ap50), _pct(a.ap50))
+    for name, key in (("precision (class-aware, IoU 0.5)", "precision"), ("recall", "recall"), ("F1", "f1")):
+        table.add_row(name, _pct(b.figures.get(key)), _pct(a.figures.get(key)))
+    dups = [e.figures.get("duplicates_per_image") for e in (b, a)]
+    table.add_row("duplicates per image", *("-" if v is None else f"{v:.2f}" for v in dups))
     table.add_row("stage-2 loss on val", _num(b.loss), _num(a.loss))
     table.add_row("valid objects / GT", f"{b.counters.pred_valid} / {b.counters.gt_objects}",
                   f"{a.counters.pred_valid} / {a.counters.gt_objects}")

@@ -68,6 +68,9 @@ def test_quick_demo_runs_both_stages_and_reports_before_and_after(quick_demo):
         assert counters["fn_appended"] == counters["gt_objects"] - counters["matched"]
         assert summary[point]["loss"] > 0
         assert 0.0 <= summary[point]["box_AP50"] <= 1.0  # COCO AP50 of the val rollouts
+        figures = summary[point]["figures"]  # and the set figures of the same rollouts (issue 42)
+        assert figures["pred_per_gt"] == pytest.approx(counters["pred_valid"] / counters["gt_objects"])
+        assert 0.0 <= figures["recall"] <= 1.0
     assert summary["stage1_dir"] == str(root / "runs" / "s1")
     # stage 2 started from the stage-1 model, which was saved with its processor
     assert (root / "runs" / "s1" / "model.safetensors").is_file() and (root / "runs" / "s1" / "tokenizer.json").is_file()

@@ -13,9 +13,9 @@ import dataclasses
 import json
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback
@@ -96,6 +96,7 @@ class RolloutEval:
     loss: Optional[float]
     ap: Optional[float] = None
     ap50: Optional[float] = None
+    figures: Mapping[str, Any] = field(default_factory=dict)  # set figures (core.set_figures): P/R/F1, ...
 
     @property
     def parse_valid_rate(self) -> Optional[float]:
@@ -219,7 +220,8 @@ def evaluate(trainer: "CoordExpTrainer", records: Sequence["DetectionRecord"], *
         trainer.model.train(was_training)
     detection, _, _ = detection_metrics(rollouts, image_root=trainer.run.data.image_root)
     loss = sum(value * n for value, n in losses) / max(1, sum(n for _, n in losses)) if with_loss else None
-    return RolloutEval(detection.counters, loss, ap=detection.bbox["AP"], ap50=detection.bbox["AP50"])
+    return RolloutEval(detection.counters, loss, ap=detection.bbox["AP"], ap50=detection.bbox["AP50"],
+                       figures=dict(detection.figures))
 
 
 class Stage1TargetStop(TrainerCallback):
@@ -353,7 +355,8 @@ def result_to_dict(result: DemoResult) -> dict[str, Any]:
 
     def point(e: RolloutEval) -> dict[str, Any]:
         return {"parse_valid_rate": e.parse_valid_rate, "match_rate": e.match_rate, "loss": e.loss,
-                "box_AP": e.ap, "box_AP50": e.ap50, "counters": e.counters.to_log_dict(prefix="")}
+                "box_AP": e.ap, "box_AP50": e.ap50, "figures": dict(e.figures),
+                "counters": e.counters.to_log_dict(prefix="")}
 
     return {
         "stage1_steps": result.stage1_steps,
