@@ -19,7 +19,7 @@ from coordexp.errors import UserInputError
 from coordexp.schema.migrate_io import replace_atomically
 
 __all__ = ["MAX_SOURCE_BYTES", "read_source_bytes", "read_source_text", "check_path_names", "check_output_file",
-           "check_output_dir", "write_atomic", "same_file"]
+           "check_output_dir", "write_atomic", "write_new_file", "same_file"]
 
 MAX_SOURCE_BYTES = 2 * 2**30
 """Largest input file read (2 GiB: LVIS v1 train is 1.1 GB); larger ones are refused rather than read to the end."""
@@ -214,6 +214,41 @@ def write_atomic(path: Path, data: bytes, what: str = "--output") -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         replace_atomically(path, data, prefix=_TEMP_PREFIX, suffix=".tmp")
+    except OSError as exc:
+        raise UserInputError(f"{what} {path}: cannot write ({_reason(exc)}); nothing was written",
+                             hint="check the folder's permissions and free space") from None
+
+
+def write_new_file(path: Path, data: bytes, what: str = "--output") -> None:
+    """Create ``path`` holding ``data``, whole or not at all, and never over a file that appeared meanwhile: a temp
+    file beside it is hard-linked into place (``link`` fails on an existing name); where the file system has no
+    hard links, an exclusive create. A name taken since the check is a :class:`UserInputError`, the file left be."""
+    import errno
+    import tempfile
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, temp = tempfile.mkstemp(prefix=_TEMP_PREFIX, suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            mask = os.umask(0)
+            os.umask(mask)
+            os.chmod(temp, 0o666 & ~mask)
+            try:
+                os.link(temp, path)
+            except OSError as exc:
+                if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+                    raise
+                with open(path, "xb") as handle:  # no hard links here: exclusive create, never a replace
+                    handle.write(data)
+        finally:
+            os.unlink(temp)
+    except FileExistsError:
+        raise UserInputError(f"{what} {path} appeared while it was being written; it was left as it is",
+                             hint="choose a new name") from None
     except OSError as exc:
         raise UserInputError(f"{what} {path}: cannot write ({_reason(exc)}); nothing was written",
                              hint="check the folder's permissions and free space") from None

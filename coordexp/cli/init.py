@@ -221,14 +221,35 @@ def _family(model: Path) -> str:
     return checkpoint_family(model)
 
 
+_MAX_TOKENIZER_BYTES = 64 * 2**20  # a tokenizer.json is a few MiB (the bound checkpoint_files reads JSON with)
+
+
 def _has_coord_tokens(model: Path) -> bool:
+    """Whether a tokenizer file names the coord tokens; read bounded (a FIFO, device or huge file is skipped)."""
+    from coordexp.cli.file_guard import read_source_bytes
+    from coordexp.errors import UserInputError
+
     for name in TOKENIZER_FILES:
+        if not (model / name).exists():
+            continue
         try:
-            if COORD_PROBE in (model / name).read_text(encoding="utf-8", errors="replace"):
+            if COORD_PROBE.encode() in read_source_bytes(model / name, "tokenizer", max_bytes=_MAX_TOKENIZER_BYTES):
                 return True
-        except OSError:
+        except UserInputError:
             continue
     return False
+
+
+def _utf8_paths(**paths: Path | None) -> None:
+    """Every path the config names must be UTF-8 (YAML is): a folder name in another encoding is exit 2."""
+    for flag, path in paths.items():
+        if path is None:
+            continue
+        try:
+            os.path.abspath(path).encode("utf-8")
+        except UnicodeEncodeError:
+            fail(f"--{flag.replace('_', '-')} {ascii(os.fspath(path))}: the path (or a folder above it) is not "
+                 "valid UTF-8, and a YAML config cannot name it", "Rename the folder to a UTF-8 name, or move it")
 
 
 def _written_path(target: Path, config_dir: Path) -> str:
@@ -274,13 +295,19 @@ def init_config(
         fail(f"{output} already exists; init never overwrites a file", "Choose a new name or delete the file first")
     if not (model / "config.json").is_file() and not (model / "adapter_config.json").is_file():
         hint = ("Train stage 1 first (`coordexp train STAGE1.yaml`) and pass its output_dir" if stage == 2 else
-                "Pass a local checkpoint folder; download hub models first (huggingface-cli download ORG/NAME "
+                "Pass a local checkpoint folder; download hub models first (hf download ORG/NAME "
                 "--local-dir DIR), then `coordexp expand-vocab DIR DIR-coord`")
         fail(f"--model {model} is not a checkpoint folder (no config.json)", hint)
     for flag, path in (("--train-jsonl", train_jsonl), ("--val-jsonl", val_jsonl)):
         if path is not None and not path.is_file():
             fail(f"{flag} {path} is not a file", "Convert your annotations first: coordexp convert to-jsonl "
                  "instances.json -o train.jsonl --image-prefix IMAGES/")
+    _utf8_paths(output=output, model=model, train_jsonl=train_jsonl, val_jsonl=val_jsonl)
+    from coordexp.runtime.model.checkpoint_files import read_json_object
+
+    for name in ("config.json", "adapter_config.json"):  # bounded (size, nesting) before the family is read
+        if (model / name).exists():
+            read_json_object(model / name)
     family = _family(model)
     if device == "gpu" and importlib.util.find_spec("flash_attn") is not None:
         attn = "flash_attention_2"
@@ -294,9 +321,10 @@ def init_config(
         attn_implementation=attn)
     text = render_config(choices)
     _check_renders_valid(text)
-    from coordexp.cli.file_guard import check_output_file, write_atomic
+    from coordexp.cli.file_guard import check_output_file, write_new_file
 
-    write_atomic(check_output_file(output, [train_jsonl, *(p for p in [val_jsonl] if p)], "-o"), text.encode(), "-o")
+    write_new_file(check_output_file(output, [train_jsonl, *(p for p in [val_jsonl] if p)], "-o"), text.encode(),
+                   "-o")
     out.print(f"[green]✓[/green] wrote {safe(output)}: stage {stage}, {family}, {device}, run folder "
               f"{safe(folder / 'runs' / output.stem)}")
     if not _has_coord_tokens(model):
