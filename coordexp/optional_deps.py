@@ -18,11 +18,12 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Any, Iterable, Literal, Optional
 
-from coordexp.errors import MissingDependencyError
+from coordexp.errors import CoordexpError, ExternalSystemError, MissingDependencyError
 
 __all__ = ["OptionalDependency", "DEPENDENCIES", "Purpose", "dependency", "installed", "needed_by",
-           "missing_for", "require_installed", "as_missing_dependency"]
+           "missing_for", "require_installed", "as_missing_dependency", "as_external_error", "HUB_DOWNLOAD"]
 
+HUB_DOWNLOAD = "hf download ORG/NAME --local-dir NAME"
 Purpose = Literal["train", "eval", "serve", "serve_vllm", "export"]
 
 
@@ -183,3 +184,24 @@ def as_missing_dependency(exc: BaseException) -> Optional[MissingDependencyError
             return error
     return None
 
+
+
+_HUB_ERRORS = ("LocalEntryNotFoundError", "OfflineModeIsEnabled")
+
+
+def as_external_error(exc: BaseException) -> Optional[ExternalSystemError]:
+    """What the CLI reports for an exception that is no coordexp error but an external one: a listed package's
+    ImportError (:func:`as_missing_dependency`), or a hub id that cannot be fetched (offline, no network, not in
+    the cache: exit 3 naming the download command that exists); None for anything else."""
+    found = as_missing_dependency(exc)
+    if found is not None or isinstance(exc, CoordexpError):
+        return found
+    for link in _chain(exc):
+        if isinstance(link, OSError) and ("huggingface.co" in str(link) or type(link).__name__ in _HUB_ERRORS):
+            first = " ".join(str(link).split())[:240]
+            error = ExternalSystemError(f"a model could not be fetched from the Hugging Face Hub ({first})",
+                                        hint=f"Download it once where the network is reachable ({HUB_DOWNLOAD}) "
+                                        "and set model.path (or --checkpoint) to that local folder")
+            error.__cause__ = exc
+            return error
+    return None

@@ -85,6 +85,17 @@ def test_other_errors_are_left_alone():
     assert deps.as_missing_dependency(MissingDependencyError("x")) is None
 
 
+def test_an_unreachable_hub_is_exit_3_naming_hf_download():
+    """Regression (issue 44): a hub model.path while offline ended as 'internal error: OSError ... bug in coordexp'."""
+    offline = OSError("We couldn't connect to 'https://huggingface.co' to load the files, and couldn't find them in "
+                      "the cached files.")
+    found = deps.as_external_error(offline)
+    assert found is not None and exit_code_for(found) == EXIT_EXTERNAL
+    assert "hf download ORG/NAME --local-dir NAME" in found.hint and "huggingface-cli" not in found.hint
+    assert deps.as_external_error(OSError("disk full")) is None
+    assert deps.as_external_error(ModuleNotFoundError("x", name="peft")) is not None
+
+
 def test_the_cli_turns_a_listed_import_error_into_exit_3(capsys):
     """Regression (issue 44): LoRA without peft, serve-rollout without fastapi ended as 'internal error ...
     ModuleNotFoundError ... This is a bug in coordexp' (exit 1)."""

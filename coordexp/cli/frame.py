@@ -42,7 +42,7 @@ from coordexp.errors import (
     UserInputError,
     exit_code_for,
 )
-from coordexp.optional_deps import as_missing_dependency
+from coordexp.optional_deps import as_external_error
 
 __all__ = [
     "EXIT_OK", "EXIT_INTERNAL", "EXIT_INVALID", "EXIT_EXTERNAL", "EXIT_INTERRUPTED", "DEBUG_ENV",
@@ -237,7 +237,7 @@ def guarded(command: F) -> F:
             err.print("interrupted")
             raise typer.Exit(EXIT_INTERRUPTED) from None
         except Exception as exc:  # noqa: BLE001 - the one place exceptions become exit codes
-            exc = as_missing_dependency(exc) or exc  # an optional package's ImportError: exit 3 with its install line
+            exc = as_external_error(exc) or exc  # a missing package, an unreachable hub: exit 3 with what to run
             raise typer.Exit(report_exception(exc, as_json=bool(kwargs.get("as_json")))) from None
 
     return run  # type: ignore[return-value]

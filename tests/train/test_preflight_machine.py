@@ -90,3 +90,10 @@ def test_the_cli_prints_the_warning_on_a_cpu_machine(write_config):
     as_json = subprocess.run([sys.executable, "-m", "coordexp.cli.app", "preflight", str(write_config(GPU_CONFIG)),
                               "--json"], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert any(c["warning"] for c in json.loads(as_json.stdout)["checks"])
+
+
+def test_a_hub_id_names_the_download_command_that_exists(write_config):
+    report = run_preflight(write_config({"model": {"path": "Qwen/Qwen2.5-VL-3B-Instruct"}}))
+    model = named(report, "model")[0]
+    assert not model.ok and "hf download Qwen/Qwen2.5-VL-3B-Instruct --local-dir Qwen2.5-VL-3B-Instruct" in model.detail
+    assert "huggingface-cli" not in model.detail

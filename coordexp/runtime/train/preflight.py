@@ -36,7 +36,7 @@ from coordexp.runtime.core.tokens import ALL_COORD_TOKENS
 from coordexp.runtime.train.preflight_machine import PreflightCheck, machine_checks, stage2_start_checks
 
 __all__ = ["EXIT_CODES", "PreflightCheck", "PreflightReport", "run_preflight", "exit_code_of",
-           "coord_tokens_missing", "suggest_device_split", "port_is_free", "optimizer_groups_detail"]
+           "coord_tokens_missing", "suggest_device_split", "port_is_free", "optimizer_groups_detail", "hub_id_hint"]
 
 EXIT_CODES = {
     EXIT_OK: "ready to launch",
@@ -358,7 +358,7 @@ def _check_model(model_dir: Path, checks: list[PreflightCheck]) -> None:
         adapter = f" (LoRA adapter on {config_dir})"
     if not (config_dir / "config.json").is_file():
         checks.append(_failed("model", f"{model_dir} has no config.json; set model.path to a Hugging Face model "
-                              "directory", EXIT_INVALID))
+                              "directory" + hub_id_hint(str(model_dir)), EXIT_INVALID))
         return
     try:
         missing = coord_tokens_missing(model_dir)
@@ -379,6 +379,17 @@ def _check_model(model_dir: Path, checks: list[PreflightCheck]) -> None:
         checks.append(_failed("model", str(exc), EXIT_INVALID))
         return
     checks.append(PreflightCheck("model", True, f"{model_dir}{adapter}: {family}, all 1000 coord tokens"))
+
+
+def hub_id_hint(path: str) -> str:
+    """For a ``model.path`` that names a hub model (``ORG/NAME``, no local folder): the commands that make it a
+    usable local checkpoint (the download command that exists in current huggingface_hub is ``hf``)."""
+    parts = path.split("/")
+    if Path(path).expanduser().exists() or path.startswith((".", "/", "~")) or len(parts) != 2 or not all(parts):
+        return ""
+    name = parts[1]
+    return (f"; {path} is a hub id: download it (hf download {path} --local-dir {name}), add the coord tokens "
+            f"(coordexp expand-vocab {name} {name}-coord) and set model.path to {name}-coord")
 
 
 def _check_data(run: Any, checks: list[PreflightCheck], sample: int) -> None:
