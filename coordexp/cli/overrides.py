@@ -25,7 +25,7 @@ from typing import Any, Sequence
 from coordexp.errors import UserInputError
 
 __all__ = ["Override", "parse_override", "apply_overrides", "OVERRIDE_ORIGIN", "write_run_record",
-           "append_resume_record", "recorded_overrides", "masked_text", "RESOLVED_CONFIG_NAME", "SECRET_MASK",
+           "append_resume_record", "recorded_overrides", "record_drift", "masked_text", "RESOLVED_CONFIG_NAME", "SECRET_MASK",
            "MAX_VALUE_CHARS"]
 
 OVERRIDE_ORIGIN = "--set"
@@ -193,3 +193,56 @@ def recorded_overrides(output_dir: str | Path) -> list[str] | None:
             if isinstance(value, str) and SECRET_MASK not in value:
                 found.append(value)
     return found
+
+
+_TRAINING_KEYS = ("max_steps", "num_train_epochs", "learning_rate", "per_device_train_batch_size",
+                  "gradient_accumulation_steps", "effective_batch_size", "lr_scheduler_type", "warmup_steps",
+                  "warmup_ratio", "weight_decay", "seed", "optim", "packing")
+_RUN_SECTIONS = ("data", "rollout_matching", "model", "tuner", "custom", "template", "global_max_length")
+
+
+def _leaves(node: Any, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
+    if isinstance(node, dict):
+        found: dict[tuple[str, ...], Any] = {}
+        for key, value in node.items():
+            found.update(_leaves(value, (*prefix, str(key))))
+        return found
+    return {prefix: node}
+
+
+def _changes_training(path: tuple[str, ...]) -> bool:
+    if _secret(path):
+        return False
+    if path[0] == "training":
+        return len(path) > 1 and path[1] in _TRAINING_KEYS
+    return path[0] in _RUN_SECTIONS
+
+
+def record_drift(output_dir: str | Path, merged_now: Any, passed: Sequence[str]) -> list[str]:
+    """``--resume``: the keys that change training (steps, data, learning rate, rollout settings, the model) whose
+    value now differs from the run record's, unless ``passed`` (the overrides given) names them; ``[]`` when the
+    folder has no readable record."""
+    from coordexp.runtime.train.run_folder import RECORD_MARK, is_run_record
+    from coordexp.schema.errors import ConfigError
+    from coordexp.schema.loader import load_merged, written_config
+
+    record = Path(output_dir) / RESOLVED_CONFIG_NAME
+    if not is_run_record(record):  # a regular file with the mark (never a FIFO)
+        return []
+    try:
+        with record.open("rb") as handle:
+            if not handle.read(len(RECORD_MARK)).decode("utf-8", "replace") == RECORD_MARK:
+                return []  # an older record held every default: nothing to compare with
+        then = _leaves(written_config(load_merged(record)))
+    except (OSError, ConfigError):
+        return []
+    now = _leaves(written_config(merged_now))
+    named = [tuple(text.partition("=")[0].strip().split(".")) for text in passed]
+    drift = []
+    for path in sorted(set(then) | set(now)):
+        if not _changes_training(path) or then.get(path) == now.get(path):
+            continue
+        if any(path[:len(key)] == key or key[:len(path)] == path for key in named):
+            continue
+        drift.append(".".join(path))
+    return drift

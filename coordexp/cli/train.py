@@ -219,6 +219,21 @@ def _replayed_overrides(output_dir: str, given: list[str]) -> list[str]:
     return recorded + given
 
 
+def _refuse_drift(config: Path, output_dir: str, effective: list[str]) -> None:
+    """``--resume``: a key that changes training and differs from the record (the config was edited since) is
+    refused, named, unless passed again with --set (then it is the user's explicit change)."""
+    from coordexp.cli.overrides import apply_overrides, record_drift
+    from coordexp.schema.loader import load_merged
+
+    drift = record_drift(output_dir, apply_overrides(load_merged(config), effective), effective)
+    if drift:
+        shown = ", ".join(drift[:6]) + (", ..." if len(drift) > 6 else "")
+        fail(f"{config} differs from the run record {Path(output_dir) / 'coordexp_config.yaml'} on {len(drift)} "
+             f"key(s) that change training: {shown}; resuming would continue a different run",
+             "Pass the new value again explicitly (--set KEY=VALUE) to change it, restore the config, or train "
+             "afresh with --overwrite")
+
+
 def train(
     config: Annotated[Path, typer.Argument(help="YAML run config.", show_default=False)],
     resume: Annotated[
@@ -245,6 +260,7 @@ def train(
         effective = _replayed_overrides(run.training.output_dir, given)
         if effective != given:
             run, _ = load_run_and_config(config, as_json=as_json, overrides=effective)
+        _refuse_drift(config, run.training.output_dir, effective)
     from coordexp.optional_deps import require_installed
     require_installed(run, "train")  # a missing optional package (peft, deepspeed, ...): exit 3 before any load
     check_output_place(run, config, overwrite=overwrite, resume=resume is not None)

@@ -423,3 +423,26 @@ def test_a_run_retrained_from_its_record_evaluates_and_warms_up_the_same_way(tmp
 
     assert figures(tmp_path / "a") == figures(tmp_path / "b")
     assert figures(tmp_path / "a")[3] > 0
+
+
+def test_resume_refuses_a_config_edited_since_the_record_unless_the_key_is_passed_again(tmp_path, tiny_model_dir):
+    from coordexp.cli.overrides import apply_overrides, write_run_record
+    from coordexp.schema.loader import load_merged
+
+    config = _config(tmp_path, tiny_model_dir, save_steps=1)
+    run = tmp_path / "run"
+    write_run_record(run, apply_overrides(load_merged(config), ["training.max_steps=3"]), source=config,
+                     overrides=["training.max_steps=3"])
+    (run / "checkpoint-3").mkdir()
+    (run / "checkpoint-3" / "trainer_state.json").write_text('{"global_step": 3}')
+    (run / "checkpoint-3" / "model.safetensors").write_bytes(b"x")
+    data = yaml.safe_load(config.read_text())
+    data["training"]["learning_rate"] = 0.5
+    config.write_text(yaml.safe_dump(data))
+    refused = _run("train", str(config), "--resume", "auto")
+    assert refused.exit_code == 2, refused.output
+    text = " ".join(refused.output.split())
+    assert "change training: training.learning_rate;" in text  # max_steps is the record's own (replayed)
+    passed = _run("train", str(config), "--resume", "auto", "--set", "training.learning_rate=0.5")
+    assert passed.exit_code == 0, passed.output  # checkpoint-3 reached the recorded max_steps: nothing to train
+    assert "already reached training.max_steps (3)" in " ".join(passed.output.split())
