@@ -268,8 +268,15 @@ def train(
         resume_from = resolve_resume(resume, run.training.output_dir)
     except FileNotFoundError as exc:
         fail(str(exc))
-    if resume_from is not None and is_rank_zero():
-        err.print(f"resuming from {safe(resume_from)}")
+    if resume_from is not None:
+        from coordexp.runtime.train.checkpoints import resume_files_problem
+
+        problem = resume_files_problem(resume_from)
+        if problem is not None:
+            fail(f"--resume {resume_from}: {problem}", "Resume from an earlier checkpoint-N (--resume PATH), or "
+                 "train afresh with --overwrite")
+        if is_rank_zero():
+            err.print(f"resuming from {safe(resume_from)}")
 
     done = _finished(resume_from, run.training.max_steps)
     if done is not None:

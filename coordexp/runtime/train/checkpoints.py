@@ -21,7 +21,7 @@ from coordexp.runtime.model.checkpoint_files import (ADAPTER_WEIGHT_FILES, WEIGH
                                                      read_json_object)
 
 __all__ = ["STAGING_PREFIX", "staging_dir", "publish_checkpoint", "clear_staging", "checkpoint_problem",
-           "ResumeChoice", "choose_resume", "finished_step"]
+           "ResumeChoice", "choose_resume", "finished_step", "resume_files_problem"]
 
 STAGING_PREFIX = ".staging-"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
@@ -129,3 +129,36 @@ def choose_resume(run_dir: str | Path) -> ResumeChoice:
             return ResumeChoice(path, tuple(skipped))
         skipped.append((path, problem))
     return ResumeChoice(None, tuple(skipped))
+
+
+_RESUME_STATE_FILES = ("optimizer.pt", "scheduler.pt", "scaler.pt")
+"""What HF loads with ``weights_only`` on resume (its RNG states go through its own allowlist instead)."""
+
+
+def resume_files_problem(path: str | Path) -> str | None:
+    """Why HF could not resume from the checkpoint's optimizer, scheduler or adapter files (named), else None:
+    each state file must load as plain tensors (``weights_only``: a pickle with code, a truncated or foreign-format
+    file is refused here, before the model loads, instead of failing inside HF); an adapter's files are checked as
+    ``eval`` checks them. The files are memory-mapped, not read whole."""
+    import torch
+
+    from coordexp.runtime.model.adapters import is_adapter_dir
+    from coordexp.runtime.model.checkpoint_files import check_adapter_dir
+
+    root = Path(path)
+    for name in _RESUME_STATE_FILES:
+        file = root / name
+        if not os.path.lexists(file):
+            continue
+        if not file.is_file():
+            return f"{file} is not a regular file"
+        try:
+            torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as exc:  # noqa: BLE001 - torch raises many kinds for an unloadable file
+            return f"{file} cannot be loaded ({type(exc).__name__}: {' '.join(str(exc).split())[:160]})"
+    if is_adapter_dir(root):
+        try:
+            check_adapter_dir(root)
+        except CheckpointFileError as exc:
+            return exc.message
+    return None
