@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from coordexp.cli.frame import err, guarded, out, safe
+from coordexp.cli.frame import err, fail, guarded, out, safe
 
 __all__ = ["register", "export_merged"]
 
@@ -26,6 +26,10 @@ def export_merged(
 ) -> None:
     """Merge a LoRA/DoRA adapter into its base model and save a plain checkpoint with the processor, usable as
     model.path (coordexp train / eval / serve-rollout, vLLM)."""
+    if full_checkpoint(adapter_dir):
+        fail(f"{adapter_dir} is a full fine-tune (config.json and weights, no adapter_config.json): it already is a "
+             "plain checkpoint, there is no adapter to merge",
+             f"Use it as it is: model.path: {adapter_dir} (or --checkpoint {adapter_dir})")
     from coordexp.cli.quiet import deepspeed_quiet
 
     with deepspeed_quiet():  # transformers/peft import DeepSpeed when installed; merging never uses it
@@ -36,6 +40,16 @@ def export_merged(
             err.print(f"[yellow]![/yellow] {safe(note)}")
         written = write_merged(plan)
     out.print(f"[green]✓[/green] merged checkpoint written to {safe(written)}")
+
+
+def full_checkpoint(folder: Path) -> bool:
+    """A saved full model (config.json plus weights) that is not an adapter folder."""
+    try:
+        weights = any(folder.glob("*.safetensors")) or (folder / "pytorch_model.bin").is_file()
+        return (folder.is_dir() and not (folder / "adapter_config.json").exists()
+                and (folder / "config.json").is_file() and weights)
+    except OSError:
+        return False
 
 
 def register(app: typer.Typer) -> None:

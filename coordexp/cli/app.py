@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
+from typer.core import TyperGroup
 
 from coordexp.cli.adapters import register as register_adapters
 from coordexp.cli.assets import register as register_assets
@@ -46,7 +47,19 @@ from coordexp.cli.train import register as register_train
 
 __all__ = ["app", "main", "EXIT_OK", "EXIT_INTERNAL", "EXIT_INVALID", "EXIT_EXTERNAL"]
 
+# `coordexp --help` lists the commands in the order a new user needs them; tools last (others after, as registered).
+WORKFLOW = ("init", "convert", "expand-vocab", "validate", "preflight", "train", "eval", "show-rollouts", "plot-run",
+            "serve-rollout", "export-merged", "demo", "make-tiny-model", "make-synthetic-data", "migrate", "schema")
+
+
+class _WorkflowOrder(TyperGroup):
+    def list_commands(self, ctx: Any) -> list[str]:
+        rank = {name: k for k, name in enumerate(WORKFLOW)}
+        return sorted(super().list_commands(ctx), key=lambda name: rank.get(name, len(rank)))
+
+
 app = typer.Typer(
+    cls=_WorkflowOrder,
     name="coordexp",
     help="Rollout-matching SFT for coordinate-token detectors: check and migrate configs, train, inspect rollouts.",
     no_args_is_help=True,

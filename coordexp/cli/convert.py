@@ -130,13 +130,23 @@ def to_jsonl(
     write_atomic(target, text.encode("utf-8"))
     skipped = ", ".join(f"{n} {why}" for why, n in sorted(converted.skipped.items())) or "none"
     as_box = ", ".join(f"{n} {why}" for why, n in sorted(converted.as_box.items())) or "none"
+    missing = missing_images(converted.records, output.parent)
     _report(as_json, {"output": str(output), "images": len(converted.records), "objects": converted.n_objects,
                       "categories": converted.categories, "skipped": dict(converted.skipped),
-                      "as_box": dict(converted.as_box)}, [
+                      "as_box": dict(converted.as_box), "missing_images": len(missing)}, [
         f"[green]✓[/green] {safe(output)}: {len(converted.records)} images, {converted.n_objects} objects, "
         f"{len(converted.categories)} categories",
         f"  skipped: {safe(skipped)}; polygons written as boxes: {safe(as_box)}",
-    ])
+    ] + ([f"  [yellow]! not found[/yellow] {len(missing)} of {len(converted.records)} images next to {safe(output)} "
+          f"(e.g. {safe(missing[0])}); records name images relative to the JSONL file: pass the --image-prefix that "
+          "leads there from it, or set data.image_root to the image folder"] if missing else []))
+
+
+def missing_images(records: list[dict[str, Any]], folder: Path, limit: int = 100_000) -> list[str]:
+    """Image paths of ``records`` (relative to ``folder``, the JSONL's) that are not files (the first ``limit``
+    records are looked at: a stat each)."""
+    names = (name for record in records[:limit] for name in record.get("images", []))
+    return [name for name in names if not (folder / name).is_file()]
 
 
 @convert_app.command("to-results")

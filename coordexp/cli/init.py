@@ -23,7 +23,8 @@ from pydantic import BaseModel
 from coordexp.cli.frame import fail, guarded, out, safe
 from coordexp.schema.root import CoordExpConfig
 
-__all__ = ["InitChoices", "register", "render_config", "init_config", "STAGE1_LR", "STAGE2_LR"]
+__all__ = ["InitChoices", "register", "render_config", "init_config", "STAGE1_LR", "STAGE2_LR", "PRETRAINED_BYTES",
+           "weight_bytes"]
 
 WIDTH = 120
 STAGE1_LR = {"cpu": 1.0e-3, "gpu": 1.0e-5}
@@ -32,6 +33,9 @@ usual full fine-tuning rate of a pretrained Qwen-VL."""
 STAGE2_LR = {"cpu": 2.0e-5, "gpu": 2.0e-6}
 """Stage 2 continues at a small fraction of stage 1's rate: a fiftieth was measured on the tiny model (decision 15),
 upstream's Qwen-VL recipe runs a tenth."""
+PRETRAINED_BYTES = 200 * 2**20
+"""Weights this large are a pretrained model (the smallest Qwen-VL is ~4 GB; the tiny model ~5 MB): init writes
+the pretrained rates (STAGE1_LR["gpu"], STAGE2_LR["gpu"]) for it on --device cpu too."""
 COORD_PROBE = "<|coord_999|>"
 TOKENIZER_FILES = ("tokenizer.json", "added_tokens.json", "tokenizer_config.json", "vocab.json")
 
@@ -55,6 +59,15 @@ class InitChoices:
     device: str
     family: str
     attn_implementation: str = "sdpa"
+    pretrained: bool = False  # a real (pretrained-size) model: its learning rate whatever the device
+
+
+def weight_bytes(model: Path) -> int:
+    """Bytes of the checkpoint's weight files (sizes only, nothing read; an adapter folder counts its adapter)."""
+    try:
+        return sum(f.stat().st_size for pattern in ("*.safetensors", "*.bin") for f in model.glob(pattern))
+    except OSError:
+        return 0
 
 
 def _pipeline(stage2: bool) -> list[dict[str, Any]]:
@@ -107,8 +120,10 @@ def _plan(c: InitChoices) -> dict[str, Any]:
         "per_device_train_batch_size": (2 if cpu else 4, ""),
         "gradient_accumulation_steps": (1 if cpu else 4, ""),
         "max_steps": ((100 if cpu else 1000) if stage2 else (500 if cpu else 5000), "change to fit your data"),
-        "learning_rate": ((STAGE2_LR if stage2 else STAGE1_LR)[c.device],
-                          "stage 2 runs at a small fraction of stage 1's rate (decision 15)" if stage2 else ""),
+        "learning_rate": ((STAGE2_LR if stage2 else STAGE1_LR)["gpu" if c.pretrained else c.device],
+                          "stage 2 runs at a small fraction of stage 1's rate (decision 15)" if stage2 else
+                          "a pretrained model's rate (the tiny model's 1e-3 would wreck it)" if cpu and c.pretrained
+                          else ""),
         "lr_scheduler_type": ("constant" if stage2 else "cosine", ""),
         "warmup_ratio": (0.0 if stage2 else 0.05, ""),
         "seed": DEFAULT,
@@ -318,7 +333,7 @@ def init_config(
         model=_written_path(model, folder), train_jsonl=_written_path(train_jsonl, folder),
         val_jsonl=None if val_jsonl is None else _written_path(val_jsonl, folder),
         output_dir=f".{os.sep}{Path('runs') / output.stem}", stage=stage, device=device, family=family,
-        attn_implementation=attn)
+        attn_implementation=attn, pretrained=weight_bytes(model) >= PRETRAINED_BYTES)
     text = render_config(choices)
     _check_renders_valid(text)
     from coordexp.cli.file_guard import check_output_file, write_new_file

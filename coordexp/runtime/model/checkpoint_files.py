@@ -24,7 +24,7 @@ from typing import Any, Optional, Sequence
 
 from coordexp.errors import UserInputError
 
-__all__ = ["CheckpointFileError", "MAX_JSON_BYTES", "WEIGHT_FILES", "ADAPTER_WEIGHT_FILES", "check_model_dir",
+__all__ = ["share_saved_weights", "CheckpointFileError", "MAX_JSON_BYTES", "WEIGHT_FILES", "ADAPTER_WEIGHT_FILES", "check_model_dir",
            "check_adapter_dir", "check_safetensors", "read_json_object", "load_checked_processor"]
 
 MAX_JSON_BYTES = 64 * 2**20  # config, tokenizer and index JSON files (a tokenizer.json is a few MiB)
@@ -274,3 +274,21 @@ def load_checked_processor(folder: str | Path, *, coord_tokens: bool = True) -> 
         raise CheckpointFileError(f"{folder}: the tokenizer loaded from it is not usable ({exc})",
                                   hint=f"{hint}; add coord tokens with `coordexp expand-vocab`") from None
     return processor
+
+
+def share_saved_weights(folder: str | Path) -> list[Path]:
+    """Widen the ``*.safetensors`` files directly in ``folder`` to what a plain ``open()`` creates (``0o666`` minus
+    the umask: 0644 under the usual 022): safetensors (0.8) writes them 0600, which a server run as another user
+    on a shared cluster cannot read. Never narrows a mode; the files changed are returned."""
+    mask = os.umask(0)
+    os.umask(mask)
+    changed = []
+    for path in Path(folder).glob("*.safetensors"):
+        info = path.lstat()
+        if not stat.S_ISREG(info.st_mode):
+            continue
+        wanted = stat.S_IMODE(info.st_mode) | (0o666 & ~mask)
+        if wanted != stat.S_IMODE(info.st_mode):
+            os.chmod(path, wanted)
+            changed.append(path)
+    return changed

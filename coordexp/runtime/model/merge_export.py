@@ -251,6 +251,9 @@ def _write_complete(out_dir: Path, save: Callable[[Path], None], what: str) -> N
                 created.append(folder)
         scratch = Path(tempfile.mkdtemp(prefix=f".{out_dir.name[:64]}.export-", dir=parent))
         save(scratch)
+        from coordexp.runtime.model.checkpoint_files import share_saved_weights
+
+        share_saved_weights(scratch)  # safetensors writes 0600: readable as a plain file would be (umask)
         os.chmod(scratch, 0o777 & ~_umask())
         os.rename(scratch, out_dir)  # replaces OUT_DIR only while it is still an empty directory
         scratch = None
