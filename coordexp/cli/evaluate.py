@@ -245,7 +245,7 @@ def print_set_figures(figures: dict) -> None:
 
     out.print(f"predictions per GT {number('pred_per_gt')}, certified duplicates per image "
               f"{number('duplicates_per_image')}, count error {number('count_error')} per image, premature EOS "
-              f"{_pct(figures.get('premature_eos_rate'))}, truncated {_pct(figures.get('truncation_rate'))}")
+              f"{_pct(figures.get('premature_eos_rate'))}, cut off before EOS {_pct(figures.get('cut_off_rate'))}")
     by_rank = [v for v in figures.get("recall_by_rank") or []]
     if by_rank:
         shown = " ".join(_fmt(v) for v in by_rank[:10]) + (" ..." if len(by_rank) > 10 else "")

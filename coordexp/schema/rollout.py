@@ -314,8 +314,9 @@ class CollapseAlarmConfig(StrictModel):
     duplicate_rate_max: Probability = Field(
         0.2, description="Certified duplicates (a repeat of an earlier prediction; docs/figures.md) per valid "
         "prediction above this fires the alarm.")
-    truncation_rate_max: Probability = Field(
-        0.15, description="Share of rollouts cut by the length limit or the repeat guard above this fires the alarm.")
+    cut_off_rate_max: Probability = Field(
+        0.15, description="Share of rollouts that ended without EOS (the length limit or the repeat guard stopped "
+        "them) above this fires the alarm.")
     parse_valid_min: Probability = Field(
         0.5, description="Share of parsed objects that are valid below this fires the alarm.")
     action: Literal["warn", "stop"] = Field(

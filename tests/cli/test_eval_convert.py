@@ -157,14 +157,14 @@ def test_eval_json_carries_the_set_figures(trained_run, tmp_path):
     payload = json.loads(result.stdout)
     figures = payload["figures"]
     for key in ("recall", "recall_any_class", "duplicates_per_image", "pred_per_gt", "premature_eos_rate",
-                "truncation_rate", "count_error"):
+                "cut_off_rate", "count_error"):
         assert isinstance(figures[key], float) and figures[key] >= 0.0, key
     assert all(figures[k] is None or 0.0 <= figures[k] <= 1.0 for k in ("precision", "f1", "precision_any_class"))
     records = load_records(trained_run.parent / "data" / "val.jsonl", max_samples=3)
     assert len(figures["recall_by_rank"]) == max(len(r.objects) for r in records)
     counters = payload["counters"]  # counted by the rollout telemetry, apart from the set figures
     assert figures["pred_per_gt"] == pytest.approx(counters["pred_valid"] / counters["gt_objects"])
-    assert figures["truncation_rate"] == pytest.approx(counters["truncated_rollouts"] / counters["samples"])
+    assert figures["cut_off_rate"] == pytest.approx(1 - counters["eos_stopped"] / counters["samples"])
     text = _run("eval", trained_run, "--limit", "3", "--score", "constant", "--out", tmp_path / "t").stdout
     assert "class-aware" in text and "any class" in text and "predictions per GT" in text
 

@@ -45,11 +45,11 @@ def test_certified_duplicates_by_hand():
 
 def test_aggregate_rates_by_hand():
     a = image_figures([CAT, CAT, DOG], [CAT, DOG], eos_stopped=True, tokens=30)  # one repeat
-    b = image_figures([CAT], [CAT, DOG], eos_stopped=False, tokens=512, truncated=True)  # cut off after one
+    b = image_figures([CAT], [CAT, DOG], eos_stopped=False, tokens=512, cut_off=True)  # cut off after one
     f = aggregate_figures([a, b])
     assert f["pred_per_gt"] == pytest.approx(4 / 4)
     assert f["duplicates_per_image"] == pytest.approx(0.5)
-    assert f["truncation_rate"] == 0.5 and f["premature_eos_rate"] == 0.0  # b stopped by the limit, not EOS
+    assert f["cut_off_rate"] == 0.5 and f["premature_eos_rate"] == 0.0  # b stopped by the limit, not EOS
     assert f["precision"] == pytest.approx(3 / 4) and f["recall"] == pytest.approx(3 / 4)
     assert f["count_error"] == pytest.approx((1 + 1) / 2)
     assert set(FIGURE_NAMES) <= set(f)

@@ -15,7 +15,7 @@ from coordexp.schema.rollout import CollapseAlarmConfig
 
 def window(per_gt=1.0, precision=0.6, dup=0.0, trunc=0.0, valid=0.99):
     return {"rollout/samples": 8.0, "rollout/pred_per_gt": per_gt, "rollout/match_precision": precision,
-            "rollout/duplicate_rate": dup, "rollout/truncation_rate": trunc, "rollout/parse_valid_rate": valid}
+            "rollout/duplicate_rate": dup, "rollout/cut_off_rate": trunc, "rollout/parse_valid_rate": valid}
 
 
 def test_the_upstream_collapse_fires_and_a_healthy_run_does_not():
@@ -47,7 +47,7 @@ def test_bounds_are_validated():
 
 def test_stop_saves_ends_the_run_and_the_summary_says_why():
     said, recorded = [], []
-    callback = CollapseCallback(CollapseAlarmConfig(action="stop", truncation_rate_max=0.1), say=said.append,
+    callback = CollapseCallback(CollapseAlarmConfig(action="stop", cut_off_rate_max=0.1), say=said.append,
                                 record=lambda event, **kw: recorded.append((event, kw)))
     state = SimpleNamespace(global_step=7, is_world_process_zero=True, log_history=[{"loss": 1.0, "step": 7}])
     control = SimpleNamespace(should_save=False, should_training_stop=False)
@@ -57,6 +57,6 @@ def test_stop_saves_ends_the_run_and_the_summary_says_why():
     summary = summarize_history(state.log_history)
     assert summary["collapse_alarms"] == [{"step": 7, "reasons": recorded[0][1]["reasons"][0], "action": "stop"}]
     # evaluations never feed the alarm
-    quiet = CollapseCallback(CollapseAlarmConfig(truncation_rate_max=0.1), say=said.append, record=lambda *a, **k: 0)
+    quiet = CollapseCallback(CollapseAlarmConfig(cut_off_rate_max=0.1), say=said.append, record=lambda *a, **k: 0)
     quiet.on_log(None, state, control, logs={"eval/AP50": 0.1, **window(trunc=0.9)})
     assert len(said) == 1

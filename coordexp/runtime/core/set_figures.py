@@ -33,7 +33,7 @@ DUPLICATE_IOU = 0.9
 # The scalar figures aggregate_figures returns (recall_by_rank, a list, beside them), in table order.
 FIGURE_NAMES: tuple[str, ...] = (
     "precision", "recall", "f1", "precision_any_class", "recall_any_class", "f1_any_class", "pred_per_gt",
-    "duplicates_per_image", "premature_eos_rate", "truncation_rate", "count_error", "rollout_tokens_per_image",
+    "duplicates_per_image", "premature_eos_rate", "cut_off_rate", "count_error", "rollout_tokens_per_image",
     "backtracks_per_image", "backtrack_recovery_rate",
 )
 
@@ -139,11 +139,11 @@ class ImageFigures:
     backtracks: int = 0  # predictions on an object earlier in reading order than one already written
     backtrack_recoveries: int = 0  # of those, the ones that found an object not yet written (the rest: duplicates)
     matched_class: int = 0  # class-aware matches at IoU 0.5
-    truncated: bool = False  # the rollout ended without a complete answer (length limit or repeat guard)
+    cut_off: bool = False  # the rollout ended without EOS (the length limit or the repeat guard stopped it)
 
 
 def image_figures(preds: Sequence[DetObject], gts: Sequence[DetObject], *, eos_stopped: bool, tokens: int = 0,
-                  truncated: bool = False) -> ImageFigures:
+                  cut_off: bool = False) -> ImageFigures:
     """The figures of one image's predictions (in written order) against its ground truth (in reading order)."""
     ious = iou_matrix(preds, gts)
     taken, repeats_gt = _match(ious, IOU)
@@ -158,7 +158,7 @@ def image_figures(preds: Sequence[DetObject], gts: Sequence[DetObject], *, eos_s
     return ImageFigures(n_pred=len(preds), n_gt=len(gts), matched=sum(g is not None for g in taken),
                         duplicates=sum(duplicates), premature_eos=bool(eos_stopped) and len(preds) < len(gts),
                         rank_hit=tuple(hit), next_correct=next_correct, tokens=int(tokens), backtracks=back,
-                        backtrack_recoveries=recovered, matched_class=sum(hit), truncated=bool(truncated))
+                        backtrack_recoveries=recovered, matched_class=sum(hit), cut_off=bool(cut_off))
 
 
 def _ratio(num: float, den: float) -> float | None:
@@ -188,7 +188,7 @@ def aggregate_figures(images: Sequence[ImageFigures]) -> dict[str, object]:
             "pred_per_gt": _ratio(pred, gt),
             "duplicates_per_image": _ratio(sum(i.duplicates for i in images), n),
             "premature_eos_rate": _ratio(sum(i.premature_eos for i in images), n),
-            "truncation_rate": _ratio(sum(i.truncated for i in images), n),
+            "cut_off_rate": _ratio(sum(i.cut_off for i in images), n),
             "count_error": _ratio(sum(abs(i.n_pred - i.n_gt) for i in images), n),
             "recall_by_rank": by_rank,
             "rollout_tokens_per_image": _ratio(sum(i.tokens for i in images), n),

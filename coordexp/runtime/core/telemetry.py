@@ -241,6 +241,9 @@ class RolloutCounters:
             "match_precision": _ratio(self.matched, self.pred_valid),
             "pred_per_gt": _ratio(self.pred_valid, self.gt_objects),
             "duplicate_rate": _ratio(self.certified_duplicates, self.pred_valid),
+            # rollouts that ended without EOS (length limit or repeat guard); truncation_rate counts only the ones
+            # cut inside the JSON answer
+            "cut_off_rate": _ratio(self.samples - self.eos_stopped, self.samples),
             **{name: _ratio(count, self.samples) for name, count in {**per_image, **per_sample_rate}.items()},
         }
 

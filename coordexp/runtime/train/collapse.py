@@ -44,8 +44,8 @@ class CollapseWatch:
                                   f"precision fell to {_pct(precision)} from {_pct(self.best_precision)}")
         checks = (("duplicate_rate", get("duplicate_rate"), c.duplicate_rate_max, "of the predictions repeat an "
                    "earlier one (certified duplicates)", 1),
-                  ("truncation_rate", get("truncation_rate"), c.truncation_rate_max, "of the rollouts were cut off "
-                   "(length limit or repeat guard)", 1),
+                  ("cut_off_rate", get("cut_off_rate"), c.cut_off_rate_max, "of the rollouts were cut off before "
+                   "EOS (length limit or repeat guard)", 1),
                   ("parse_valid_rate", get("parse_valid_rate"), c.parse_valid_min, "of the parsed objects are "
                    "valid", -1))
         for name, value, bound, what, sign in checks:

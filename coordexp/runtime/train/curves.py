@@ -14,7 +14,7 @@ __all__ = ["Curve", "find_trainer_state", "load_log_history", "run_curves", "rol
 
 EVAL_CURVES = ("AP50", "AP", "precision", "recall", "f1", "match_rate", "token_acc")
 """The ``eval/<name>`` figures drawn (fractions in [0, 1]), when the run logged them."""
-ROLLOUT_CURVES = ("pred_per_gt", "duplicates_per_image", "truncation_rate")
+ROLLOUT_CURVES = ("pred_per_gt", "duplicates_per_image", "cut_off_rate")
 """The stage-2 training windows' ``rollout/<name>`` figures a collapse moves (docs/figures.md)."""
 _COLOURS = ((31, 119, 180), (214, 39, 40), (44, 160, 44), (148, 103, 189), (255, 127, 14), (140, 86, 75),
             (127, 127, 127))

@@ -205,7 +205,7 @@ def rollout_image_figures(rollouts: Sequence[ImageRollout]) -> list[ImageFigures
     """Each image's set figures (:mod:`coordexp.runtime.core.set_figures`): its valid predictions in written order
     against its ground truth, with how the rollout ended."""
     return [image_figures([p.obj for p in r.predictions], r.record.objects, eos_stopped=r.counters.eos_stopped > 0,
-                          tokens=r.counters.rollout_tokens, truncated=r.counters.truncated_rollouts > 0)
+                          tokens=r.counters.rollout_tokens, cut_off=r.counters.eos_stopped == 0)
             for r in rollouts]
 
 

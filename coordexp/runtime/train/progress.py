@@ -259,7 +259,7 @@ class ProgressCallback(TrainerCallback):
 
 
 _RUN_COUNTERS = ("samples", "pred_valid", "pred_parsed", "gt_objects", "matched", "fn_appended", "fp",
-                 "truncated_rollouts", "certified_duplicates")
+                 "truncated_rollouts", "certified_duplicates", "eos_stopped")
 
 
 def summarize_history(log_history: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -286,6 +286,8 @@ def summarize_history(log_history: Sequence[Mapping[str, Any]]) -> dict[str, Any
         summary["pred_per_gt"] = _ratio(rollout.get("pred_valid"), rollout.get("gt_objects"))
         summary["duplicates_per_image"] = _ratio(rollout.get("certified_duplicates"), rollout.get("samples"))
         summary["truncation_rate"] = _ratio(rollout.get("truncated_rollouts"), rollout.get("samples"))
+        summary["cut_off_rate"] = (None if not rollout.get("samples") or "eos_stopped" not in rollout
+                                   else 1.0 - rollout["eos_stopped"] / rollout["samples"])
     evaluations = [figures.to_dict() for entry in log_history
                    if (figures := eval_figures(entry, int(entry.get("step", 0)))) is not None]
     summary["collapse_alarms"] = [{"step": int(entry.get("step", 0)), "reasons": str(entry["collapse_alarm"]),

@@ -1,0 +1,39 @@
+"""The collapse alarm in a real stage-2 run (issue 42): a bound the tiny model's rollouts cross at once
+(truncation, with 8 new tokens an answer never closes) stops the run at the first logging window with a
+checkpoint, the reason in the summary, the run log and trainer_state.json."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from coordexp.cli.app import app
+from coordexp.runtime.train.run_log import read_run_log
+
+pytestmark = pytest.mark.slow
+runner = CliRunner()
+
+
+def test_a_crossed_bound_stops_the_run_with_a_checkpoint_and_says_why(tmp_path, write_config):
+    run = tmp_path / "run"
+    config = write_config({
+        "rollout_matching": {"max_new_tokens": 8, "decode_batch_size": 2,
+                             "collapse_alarm": {"action": "stop", "cut_off_rate_max": 0.0}},
+        "training": {"output_dir": str(run), "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1,
+                     "logging_steps": 1, "max_steps": 3, "save_steps": 100},
+    })
+    result = runner.invoke(app, ["train", str(config), "--json"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    alarms = summary["summary"]["collapse_alarms"] if "summary" in summary else summary["collapse_alarms"]
+    assert len(alarms) == 1 and alarms[0]["step"] == 1 and alarms[0]["action"] == "stop"
+    assert "cut off" in alarms[0]["reasons"]
+    assert (run / "checkpoint-1").is_dir() and not (run / "checkpoint-2").exists()
+    events = read_run_log(run, event="collapse_alarm")
+    assert [e["step"] for e in events] == [1]
+    history = json.loads((run / "trainer_state.json").read_text())["log_history"]
+    window = next(h for h in history if "loss" in h)
+    assert window["rollout/cut_off_rate"] == 1.0 and window["rollout/pred_per_gt"] >= 0.0
+    assert "collapse alarm at step 1" in result.stderr
