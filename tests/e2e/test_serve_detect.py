@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 import time
@@ -39,6 +40,9 @@ def test_a_trained_tiny_detector_answers_detect_with_pixel_boxes(tmp_path, tiny_
                              timeout=900, env=env, cwd=REPO)
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert "Loading weights" not in trained.stderr and "Writing model shards" not in trained.stderr
+    mask = os.umask(0)
+    os.umask(mask)  # the saved weights are readable as any file this process writes (safetensors wrote 0600)
+    assert stat.S_IMODE((tmp_path / "run" / "model.safetensors").stat().st_mode) == 0o666 & ~mask
 
     record = json.loads(data.train_jsonl.read_text(encoding="utf-8").splitlines()[0])
     server = subprocess.Popen([sys.executable, "-m", "coordexp", "serve-rollout", str(config), "--checkpoint",

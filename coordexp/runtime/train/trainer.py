@@ -475,6 +475,9 @@ class CoordExpTrainer(Trainer):
         """Checkpoints carry the processor too, so a checkpoint loads like any Qwen-VL checkpoint."""
         super()._save(output_dir, state_dict)
         out = Path(output_dir or self.args.output_dir)
+        from coordexp.runtime.model.checkpoint_files import share_saved_weights
+
+        share_saved_weights(out)  # safetensors writes 0600; 0666 minus the umask, as any file (issue 44)
         processor = self.host.processor
         if hasattr(processor, "save_pretrained"):
             processor.save_pretrained(str(out))
