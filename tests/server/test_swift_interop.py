@@ -62,7 +62,8 @@ def run_contract(family_config):
 def server(family_config, dataset):
     """``coordexp serve-rollout --engine hf`` on a free loopback port; yields its base URL."""
     args = [sys.executable, "-m", "coordexp.cli.app", "serve-rollout", str(family_config), "--port", "0",
-            "--engine", "hf", "--image-root", str(dataset.root), "--log-level", "warning"]
+            "--engine", "hf", "--image-root", str(dataset.root), "--log-level", "warning",
+            "--no-system-from-config"]  # swift rollout's own default system prompt (the parity compared below)
     process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
     seen, url, deadline = [], None, time.monotonic() + 180
