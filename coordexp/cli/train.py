@@ -300,26 +300,31 @@ EXIT_TERMINATED = 143
 """SIGTERM (SLURM, Kubernetes preemption): 128 + 15, as a shell reports it."""
 
 
-class RunTerminated(KeyboardInterrupt):
-    """SIGTERM during a run: unwinds like Ctrl-C (nothing half-written: checkpoints are atomic), exit 143."""
-
-
 @contextmanager
-def terminate_as_interrupt() -> Iterator[None]:
-    """SIGTERM raises :class:`RunTerminated` in the main thread while the block runs (when its disposition is the
-    default: a handler or SIG_IGN the parent set is left alone); the previous handler is restored after."""
+def terminate_as_interrupt(stop: Any = None) -> Iterator[None]:
+    """While the block runs, SIGTERM asks ``stop`` (a :class:`~coordexp.runtime.train.launch.StopRequest`) to end
+    the run after the step in progress, with its checkpoint, once the training loop runs; otherwise (no ``stop``,
+    not training yet, or a second SIGTERM) it raises ``RunTerminated`` in the main thread at once. Only when the
+    disposition is the default (a handler or SIG_IGN the parent set is left alone); the previous one is restored."""
     import signal
     import threading
+
+    from coordexp.runtime.train.launch import RunTerminated
 
     if (threading.current_thread() is not threading.main_thread()
             or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
         yield
         return
 
-    def raise_terminated(signum: int, frame: Any) -> None:
+    def on_sigterm(signum: int, frame: Any) -> None:
+        if stop is not None and stop.training and not stop.asked:
+            stop.asked = True
+            if is_rank_zero():
+                err.print("SIGTERM: stopping after this step with its checkpoint (SIGTERM again stops at once)")
+            return
         raise RunTerminated()
 
-    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         yield
     finally:
@@ -372,7 +377,9 @@ def _train(run: Any, *, config: Path, given: list[str], effective: list[str], re
     """Check, train and report (``train`` after its input checks)."""
     from coordexp.runtime.train.args_check import check_training_arguments
     from coordexp.runtime.train.deepspeed import process_state_restored
-    from coordexp.runtime.train.launch import release_process_group, run_training
+    import os
+
+    from coordexp.runtime.train.launch import RunTerminated, StopRequest, release_process_group, run_training
     from coordexp.runtime.train.progress import ProgressCallback, summarize_history
 
     with process_state_restored():  # a zero2 check sets RANK/WORLD_SIZE/MASTER_PORT: they do not outlive it
@@ -380,7 +387,9 @@ def _train(run: Any, *, config: Path, given: list[str], effective: list[str], re
 
     progress = ProgressCallback(err if as_json else None, title=f"{run.trainer_variant}: {safe(config.name)}")
     global training_interrupted
-    with watching_for_interrupt(), terminate_as_interrupt():  # Ctrl-C: guarded() says "interrupted", exit 130
+    single = int(os.environ.get("WORLD_SIZE", "1") or "1") == 1
+    stop = StopRequest() if single and run.training.save_on_interrupt == "sigterm" else None
+    with watching_for_interrupt(), terminate_as_interrupt(stop):  # Ctrl-C: guarded() says "interrupted", exit 130
         try:
             outcome = run_training(
                 run,
@@ -390,6 +399,7 @@ def _train(run: Any, *, config: Path, given: list[str], effective: list[str], re
                 print_logs=False,
                 before_train=lambda: _prepare_folder(run, config=config, given=given, effective=effective,
                                                      resume_from=resume_from, overwrite=overwrite),
+                stop=stop,
             )
         except KeyboardInterrupt as exc:
             if is_rank_zero():

@@ -105,6 +105,11 @@ class _OwnedTrainingFields(StrictModel):
         "it); null = under output_dir.", json_schema_extra=path_extra())
     save_steps: Count = Field(500, description="Checkpoint every N optimizer steps.")
     save_total_limit: Optional[Count] = Field(None, description="Keep at most N checkpoints.")
+    save_on_interrupt: Literal["sigterm", "never"] = Field(
+        "sigterm", description="sigterm: on SIGTERM (SLURM or Kubernetes preemption) the step in progress finishes, "
+        "its checkpoint is saved and the run stops (exit 143; a second SIGTERM stops at once); never: stop at "
+        "once. Single-process runs only (torchrun ranks would stop at different steps). Ctrl-C always stops at "
+        "once.")
     save_safetensors: Literal[True] = Field(
         True, description="Accepted for older configs: transformers 5 always saves safetensors (false is refused).")
     eval_steps: Optional[Count] = Field(None, description="Evaluate every N steps (needs data.val_jsonl).")

@@ -378,21 +378,30 @@ def test_resume_auto_replays_the_recorded_overrides_and_appends_to_the_record(tm
 
 
 @pytest.mark.slow  # starts a training process
-def test_sigterm_exits_143_without_a_traceback_and_says_how_to_resume(tmp_path, tiny_model_dir):
-    config = _config(tmp_path, tiny_model_dir, save_steps=1)
+@pytest.mark.parametrize("save", ["sigterm", "never"])
+def test_sigterm_exits_143_without_a_traceback_and_says_how_to_resume(tmp_path, tiny_model_dir, save):
+    """SIGTERM once the loop runs: by default the step in progress ends with its checkpoint (save_steps is far
+    away), no final model is written, and the resume command names the run's --set."""
+    config = _config(tmp_path, tiny_model_dir, save_steps=1000 if save == "sigterm" else 1)
     process = subprocess.Popen([sys.executable, "-m", "coordexp", "train", str(config), "--set",
-                                "training.max_steps=400"], cwd=tmp_path, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+                                "training.max_steps=400", "--set", f"training.save_on_interrupt={save}"],
+                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run = tmp_path / "run"
+    started = run / ("coordexp_config.yaml" if save == "sigterm" else "checkpoint-1")
     deadline = time.monotonic() + 300
-    while not (tmp_path / "run" / "checkpoint-1").is_dir() and process.poll() is None:
+    while not started.exists() and process.poll() is None:
         assert time.monotonic() < deadline
         time.sleep(0.2)
+    time.sleep(4 if save == "sigterm" else 0)  # the loop is running
     process.send_signal(signal.SIGTERM)
     stdout, stderr = process.communicate(timeout=120)
     text = " ".join((stdout + stderr).split())
     assert process.returncode == 143, text[-2000:]
-    assert "Traceback" not in text
-    assert "last complete checkpoint" in text and "--resume auto --set training.max_steps=400" in text
+    assert "Traceback" not in text and not (run / "model.safetensors").exists()
+    assert "last complete checkpoint" in text
+    assert "--resume auto --set training.max_steps=400 --set training.save_on_interrupt=" + save in text
+    steps = sorted(int(p.name.split("-")[1]) for p in run.glob("checkpoint-*"))
+    assert steps and steps[-1] < 400 and f"checkpoint-{steps[-1]}" in text
 
 
 @pytest.mark.slow  # trains twice, with evaluation

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from coordexp.schema.contract import RunContract
 
 __all__ = ["LaunchError", "load_policy", "training_arguments", "build_trainer", "TrainOutcome", "run_training",
-           "release_process_group", "check_finite_weights"]
+           "release_process_group", "check_finite_weights", "RunTerminated", "StopRequest"]
 
 def _accumulation_steps(t: Any, world_size: int) -> int:
     """``gradient_accumulation_steps``, or ``effective_batch_size / (per_device_train_batch_size * world_size)``
@@ -155,6 +155,39 @@ def check_finite_weights(model: Any, source: Any) -> None:
                           "trained or written", hint="start from an intact checkpoint (model.path)")
 
 
+class RunTerminated(KeyboardInterrupt):
+    """SIGTERM during a run: unwinds like Ctrl-C (checkpoints are atomic, nothing is half-written); exit 143."""
+
+
+class StopRequest:
+    """A stop asked for while training (SIGTERM under ``training.save_on_interrupt: sigterm``): the step in progress
+    finishes, its checkpoint is saved, and :func:`run_training` raises :class:`RunTerminated` without writing a
+    final model. ``training`` says whether the loop runs (outside it a stop cannot wait for a step)."""
+
+    def __init__(self) -> None:
+        self.asked = False
+        self.training = False
+
+    def callback(self) -> Any:
+        from transformers import TrainerCallback
+
+        request = self
+
+        class _StopAtStepEnd(TrainerCallback):
+            def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+                request.training = True
+
+            def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+                if request.asked:
+                    control.should_save = True
+                    control.should_training_stop = True
+
+            def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+                request.training = False
+
+        return _StopAtStepEnd()
+
+
 @dataclass(frozen=True)
 class TrainOutcome:
     output_dir: Path
@@ -170,15 +203,18 @@ def run_training(
     rollout_log_every: int = 0,
     print_logs: bool = True,
     before_train: Callable[[], None] | None = None,
+    stop: StopRequest | None = None,
 ) -> TrainOutcome:
     """Train, save the final model (with its processor) to ``training.output_dir`` and return the log history.
     ``before_train`` runs once the model, data and trainer are built, before the first step (what ``train`` does to
-    the run folder: ``--overwrite``'s move, the run record), so a run that cannot start has changed nothing."""
+    the run folder: ``--overwrite``'s move, the run record), so a run that cannot start has changed nothing.
+    ``stop`` (a :class:`StopRequest`) ends the run at a step boundary with that step's checkpoint."""
     from transformers.trainer_callback import PrinterCallback
 
     from coordexp.runtime.train.deepspeed import process_state_restored
 
     with process_state_restored():  # also TENSORBOARD_LOGGING_DIR (training.logging_dir): this run's only
+        callbacks = [*callbacks, *([stop.callback()] if stop is not None else [])]
         trainer = build_trainer(run, callbacks=callbacks, rollout_log_every=rollout_log_every)
         if not print_logs:
             trainer.remove_callback(PrinterCallback)  # raw log dicts on stdout; the CLI shows its own progress
@@ -186,6 +222,8 @@ def run_training(
             if before_train is not None:
                 before_train()
             trainer.train(resume_from_checkpoint=resume_from)
+            if stop is not None and stop.asked:
+                raise RunTerminated()  # stopped at a step boundary, its checkpoint saved: no final model
             trainer.save_model()
             trainer.save_state()  # OUTPUT_DIR/trainer_state.json: the whole run's log history (coordexp plot-run)
         finally:
