@@ -306,7 +306,10 @@ def init_config(
     written. Exit 2 when OUT exists, the model is not a supported checkpoint or a data file is missing."""
     if device not in ("cpu", "gpu"):
         fail(f"--device {device!r} is not cpu or gpu", "Pass --device cpu or --device gpu")
-    if output.exists() or output.is_symlink():
+    from coordexp.cli.file_guard import check_path_names
+
+    check_path_names(output, f"-o {output}")  # a name over 255 bytes or a NUL byte: exit 2 before any stat
+    if os.path.lexists(output):
         fail(f"{output} already exists; init never overwrites a file", "Choose a new name or delete the file first")
     if not (model / "config.json").is_file() and not (model / "adapter_config.json").is_file():
         hint = ("Train stage 1 first (`coordexp train STAGE1.yaml`) and pass its output_dir" if stage == 2 else

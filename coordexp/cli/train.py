@@ -8,6 +8,7 @@ trains; only rank 0 prints. Errors are reported by :func:`coordexp.cli.frame.gua
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from contextlib import contextmanager
@@ -69,7 +70,6 @@ def watching_for_interrupt(grace_s: float = INTERRUPT_GRACE_S) -> Iterator[None]
     ended) restores the previous wakeup fd and ends the watcher, so an in-process caller keeps its process. A
     disposition the parent set (SIG_IGN) is left alone."""
     import faulthandler
-    import os
     import signal
     import threading
 
@@ -121,8 +121,6 @@ def exit_interrupted() -> None:
     (HTTP, up to its timeout) would otherwise hold interpreter exit, which joins worker threads; checkpoints are
     atomic and the run log is flushed per line, so nothing written is lost (docs/design.md, decision 14). Called by
     the console script's entry and the watcher only: an in-process caller gets ``typer.Exit(130)`` instead."""
-    import os
-
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -176,6 +174,9 @@ def check_output_place(run: Any, config: Path, *, overwrite: bool, resume: bool)
 
     out_dir = run.training.output_dir
     check_output_dir(Path(out_dir), "training.output_dir")
+    if os.path.realpath(out_dir) in ("/", os.path.realpath(os.path.expanduser("~"))):
+        fail(f"training.output_dir {out_dir} is the root or home folder; a run writes many files there",
+             "Name a folder for the run, e.g. runs/NAME (--set training.output_dir=DIR)")
     if run.training.logging_dir is not None:
         check_output_dir(Path(run.training.logging_dir), "training.logging_dir")
     data = run.data
@@ -377,8 +378,6 @@ def _train(run: Any, *, config: Path, given: list[str], effective: list[str], re
     """Check, train and report (``train`` after its input checks)."""
     from coordexp.runtime.train.args_check import check_training_arguments
     from coordexp.runtime.train.deepspeed import process_state_restored
-    import os
-
     from coordexp.runtime.train.launch import RunTerminated, StopRequest, release_process_group, run_training
     from coordexp.runtime.train.progress import ProgressCallback, summarize_history
 
