@@ -70,15 +70,24 @@ def _run(*args: str):
     return CliRunner().invoke(app, list(args), catch_exceptions=False)
 
 
-@given(st.one_of(st.integers(-10**9, 10**9), st.booleans(), st.none(),
-                 st.text(alphabet="abcdefghij_/", min_size=1, max_size=12)))
-def test_override_values_are_yaml_scalars(value):
+@given(st.one_of(st.integers(-10**9, 10**9).map(str), st.sampled_from(
+    ["2e-5", "010", "0o17", "0x1F", "on", "off", "yes", "no", "y", "n", "1:30", "~", "null", "true", "False", ".inf",
+     "-.5", "1_000", "2001-12-14", "'quoted'", '"x"', "[1, 2]", "{a: 1}"]),
+    st.text(alphabet="abcdefghijklmnopqrstuvwxyz_/.:-0123456789", min_size=1, max_size=12)))
+def test_override_values_are_read_like_the_files(value):
+    """--set reads a value exactly as the config files read it (YAML 1.2: 010 is 10, on is a string), not with
+    PyYAML's YAML 1.1 safe_load (the old comparison could not fail)."""
     from coordexp.cli.overrides import parse_override
+    from coordexp.schema.file_read import FileReadError
+    from coordexp.schema.yaml_io import parse_yaml_text
 
-    written = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
-    override = parse_override(f"a.b.0.c={written}")
+    try:
+        as_file = parse_yaml_text(f"c: {value}\n")["c"]
+    except FileReadError:
+        return  # not a value the files accept either (then --set refuses it: test_set_values_are_bounded...)
+    override = parse_override(f"a.b.0.c={value}")
     assert override.path == ("a", "b", "0", "c")
-    assert override.value == (yaml.safe_load(written))
+    assert override.value == as_file and type(override.value) is type(as_file)
 
 
 def test_overrides_reach_lists_by_index_and_refuse_bad_paths():
@@ -108,6 +117,11 @@ def test_set_overrides_record_the_run_and_a_used_folder_needs_resume_or_overwrit
     assert '# --set: "training.max_steps=1"' in recorded and yaml.safe_load(recorded)["training"]["max_steps"] == 1
     assert (run / "checkpoint-1").is_dir()
     assert _run("validate", str(run / "coordexp_config.yaml")).exit_code == 0  # the record is a config that runs
+    from coordexp.cli.frame import load_run_and_config
+
+    original, _ = load_run_and_config(config, overrides=["training.max_steps=1", f"training.output_dir={run}"])
+    from_record, _ = load_run_and_config(run / "coordexp_config.yaml")
+    assert from_record.to_dict() == original.to_dict()  # the same resolved contract, not just a valid file
     again = _run("train", str(config), "--set", "training.max_steps=1", "--set", f"training.output_dir={run}")
     assert again.exit_code == 2 and "checkpoint-1" in again.output and "--overwrite" in again.output
     resumed = _run("train", str(config), "--set", "training.max_steps=2", "--set", f"training.output_dir={run}",
