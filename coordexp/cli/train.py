@@ -438,16 +438,21 @@ def show_rollouts(
     limit: Annotated[int, typer.Option("--limit", min=1, help="Render the last N logged rollouts.")] = 8,
 ) -> None:
     """Render logged rollouts to PNGs: GT green, matched predictions blue, FPs red, FNs orange."""
+    from coordexp.cli.file_guard import MAX_SOURCE_BYTES
     from coordexp.runtime.train.visualize import ROLLOUT_LOG_NAME, render_rollout_log
 
-    if not (run_dir / ROLLOUT_LOG_NAME).is_file():
+    log = run_dir / ROLLOUT_LOG_NAME
+    if not log.is_file():
         fail(
             f"no {ROLLOUT_LOG_NAME} in {run_dir}",
             "Pass the output_dir of a `coordexp train` / `coordexp demo` run (stage 2 logs its rollouts)",
         )
+    if log.stat().st_size > MAX_SOURCE_BYTES:
+        fail(f"{log} is larger than the {MAX_SOURCE_BYTES}-byte limit on run-folder files",
+             "Check that this is a run's rollout log")
     try:
         paths = render_rollout_log(run_dir, png_dir, limit=limit)
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, RecursionError) as exc:  # RecursionError: a line nested too deeply
         fail(" ".join(str(exc).split()) or type(exc).__name__,
              "The rollout log or an image it names is unreadable; re-run training to rewrite it")
     if not paths:

@@ -455,3 +455,11 @@ def test_resume_refuses_a_config_edited_since_the_record_unless_the_key_is_passe
     passed = _run("train", str(config), "--resume", "auto", "--set", "training.learning_rate=0.5")
     assert passed.exit_code == 0, passed.output  # checkpoint-3 reached the recorded max_steps: nothing to train
     assert "already reached training.max_steps (3)" in " ".join(passed.output.split())
+
+
+def test_show_rollouts_of_a_deep_rollout_log_exits_2(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "rollouts.jsonl").write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    result = _run("show-rollouts", str(run))
+    assert result.exit_code == 2, result.output
