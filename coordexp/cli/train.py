@@ -282,7 +282,7 @@ def train(
     done = _finished(resume_from, run.training.max_steps)
     if done is not None:
         message = (f"{resume_from} already reached training.max_steps ({run.training.max_steps}) at step {done}; "
-                   "nothing to train (raise max_steps to train on)")
+                   "nothing to train (train on with --resume auto --set training.max_steps=N)")
         if as_json:
             write_result(json.dumps({"ok": True, "already_finished": True, "global_step": done,
                                          "checkpoint": resume_from}, indent=2) + "\n")
