@@ -155,6 +155,8 @@ class RolloutMatchingContract:
     gt_step_share: float = 0.0  # share of stage-2 optimizer steps trained on the GT serialization (channel A)
     trailing_unmatched: Literal["keep", "drop"] = "keep"  # the prefix ends after the last matched object when "drop"
     collapse_alarm: CollapseAlarmConfig = field(default_factory=CollapseAlarmConfig)  # stage-2 window checks
+    fn_placement: Literal["append", "reading_order", "cut_at_skip"] = "append"  # where a missed object is taught
+    repeats: Literal["neutral", "drop"] = "neutral"  # certified repeats: context (spec) or left out of Y_train
 
     @property
     def offload_active(self) -> bool:
@@ -305,6 +307,8 @@ def build_contract(cfg: CoordExpConfig) -> RunContract:
         gt_step_share=rm.gt_step_share,
         trailing_unmatched=rm.trailing_unmatched,
         collapse_alarm=rm.collapse_alarm,
+        fn_placement=rm.fn_placement,
+        repeats=rm.repeats,
     )
     data = cfg.data
     if data.image_root is None:

@@ -340,6 +340,16 @@ class RolloutMatchingConfig(StrictModel):
     matching: MatchingConfig = Field(default_factory=MatchingConfig)
     ot: OtConfig = Field(default_factory=OtConfig)
     collapse_alarm: CollapseAlarmConfig = Field(default_factory=CollapseAlarmConfig)
+    fn_placement: Literal["append", "reading_order", "cut_at_skip"] = Field(
+        "append", description="Where Y_train teaches a missed object: append = the spec (after the rollout's list); "
+        "reading_order = spliced before the first matched entry that comes after it in reading order (the prefix "
+        "token-identical up to the first splice, canonically serialized after it); cut_at_skip = the prefix ends "
+        "before the first entry written past a skipped object and the ground truth completes it (docs/design.md, "
+        "decision 18). Not with data.object_order: random (no reading order).")
+    repeats: Literal["neutral", "drop"] = Field(
+        "neutral", description="Certified repeats of the rollout (an unmatched entry with the same desc and IoU >= "
+        "0.9 as an earlier kept one, or IoU >= 0.5 with an object an earlier entry took): neutral = the spec "
+        "(context, no loss); drop = left out of Y_train (docs/design.md, decision 18).")
     gt_step_share: Probability = Field(
         0.0, description="Share of stage-2 optimizer steps that train the ground-truth serialization (channel A: "
         "stage-1 targets, no rollout) instead of rollouts, spread evenly over the run; 0 = rollouts only, the spec's "

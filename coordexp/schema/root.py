@@ -65,6 +65,15 @@ class CoordExpConfig(StrictModel):
                     "Lower template.max_length or raise global_max_length.",
                 )
             )
+        if rm.fn_placement != "append" and self.data.object_order == "random":
+            violations.append(
+                RuleViolation(
+                    "rollout_matching.fn_placement",
+                    f"fn_placement: {rm.fn_placement} places missed objects by reading order, but "
+                    "data.object_order: random trains no reading order",
+                    "Use data.object_order: keep or sorted, or fn_placement: append.",
+                )
+            )
         violations += evaluation_data_violations(self.training, self.data.val_jsonl)
         violations += deepspeed_violations(
             self.training, adapter=self.tuner.train_type == "lora", colocate_offload=rm.offload.enabled and (

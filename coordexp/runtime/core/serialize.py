@@ -34,6 +34,7 @@ class RenderedAppend:
     coord_spans: tuple[tuple[int, int, int], ...]  # (bin, start, end) of each coord token, in order
     geometries: tuple[str, ...]  # geometry key of each object, in order
     segments: tuple[str, ...]
+    entry_spans: tuple[tuple[int, int], ...] = ()  # each object's entry, its leading ", " included
 
 
 def validate_gt_object(obj: DetObject, where: str) -> None:
@@ -95,6 +96,7 @@ def render_entries(
     bins: list[int] = []  # every coord value, in order
     first_coord: list[int] = []  # per object: its first coord token's character offset
     n_coords: list[int] = []  # per object: its number of coord tokens
+    entry_chars: list[tuple[int, int]] = []
     for i, obj in enumerate(objects):
         validate_gt_object(obj, f"object {i} of the ground truth")
         escaped = _encode_desc(obj.desc)
@@ -116,6 +118,7 @@ def render_entries(
         segments += [_COORD_SEP] * (len(coords) - 1)
         segment = after
         parts += (head, body, after)
+        entry_chars.append((size, size + len(head) + len(body) + len(after)))
         size += len(head) + len(body) + len(after)
     parts.append(tail)
     segments.append(segment + tail)
@@ -130,20 +133,23 @@ def render_entries(
     if text.isascii():
         desc_spans = tuple(desc_chars)
         coord_spans = tuple(zip(coord_bins, coord_starts, coord_ends))
+        entry_spans = tuple(entry_chars)
     else:  # desc values may hold multi-byte characters: convert character offsets to byte offsets
-        cuts = sorted({c for span in desc_chars for c in span} | set(coord_starts) | set(coord_ends))
+        cuts = sorted({c for span in desc_chars + entry_chars for c in span} | set(coord_starts) | set(coord_ends))
         byte_at, done_chars, n_bytes = {}, 0, 0
         for c in cuts:
             n_bytes += len(text[done_chars:c].encode("utf-8"))
             byte_at[c], done_chars = n_bytes, c
         desc_spans = tuple((byte_at[a], byte_at[b]) for a, b in desc_chars)
         coord_spans = tuple((b, byte_at[c], byte_at[e]) for b, c, e in zip(coord_bins, coord_starts, coord_ends))
+        entry_spans = tuple((byte_at[a], byte_at[b]) for a, b in entry_chars)
     return RenderedAppend(
         text=text,
         desc_spans=desc_spans,
         coord_spans=coord_spans,
         geometries=tuple(o.geometry for o in objects),
         segments=tuple(segments),
+        entry_spans=entry_spans,
     )
 
 

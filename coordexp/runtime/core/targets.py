@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any, Mapping, Sequence
+from typing import Any, Literal, Mapping, Sequence
 
 import numpy as np
 
@@ -30,6 +30,7 @@ from coordexp.schema.pipeline import TokenCeConfig
 
 __all__ = [
     "TrainTarget",
+    "TailEntry",
     "encode_append",
     "build_train_target",
     "check_supervision_in_span",
@@ -37,6 +38,20 @@ __all__ = [
     "serialize_objects",
     "validate_gt_object",
 ]
+
+
+@dataclass(frozen=True)
+class TailEntry:
+    """One object of the canonically serialized tail of ``Y_train`` (after the kept prefix), and how it is taught:
+    ``fn`` a ground-truth object fully supervised (the spec's append), ``matched`` one of the rollout's own objects
+    re-serialized after a splice point, its coordinates pulled toward ``coord_targets`` and its structure at
+    ``rollout_matched_prefix_struct_weight`` (as in the prefix), ``neutral`` a rollout object written again as
+    context with no loss (docs/design.md, decision 18)."""
+
+    obj: DetObject
+    role: Literal["fn", "matched", "neutral"]
+    gt_index: int | None = None  # fn: the ground-truth object; matched: the object it matched
+    coord_targets: tuple[float, ...] = ()  # matched: one target bin per coord token
 
 
 @dataclass(frozen=True)
@@ -61,6 +76,7 @@ class TrainTarget:
     cut_fallbacks: int
     truncated: bool
     joined_text: str = ""
+    tail: tuple[TailEntry, ...] = ()  # the serialized tail when it is not the plain FN append
 
     @property
     def n_fn_appended(self) -> int:
@@ -182,11 +198,15 @@ def _ce_weights(
     coord_at: np.ndarray,
     desc_at: np.ndarray,
     unsupervised_head: int = 0,
+    tail_roles: np.ndarray | None = None,
+    desc_taught: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Sorted CE positions and float32 weights: matched prefix structure, FN-tail structure (1), FN descs, EOS (1).
 
     Later groups overwrite earlier ones at a shared position, except FN descs, which only fill free positions. The
     first ``unsupervised_head`` append tokens hold bytes of an entry that is not a valid object: never trained.
+    ``tail_roles`` (per append token: 0 taught as the append, 1 a re-serialized matched object's structure, 2 no
+    loss) narrows the tail's structure supervision when the tail is not the plain append (:class:`TailEntry`).
     """
     n = prefix_len + append_len + 1
     weight = np.full(n, np.nan)
@@ -205,14 +225,72 @@ def _ce_weights(
     tail_struct[coord_at] = False
     tail_struct[desc_at] = False
     tail_struct[:unsupervised_head] = False
+    if tail_roles is not None:
+        matched_struct = tail_struct & (tail_roles == 1)
+        tail_struct &= tail_roles == 0
+        if struct_weight > 0:
+            weight[prefix_len + np.flatnonzero(matched_struct)] = struct_weight
     weight[prefix_len + np.flatnonzero(tail_struct)] = 1.0
     desc_weight = float(token_ce.rollout_fn_desc_weight)
     if desc_weight > 0:
-        desc_positions = prefix_len + desc_at
+        desc_positions = prefix_len + (desc_at if desc_taught is None else desc_taught)
         weight[desc_positions[np.isnan(weight[desc_positions])]] = desc_weight
     weight[n - 1] = 1.0
     positions = np.flatnonzero(~np.isnan(weight))
     return positions, weight[positions].astype(np.float32)
+
+
+def _token_roles(rendered: RenderedAppend, starts: np.ndarray, tail: Sequence[TailEntry], joined: str) -> np.ndarray:
+    """Per append token, the role it is taught in (see :func:`_ce_weights`), by where its last byte lies (what the
+    token commits to): in an ``fn`` entry or around the entries (the re-encoded cut token, the closing brace) it is
+    taught as the append, in a ``matched`` entry as that entry's structure, in a ``neutral`` one not at all (so
+    ``"]},`` that closes an object and opens a neutral one teaches nothing). The separator before the first entry
+    belongs to it, as every later entry's own leading ``", "`` does."""
+    n_bytes = int(starts[-1])
+    label = np.zeros(n_bytes + 1, dtype=np.int8)  # 0 around the entries, else 1 + the entry's role index
+    code = {"fn": 0, "matched": 1, "neutral": 2}
+    spans = list(rendered.entry_spans)
+    if spans:
+        spans[0] = (len(joined.encode("utf-8")), spans[0][1])
+    for (a, b), entry in zip(spans, tail):
+        label[a:b] = 1 + code[entry.role]
+    return np.array([0, 0, 1, 2], dtype=np.int8)[label[starts[1:] - 1]]
+
+
+def _entry_tokens(spans: Sequence[tuple[int, int]], starts: np.ndarray) -> list[np.ndarray]:
+    """The token indices holding each byte span (empty spans: none)."""
+    out = []
+    for a, b in spans:
+        if b <= a:
+            out.append(np.zeros(0, dtype=np.int64))
+            continue
+        first = int(np.searchsorted(starts, a, side="right")) - 1
+        last = int(np.searchsorted(starts, b - 1, side="right")) - 1
+        out.append(np.arange(first, last + 1, dtype=np.int64))
+    return out
+
+
+def _check_tail(tail: Sequence[TailEntry], n_gt: int, matched_gt: set[int]) -> tuple[TailEntry, ...]:
+    """The tail entries, checked: every ``fn`` entry a distinct ground-truth object no prefix pair holds, every
+    ``matched`` entry with one finite target bin in [0, 999] per coord."""
+    entries = tuple(tail)
+    seen: set[int] = set()
+    for k, entry in enumerate(entries):
+        if entry.role not in ("fn", "matched", "neutral"):
+            raise ValueError(f"tail entry {k}: role must be fn, matched or neutral, got {entry.role!r}")
+        if entry.role == "fn":
+            g = entry.gt_index
+            if g is None or not 0 <= g < n_gt or g in matched_gt or g in seen:
+                raise ValueError(f"tail entry {k}: fn gt_index {g!r} must be a ground-truth object (0..{n_gt - 1}) "
+                                 "that no prefix pair and no other tail entry holds")
+            seen.add(g)
+        if entry.role == "matched":
+            values = np.asarray(entry.coord_targets, dtype=np.float64)
+            if values.shape != (len(entry.obj.coords),) or not np.isfinite(values).all() or (
+                    values.size and (values.min() < 0 or values.max() > 999)):
+                raise ValueError(f"tail entry {k}: a matched entry needs one finite target bin in [0, 999] per coord "
+                                 f"({len(entry.obj.coords)}), got {list(entry.coord_targets)}")
+    return entries
 
 
 def _join_at_cut(parse: RolloutParse, table: PieceTable) -> tuple[tuple[int, ...], str]:
@@ -271,12 +349,14 @@ def build_train_target(
     token_ce: TokenCeConfig,
     eos_id: int,
     piece_table: PieceTable | None = None,
+    tail: Sequence[TailEntry] | None = None,
 ) -> TrainTarget:
     """Assemble ``Y_train`` and its supervision.
 
     ``matched_pairs`` holds ``(position in parse.objects, gt index)``; ``pair_coord_targets`` gives, per pair, one
     target bin per coord slot of the prediction (a mapping keyed by the pair, or a sequence in pair order). GT
-    objects not matched are appended in GT order, numbered from ``max_object_index + 1``.
+    objects not matched are appended in GT order, numbered from ``max_object_index + 1``; ``tail`` replaces that
+    append by the given entries (FN placement and repeat removal, docs/design.md, decision 18).
     """
     table = piece_table if piece_table is not None else PieceTable.for_tokenizer(tokenizer)
     eos_id = int(eos_id)
@@ -286,21 +366,31 @@ def build_train_target(
     pairs = _check_pairs(parse, len(gt_objects), original)
     pair_targets = _pair_targets(parse, pairs, pair_coord_targets, original)
     matched_gt = {g for _, g in pairs}
-    fn = tuple(g for g in range(len(gt_objects)) if g not in matched_gt)
+    if tail is None:
+        fn = tuple(g for g in range(len(gt_objects)) if g not in matched_gt)
+        entries = tuple(TailEntry(gt_objects[g], "fn", g) for g in fn)
+    else:
+        entries = _check_tail(tail, len(gt_objects), matched_gt)
+        fn = tuple(int(e.gt_index) for e in entries if e.role == "fn")
     start_index = (parse.max_object_index or 0) + 1
     kept_ids, joined = _join_at_cut(parse, table)
-    fn_objects = [gt_objects[g] for g in fn]
-    rendered = render_entries(fn_objects, start_index, field_order,
-                              lead=joined + append_lead(parse.prefix_text, len(fn_objects)), tail="}")
+    rendered = render_entries([e.obj for e in entries], start_index, field_order,
+                              lead=joined + append_lead(parse.prefix_text, len(entries)), tail="}")
     append_ids = encode_append(rendered, tokenizer, vocab, table)
-    coord_at, desc_at, _ = _append_token_layout(append_ids, rendered, table, vocab)
+    coord_at, desc_at, starts = _append_token_layout(append_ids, rendered, table, vocab)
+    roles, desc_taught = None, None
+    if tail is not None:
+        roles = _token_roles(rendered, starts, entries, joined)
+        fn_descs = [span for span, e in zip(rendered.desc_spans, entries) if e.role == "fn"]
+        desc_taught = np.unique(np.concatenate([np.zeros(0, np.int64), *_entry_tokens(fn_descs, starts)]))
 
     prefix_len, append_len = len(kept_ids), len(append_ids)
     ids = kept_ids + append_ids + (eos_id,)
     ce_positions, ce_weights = _ce_weights(parse, pairs, token_ce, prefix_len, append_len, coord_at, desc_at,
-                                           _tokens_closing_an_invalid_entry(parse, joined, append_ids, table))
+                                           _tokens_closing_an_invalid_entry(parse, joined, append_ids, table),
+                                           tail_roles=roles, desc_taught=desc_taught)
 
-    # Coord slots: the matched predictions' slots in pair order, then the FN tail's; bbox_slots index them.
+    # Coord slots: the matched predictions' slots in pair order, then the tail's taught ones; bbox_slots index them.
     coord_positions: list[int] = []
     bbox_first: list[int] = []  # the slot of each supervised box's x1
     for p, _ in pairs:
@@ -308,13 +398,20 @@ def build_train_target(
         if obj.geometry == "bbox_2d":
             bbox_first.append(len(coord_positions))
         coord_positions += obj.coord_token_indices
-    cursor = len(coord_positions)
-    for geometry, g in zip(rendered.geometries, fn):
-        if geometry == "bbox_2d":
-            bbox_first.append(cursor)
-        cursor += len(gt_objects[g].coords)
-    coord_positions += (prefix_len + coord_at).tolist()
-    tail_bins = np.array([b for b, _, _ in rendered.coord_spans], dtype=np.float64)
+    tail_positions: list[int] = []
+    tail_values: list[float] = []
+    offset = 0
+    for geometry, entry in zip(rendered.geometries, entries):
+        n_coords = len(entry.obj.coords)
+        if entry.role != "neutral":
+            if geometry == "bbox_2d":
+                bbox_first.append(len(coord_positions) + len(tail_positions))
+            tail_positions += (prefix_len + coord_at[offset:offset + n_coords]).tolist()
+            tail_values += ([b for b, _, _ in rendered.coord_spans[offset:offset + n_coords]] if entry.role == "fn"
+                            else list(entry.coord_targets))
+        offset += n_coords
+    coord_positions += tail_positions
+    tail_bins = np.array(tail_values, dtype=np.float64)
 
     supervision = TokenSupervision(
         ce_positions=ce_positions,
@@ -337,6 +434,7 @@ def build_train_target(
         prefix_fallback=parse.prefix_fallback,
         cut_fallbacks=parse.cut_fallbacks,
         truncated=parse.truncated,
+        tail=() if tail is None else entries,
     )
     check_supervision_in_span(target)
     return target

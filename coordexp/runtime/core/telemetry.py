@@ -72,6 +72,7 @@ _SCALAR_FIELDS: tuple[str, ...] = (
     "rollout_tokens",
     "trailing_dropped",
     "certified_duplicates",
+    "repeats_removed",
 )
 _REASON_FIELDS: tuple[str, ...] = ("dropped_by_reason", "prefix_fallbacks_by_reason")
 
@@ -103,6 +104,7 @@ class RolloutCounters:
     rollout_tokens: int = 0  # generated tokens, summed
     trailing_dropped: int = 0  # parsed entries after the last matched one, cut from Y_train (trailing_unmatched: drop)
     certified_duplicates: int = 0  # valid predictions that repeat an earlier one (core.set_figures; label safe)
+    repeats_removed: int = 0  # certified repeats left out of Y_train (rollout_matching.repeats: drop)
 
     def __post_init__(self) -> None:
         for name in _SCALAR_FIELDS:
@@ -146,6 +148,7 @@ class RolloutCounters:
         cut_fallbacks: int = 0,
         trailing_dropped: int = 0,
         certified_duplicates: int = 0,
+        repeats_removed: int = 0,
     ) -> "RolloutCounters":
         """Counters of one rollout. ``drop_reasons`` lists one reason per non-valid parsed object; the
         :data:`AMBIGUOUS_REASON` entries count as ambiguous-excluded. ``fp`` is derived as valid - matched.
@@ -186,6 +189,7 @@ class RolloutCounters:
             rollout_tokens=rollout_tokens,
             trailing_dropped=trailing_dropped,
             certified_duplicates=certified_duplicates,
+            repeats_removed=repeats_removed,
         )
 
     def merge(self, other: "RolloutCounters") -> "RolloutCounters":

@@ -24,6 +24,7 @@ from coordexp.runtime.core.objects import TokenSupervision
 from coordexp.runtime.core.ot import pair_coord_targets
 from coordexp.runtime.core.parsing import RolloutParse, cut_after_objects, parse_rollout
 from coordexp.runtime.core.pieces import PieceTable
+from coordexp.runtime.core.placement import plan_target
 from coordexp.runtime.core.set_figures import certified_duplicates
 from coordexp.runtime.core.targets import TrainTarget, build_train_target
 from coordexp.runtime.core.telemetry import RolloutCounters
@@ -146,21 +147,25 @@ def build_rollout_sample(
     gts = list(record.objects)
     match = match_objects(preds, gts, ctx.rollout.matching)
     pair_targets = pair_coord_targets(preds, gts, match.pairs, ctx.rollout.ot)
+    rm = ctx.rollout
+    plan = plan_target([o.valid for o in parse.objects], preds, valid_positions, gts, match.pairs, pair_targets,
+                       placement=rm.fn_placement, repeats=rm.repeats, trailing=rm.trailing_unmatched)
     target_parse = parse
-    if ctx.rollout.trailing_unmatched == "drop":
-        kept = max((valid_positions[p] + 1 for p, _ in match.pairs), default=0)
-        target_parse = cut_after_objects(parse, kept, ctx.tokenizer, ctx.vocab, piece_table=ctx.pieces)
+    if plan.kept < len(parse.objects):
+        target_parse = cut_after_objects(parse, plan.kept, ctx.tokenizer, ctx.vocab, piece_table=ctx.pieces)
+    pred_at = {position: p for p, position in enumerate(valid_positions)}
     target = build_train_target(
         target_parse,
         gts,
-        [(valid_positions[p], g) for p, g in match.pairs],
-        [pair_targets[pair] for pair in match.pairs],
+        list(plan.prefix_pairs),
+        [pair_targets[(pred_at[position], g)] for position, g in plan.prefix_pairs],
         ctx.tokenizer,
         ctx.vocab,
-        field_order=ctx.rollout.object_field_order,
+        field_order=rm.object_field_order,
         token_ce=ctx.token_ce,
         eos_id=ctx.eos_id,
         piece_table=ctx.pieces,
+        tail=plan.tail,
     )
     encoded = encode_teacher_forced(ctx.processor, record, ctx.template, target.ids, prompt=prompt)
     _check_span(record.source, target, encoded)
@@ -179,6 +184,7 @@ def build_rollout_sample(
         cut_fallbacks=parse.cut_fallbacks,
         trailing_dropped=len(parse.objects) - len(target_parse.objects),
         certified_duplicates=sum(certified_duplicates(preds, gts)),
+        repeats_removed=plan.repeats_removed,
     )
     return SampleTarget(encoded, target, counters, parse, match, valid_positions)
 
