@@ -13,7 +13,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, SecretStr
 
 from coordexp.schema.custom import ObjectFieldOrder, TrainerVariant
-from coordexp.schema.data import DataConfig
+from coordexp.schema.data import DataConfig, GtPrefixMix
 from coordexp.schema.errors import ConfigError, ConfigIssue
 from coordexp.schema.loader import load_config
 from coordexp.schema.matching import MatchingConfig, OtConfig
@@ -157,6 +157,7 @@ class RolloutMatchingContract:
     collapse_alarm: CollapseAlarmConfig = field(default_factory=CollapseAlarmConfig)  # stage-2 window checks
     fn_placement: Literal["append", "reading_order", "cut_at_skip"] = "append"  # where a missed object is taught
     repeats: Literal["neutral", "drop"] = "neutral"  # certified repeats: context (spec) or left out of Y_train
+    gt_prefix_mix: GtPrefixMix = field(default_factory=GtPrefixMix)  # data.gt_prefix_mix: gap-augmented GT samples
 
     @property
     def offload_active(self) -> bool:
@@ -309,6 +310,7 @@ def build_contract(cfg: CoordExpConfig) -> RunContract:
         collapse_alarm=rm.collapse_alarm,
         fn_placement=rm.fn_placement,
         repeats=rm.repeats,
+        gt_prefix_mix=cfg.data.gt_prefix_mix,
     )
     data = cfg.data
     if data.image_root is None:

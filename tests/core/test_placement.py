@@ -160,3 +160,21 @@ def test_placed_targets_parse_into_the_plan(tiny_tokenizer, coord_vocab, piece_t
                 for v in (e.obj.coords if e.role == "fn" else e.coord_targets)]
         assert values.tolist() == pytest.approx(want)
     assert sup.ce_positions[-1] == len(target.ids) - 1
+
+
+def test_gap_prefixes_are_drawn_by_the_mix():
+    import random
+
+    from coordexp.runtime.train.rollout_step import gt_prefix
+    from coordexp.schema.data import GtPrefixMix
+
+    draw = random.Random(0)
+    assert gt_prefix(5, GtPrefixMix(), draw) == ()
+    assert gt_prefix(5, GtPrefixMix(none=0, all=1), draw) == (0, 1, 2, 3, 4)
+    loo = [gt_prefix(5, GtPrefixMix(none=0, leave_one_out=1), draw) for _ in range(50)]
+    assert all(len(p) == 4 and list(p) == sorted(p) for p in loo) and len(set(loo)) == 5
+    subsets = [gt_prefix(5, GtPrefixMix(none=0, random_subset=1), draw) for _ in range(100)]
+    assert all(1 <= len(p) <= 4 and list(p) == sorted(p) for p in subsets)
+    assert gt_prefix(1, GtPrefixMix(none=0, leave_one_out=1), draw) == ()  # nothing to leave out of one object
+    with pytest.raises(Exception, match="every weight is 0"):
+        GtPrefixMix(none=0)

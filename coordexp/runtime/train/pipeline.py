@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
@@ -253,7 +254,9 @@ class MicroStepPipeline:
         if not self.settings.rolls_out(step):
             self.stats.gt_micro_steps += int(self.settings.stage2)
             prompts = encode_prompts(self.host, records)
-            return [build_gt_sample(r, p, self.host) for r, p in zip(records, prompts, strict=True)]
+            seed = self.settings.seed
+            return [build_gt_sample(r, p, self.host, random.Random(f"coordexp-gt-prefix:{seed}:{step}:{r.source}"))
+                    for r, p in zip(records, prompts, strict=True)]
         micro = self.next_micro_step(step)
         seeds = self.request_seeds(step, micro, len(records))
         key = (step, micro)

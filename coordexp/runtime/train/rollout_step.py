@@ -7,6 +7,7 @@ position must fall inside the assistant span.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -26,7 +27,8 @@ from coordexp.runtime.core.parsing import RolloutParse, cut_after_objects, parse
 from coordexp.runtime.core.pieces import PieceTable
 from coordexp.runtime.core.placement import plan_target
 from coordexp.runtime.core.set_figures import certified_duplicates
-from coordexp.runtime.core.targets import TrainTarget, build_train_target
+from coordexp.runtime.core.serialize import serialize_objects
+from coordexp.runtime.core.targets import TailEntry, TrainTarget, build_train_target
 from coordexp.runtime.core.telemetry import RolloutCounters
 from coordexp.runtime.core.tokens import CoordVocab
 from coordexp.runtime.train.visualize import RolloutLogEntry, bounded_text
@@ -36,9 +38,10 @@ if TYPE_CHECKING:
     from coordexp.runtime.rollout.base import RolloutOutput
     from coordexp.runtime.model.data import DetectionRecord
     from coordexp.schema.contract import RolloutMatchingContract
+    from coordexp.schema.data import GtPrefixMix
     from coordexp.schema.template import TemplateConfig
 
-__all__ = ["HostContext", "SampleTarget", "build_rollout_sample", "build_gt_sample", "decode_mode_of"]
+__all__ = ["HostContext", "SampleTarget", "build_rollout_sample", "build_gt_sample", "gt_prefix", "decode_mode_of"]
 
 DecodeMode = Literal["greedy", "sampling", "beam"]
 # Stage 1 is plain SFT: every token of the GT serialization is trained, desc values included.
@@ -189,16 +192,42 @@ def build_rollout_sample(
     return SampleTarget(encoded, target, counters, parse, match, valid_positions)
 
 
-def build_gt_sample(record: "DetectionRecord", prompt: EncodedPrompt, ctx: HostContext) -> SampleTarget:
-    """Stage 1 for one sample: the GT serialization, every token supervised (the opening ``{`` included).
+def gt_prefix(n_objects: int, mix: "GtPrefixMix", draw: random.Random) -> tuple[int, ...]:
+    """The objects (indices, reading order) a ground-truth sample gives as context, drawn by ``data.gt_prefix_mix``
+    (docs/design.md, decision 18); a kind that needs more objects than the record has gives the empty prefix."""
+    kind = draw.choices(("none", "random_subset", "leave_one_out", "all"),
+                        weights=(mix.none, mix.random_subset, mix.leave_one_out, mix.all))[0]
+    if kind == "all":
+        return tuple(range(n_objects))
+    if kind == "none" or n_objects < 2:
+        return ()
+    if kind == "leave_one_out":
+        left = draw.randrange(n_objects)
+        return tuple(k for k in range(n_objects) if k != left)
+    return tuple(sorted(draw.sample(range(n_objects), draw.randint(1, n_objects - 1))))
+
+
+def build_gt_sample(record: "DetectionRecord", prompt: EncodedPrompt, ctx: HostContext,
+                    draw: random.Random | None = None) -> SampleTarget:
+    """Stage 1 for one sample: the GT serialization, every token supervised (the opening ``{`` included); with
+    ``draw`` and a ``data.gt_prefix_mix`` that cuts, a ground-truth prefix given as context and the objects it leaves
+    out taught in reading order (a gap-augmented sample).
 
     Built through the same target builder as stage 2 (the empty prefix ``{`` with every GT object appended, encoded
     together as the tokenizer encodes the whole text), so stage 1 and stage 2 tails tokenize identically.
     """
-    parse = parse_rollout((), ctx.tokenizer, ctx.vocab, piece_table=ctx.pieces)
+    objects = list(record.objects)
+    mix = ctx.rollout.gt_prefix_mix
+    given = () if draw is None or mix.is_plain else gt_prefix(len(objects), mix, draw)
+    ids: tuple[int, ...] = ()
+    if given:
+        text = serialize_objects([objects[k] for k in given], ctx.rollout.object_field_order)
+        ids = tuple(ctx.tokenizer.encode(text, add_special_tokens=False))
+    parse = parse_rollout(ids, ctx.tokenizer, ctx.vocab, piece_table=ctx.pieces)
+    tail = None if not given else tuple(TailEntry(objects[g], "fn", g) for g in range(len(objects)) if g not in given)
     target = build_train_target(
         parse,
-        list(record.objects),
+        objects,
         [],
         [],
         ctx.tokenizer,
@@ -207,6 +236,7 @@ def build_gt_sample(record: "DetectionRecord", prompt: EncodedPrompt, ctx: HostC
         token_ce=_STAGE1_TOKEN_CE,
         eos_id=ctx.eos_id,
         piece_table=ctx.pieces,
+        tail=tail,
     )
     encoded = encode_teacher_forced(ctx.processor, record, ctx.template, target.ids, prompt=prompt,
                                     max_length=ctx.max_length)
