@@ -9,8 +9,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 CONTROL = "stage1_continued"
+# every arm is also compared with these when present: the second control and decision 17's best arm (decision 18)
+REFERENCES = (CONTROL, "stage1_gap", "stage2_drop")
 FIGURES = ("AP", "AP50", "parse_valid_rate", "match_rate", "fp_per_image", "fn_per_image", "truncation_rate")
-GRID_FIGURES = ("precision", "f1", "duplicates_per_image", "premature_eos_rate", "count_error",
+GRID_FIGURES = ("recall", "precision", "f1", "pred_per_gt", "duplicates_per_image", "premature_eos_rate", "count_error",
                 "rollout_tokens_per_image", "cell_precision", "next_object_tf", "next_object_free", "exposure_gap",
                 "deletion_recovery", "duplicate_probe", "backtracks_per_image", "backtrack_recovery_rate")
 
@@ -68,14 +70,18 @@ def summarize(per_seed: Sequence[dict[str, Any]]) -> dict[str, Any]:
         summary[name]["wall_s"] = spread([r["train"]["wall_s"] for r in rows])
         if "recall_by_rank" in rows[0]["eval"]:
             summary[name]["recall_by_rank"] = _rank_mean(rows)
-    if CONTROL in names:
+    for reference in (r for r in REFERENCES if r in names):
         for name in names:
-            if name == CONTROL:
+            if name == reference or name in REFERENCES[:REFERENCES.index(reference) + 1] or (
+                    reference != CONTROL and name.startswith("stage1")):
                 continue
-            summary[f"{name} - {CONTROL}"] = {
-                k: paired([None if s["runs"][name]["eval"].get(k) is None or s["runs"][CONTROL]["eval"].get(k) is None
-                           else s["runs"][name]["eval"][k] - s["runs"][CONTROL]["eval"][k] for s in per_seed])
+            summary[f"{name} - {reference}"] = {
+                k: paired([None if s["runs"][name]["eval"].get(k) is None or s["runs"][reference]["eval"].get(k) is None
+                           else s["runs"][name]["eval"][k] - s["runs"][reference]["eval"][k] for s in per_seed])
                 for k in figures}
+    if all(r in names for r in REFERENCES):
+        summary["rule"] = {name: pays(summary, name) for name in names
+                           if not name.startswith("stage1") and name != "stage2_drop"}
     gates = [s.get("gate") for s in per_seed if s.get("gate") is not None]
     if gates:
         summary["gate"] = {"passed": all(g["passed"] for g in gates), "failed_seeds": [
@@ -86,6 +92,23 @@ def summarize(per_seed: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return summary
 
 
+def pays(summary: dict[str, Any], name: str) -> dict[str, Any]:
+    """Decision 18's pre-registered rule: AP50 above both controls (95% interval above 0), F1 above stage2_drop's
+    (paired mean), precision's interval above -3 points against stage1_continued."""
+
+    def ci_low(reference: str, key: str) -> float | None:
+        d = summary.get(f"{name} - {reference}", {}).get(key) or {}
+        return None if d.get("ci95") is None else d["ci95"][0]
+
+    def mean(reference: str, key: str) -> float | None:
+        return (summary.get(f"{name} - {reference}", {}).get(key) or {}).get("mean")
+
+    checks = {"AP50 > stage1_continued": ci_low(CONTROL, "AP50"), "AP50 > stage1_gap": ci_low("stage1_gap", "AP50"),
+              "F1 > stage2_drop": mean("stage2_drop", "f1"), "precision > -3 points": ci_low(CONTROL, "precision")}
+    passed = {k: v is not None and (v > -0.03 if k.startswith("precision") else v > 0) for k, v in checks.items()}
+    return {"checks": checks, "passed": passed, "pays": all(passed.values())}
+
+
 def _pct(value: Any) -> str:
     return "-" if value is None else f"{100 * value:.1f}"
 
@@ -94,7 +117,8 @@ def _num(value: Any, scale: float = 1.0) -> str:
     return "-" if value is None else f"{scale * value:.2f}"
 
 
-_GRID_COLUMNS = (("prec%", "precision", 100), ("f1%", "f1", 100), ("dup/img", "duplicates_per_image", 1),
+_GRID_COLUMNS = (("rec%", "recall", 100), ("prec%", "precision", 100), ("f1%", "f1", 100),
+                 ("pred/GT", "pred_per_gt", 1), ("dup/img", "duplicates_per_image", 1),
                  ("pEOS%", "premature_eos_rate", 100), ("cnt err", "count_error", 1),
                  ("tok/img", "rollout_tokens_per_image", 1), ("gap%", "exposure_gap", 100),
                  ("delrec%", "deletion_recovery", 100), ("dupprb%", "duplicate_probe", 100),
@@ -105,6 +129,8 @@ def print_tables(per_seed: Sequence[dict[str, Any]], summary: dict[str, Any], he
     print("\n" + header)
     row = (f"{'seed':>5} {'run':<18}{'steps':>7}{'AP':>7}{'AP50':>7}{'parse%':>8}{'match%':>8}{'FP/img':>8}"
            f"{'FN/img':>8}{'trunc%':>8}{'tokens':>10}{'train s':>9}")
+    print("match% is the stage-2 matcher's (mask IoU >= 0.3, class ignored); rec% / prec% / f1% are box IoU 0.5, "
+          "class-aware; tokens and train s are each arm's trained tokens and wall time (equal steps, not compute)")
     print(row)
     for s in per_seed:
         for name, figures in s["runs"].items():
@@ -123,12 +149,12 @@ def print_tables(per_seed: Sequence[dict[str, Any]], summary: dict[str, Any], he
     print(f"\nmean +- std over {len(per_seed)} seeds (+- is a standard deviation)")
     print(f"{'run':<20}{'AP':>14}{'AP50':>14}{'parse%':>14}{'match%':>14}")
     for name, figures in summary.items():
-        if " - " in name or name in ("gate", "data_order_equal"):
+        if " - " in name or name in ("gate", "data_order_equal", "rule"):
             continue
         cells = [f"{100 * figures[k]['mean']:.1f}+-{100 * figures[k]['std']:.1f}" if figures[k]["mean"] is not None
                  else "-" for k in FIGURES[:4]]
         print(f"{name:<20}" + "".join(f"{c:>14}" for c in cells))
-    print(f"\npaired differences against {CONTROL} (same seed): mean, standard error, 95% t interval, seeds up/down")
+    print("\npaired differences (same seed): mean, standard error, 95% t interval, seeds up/down")
     for name, figures in summary.items():
         if " - " not in name:
             continue
@@ -140,6 +166,9 @@ def print_tables(per_seed: Sequence[dict[str, Any]], summary: dict[str, Any], he
             ci = "-" if d["ci95"] is None else f"[{scale * d['ci95'][0]:+.2f}, {scale * d['ci95'][1]:+.2f}]"
             se = "-" if d["se"] is None else f"{scale * d['se']:.2f}"
             print(f"    {k:<26}{scale * d['mean']:>+9.2f}  se {se:>6}  CI {ci:<20} {d['up']} up / {d['down']} down")
+    for name, rule in (summary.get("rule") or {}).items():
+        shown = ", ".join(f"{k} {'yes' if ok else 'no'}" for k, ok in rule["passed"].items())
+        print(f"decision 18's rule, {name}: {'PAYS' if rule['pays'] else 'does not pay'} ({shown})")
     if "gate" in summary:
         verdict = "passed on every seed" if summary["gate"]["passed"] else (
             f"FAILED on seeds {summary['gate']['failed_seeds']}: the comparison is NOT a result")

@@ -17,9 +17,13 @@ steps (stage 2 as demo_stage2.yaml says: every other step trains the ground trut
 ``stage2_rollout_only`` is the same stage 2 with rollouts at every step (the spec's). ``--task dense`` holds 3-6
 objects per image (long outputs where stage 1's rollouts miss and repeat). ``--task grid`` (docs/design.md,
 decision 17): one class of boxes on a grid of 28 px cells (``--grid CELLS:MIN-MAX``, default 4:4-12; 6:8-20 on a
-GPU), ground truth in row-major order; arms ``stage1_continued`` (control), ``stage2`` (the spec's: gt_step_share 0,
-trailing_unmatched keep) and ``stage2_recipe`` (demo_stage2.yaml); every ``eval`` adds the figures and probes of
-:mod:`coordexp.runtime.toy.probes`, stage 1 is held to a pilot gate, and ``recall_by_rank.png`` is written.
+GPU), ground truth in row-major order; arms ``stage1_continued`` (control), ``stage1_gap`` (the second control:
+gap-augmented ground truth, data.gt_prefix_mix), ``stage2`` (the spec as written: gt_step_share 0,
+trailing_unmatched keep, both recipe CE weights 0), ``stage2_drop`` (decision 17's) and ``stage2_recipe``
+(demo_stage2.yaml, what ``coordexp init --stage 2`` writes); every ``eval`` adds the set figures and probes
+(:mod:`coordexp.runtime.core.set_figures`, :mod:`coordexp.runtime.train.probe`), stage 1 is held to a pilot gate,
+paired differences are taken against both controls and ``stage2_drop`` with decision 18's rule, and
+``recall_by_rank.png`` is written.
 ``--train-jsonl/--val-jsonl`` run it on any converted COCO-style set (then ``--model`` must name a checkpoint whose
 processor fits those images). Everything is written under ``--workdir``.
 
@@ -56,7 +60,17 @@ from _learning_report import CONTROL, FIGURES, print_tables, summarize, write_pn
 TASKS = {"shapes": (1, 2, 112, 128), "dense": (3, 6, 112, 384), "grid": (4, 12, 112, None)}
 # the treatment of each continuation: overrides of the stage-2 config (demo_stage2.yaml)
 CONTROL_KEYS = [(["rollout_matching", "gt_step_share"], 1.0)]
-SPEC_STAGE2 = [(["rollout_matching", "gt_step_share"], 0.0), (["rollout_matching", "trailing_unmatched"], "keep")]
+# the second control (docs/design.md, decision 18): the same steps of stage 1 with gap-augmented ground truth at
+# upstream's ET-RMP-CE mixture (empty / random subset / leave-one-out / full prefix = 30 / 45 / 20 / 5)
+GAP_KEYS = CONTROL_KEYS + [(["data", "gt_prefix_mix"], {"none": 0.3, "random_subset": 0.45, "leave_one_out": 0.2,
+                                                         "all": 0.05})]
+# the spec as written: rollouts at every step, the rollout's tail kept, both recipe CE weights at the spec's 0
+_SPEC_CE = [(["rollout_matching", "pipeline", "objective", "0", "config", "rollout_fn_desc_weight"], 0.0),
+            (["rollout_matching", "pipeline", "objective", "0", "config", "rollout_matched_prefix_struct_weight"], 0.0)]
+SPEC_STAGE2 = [(["rollout_matching", "gt_step_share"], 0.0), (["rollout_matching", "trailing_unmatched"], "keep"),
+               *_SPEC_CE]
+# decision 17's stage2_drop: rollouts at every step, the prefix cut after the last match (recipe CE weights)
+DROP_STAGE2 = [(["rollout_matching", "gt_step_share"], 0.0), (["rollout_matching", "trailing_unmatched"], "drop")]
 
 
 def _variant(text: str) -> tuple[str, list[tuple[list[str], Any]]]:
@@ -317,7 +331,8 @@ def _size_decoding(args: argparse.Namespace, model: Path) -> None:
 def continuation_plan(args: argparse.Namespace) -> list[tuple[str, list[tuple[list[str], Any]]]]:
     """(name, overrides of demo_stage2.yaml) of every continuation; the control first on the grid task."""
     if args.task == "grid":
-        plan = [(CONTROL, CONTROL_KEYS), ("stage2", SPEC_STAGE2), ("stage2_recipe", [])]
+        plan = [(CONTROL, CONTROL_KEYS), ("stage1_gap", GAP_KEYS), ("stage2", SPEC_STAGE2),
+                ("stage2_drop", DROP_STAGE2), ("stage2_recipe", [])]
     else:
         plan = [("stage2", [])]
         if not args.no_rollout_only:  # the spec's stage 2: every step trains rollouts
@@ -417,7 +432,7 @@ def _train_and_evaluate(args: argparse.Namespace, work: Path, seed: int, name: s
     if args.task == "grid":
         print(f"[bench_learning] seed {seed} {name}: " + ", ".join(
             f"{k} {e[k] if e[k] is None else round(e[k], 3)}" for k in (
-                "precision", "f1", "duplicates_per_image", "premature_eos_rate", "count_error",
+                "recall", "precision", "f1", "duplicates_per_image", "premature_eos_rate", "count_error",
                 "exposure_gap", "deletion_recovery", "duplicate_probe", "backtracks_per_image",
                 "backtrack_recovery_rate")), flush=True)
     return run

@@ -161,6 +161,9 @@ def evaluate(
         "--out", help="Where results, metrics and PNGs go (default: OUTPUT_DIR/eval_SPLIT; with --checkpoint DIR, "
                       "OUTPUT_DIR/eval_DIRNAME).")] = None,
     pngs: Annotated[int, typer.Option("--pngs", min=0, help="How many rollout PNGs to draw.")] = 4,
+    dedup: Annotated[bool, typer.Option(
+        "--dedup", help="Also report the figures with certified repeats removed (same desc, IoU >= 0.9 with an "
+                        "earlier kept prediction: no labels needed), beside the raw ones.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
 ) -> None:
     """Roll out a split through the configured backend, parse and match as training does, and report COCO AP
@@ -180,7 +183,7 @@ def evaluate(
     console = err if as_json else out
     console.print(f"[cyan]eval[/cyan] model {safe(model_dir)}" + (f" + adapter {safe(adapter)}" if adapter else ""))
     report = run_evaluation(run, split=split, limit=limit, score=score, out_dir=target, png_count=pngs,  # type: ignore[arg-type]
-                            adapter=adapter,
+                            adapter=adapter, dedup=dedup,
                             log=lambda message: console.print(f"[cyan]eval[/cyan] {safe(message)}"))
     if as_json:
         shown_adapter = None if adapter is None else str(adapter)
@@ -204,6 +207,12 @@ def print_report(report: Any) -> None:
                                   ("AP", "AP50", "AP75", "AP_small", "AP_medium", "AP_large", "AR100")))
     out.print(table)
     print_set_figures(report.figures)
+    if report.dedup:
+        raw, free = report.dedup["raw"], report.dedup["label_free"]
+        out.print(f"with certified repeats removed (--dedup, {free['removed']} predictions): AP50 {_pct(free['AP50'])} "
+                  f"(raw {_pct(raw['AP50'])}), precision {_pct(free['precision'])} (raw {_pct(raw['precision'])}), "
+                  f"recall {_pct(free['recall'])} (raw {_pct(raw['recall'])}), F1 {_pct(free['f1'])} "
+                  f"(raw {_pct(raw['f1'])})")
     c, ratios = report.counters, report.counters.ratios()
     out.print(
         f"rollouts: parse valid {_pct(ratios['parse_valid_rate'])}, match rate {_pct(ratios['match_rate'])} "

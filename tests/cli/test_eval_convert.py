@@ -194,3 +194,13 @@ def test_rollout_log_carries_the_raw_text(trained_run, tmp_path):
     assert any(len(e.raw_text) > len(e.text) for e in entries) or all(e.raw_text.startswith(e.text) for e in entries)
     shown = _run("show-rollouts", run_dir, "--out", tmp_path / "png")
     assert shown.exit_code == 0, shown.output
+
+
+def test_eval_dedup_reports_removal_beside_the_raw_figures(trained_run, tmp_path):
+    result = _run("eval", trained_run, "--limit", "3", "--json", "--dedup", "--out", tmp_path / "d")
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    raw, free = payload["dedup"]["raw"], payload["dedup"]["label_free"]
+    assert raw["AP50"] == pytest.approx(payload["bbox"]["AP50"])  # the raw figures are the report's own
+    assert raw["removed"] == 0 and free["removed"] >= 0
+    assert payload["figures"]["precision"] == raw["precision"]

@@ -64,13 +64,21 @@ def test_grid_arms_differ_only_in_the_treatment(bench, tmp_path):
     continued = {"max_steps": 5, "learning_rate": 2e-5, "lr_scheduler_type": "constant", "warmup_ratio": 0.0,
                  "per_device_train_batch_size": 4}
     plan = bench.continuation_plan(args)
-    assert [name for name, _ in plan] == ["stage1_continued", "stage2", "stage2_recipe", "hot"]
+    assert [name for name, _ in plan] == ["stage1_continued", "stage1_gap", "stage2", "stage2_drop", "stage2_recipe",
+                                          "hot"]
     runs = {name: load_contract(bench._config(args, tmp_path, name, "demo_stage2.yaml", model, train, val, 3,
                                               continued, overrides))
             for name, overrides in plan}
     control = _flat(runs["stage1_continued"])
     assert runs["stage1_continued"].rollout_matching.gt_step_share == 1.0  # the schema accepts 1.0
-    treatments = {"stage2": {"rollout_matching.gt_step_share", "rollout_matching.trailing_unmatched"},
+    ce = "rollout_matching.pipeline.objective.0.config."
+    gap = {f"{where}.gt_prefix_mix.{k}" for k in ("none", "random_subset", "leave_one_out", "all")
+           for where in ("data", "rollout_matching")}  # the contract carries data's key where targets are built
+    treatments = {"stage1_gap": gap,  # the second control: the control's steps, gap-augmented ground truth
+                  # the spec as written: every step rolls out, the tail is kept, both recipe CE weights at 0
+                  "stage2": {"rollout_matching.gt_step_share", "rollout_matching.trailing_unmatched",
+                             ce + "rollout_fn_desc_weight", ce + "rollout_matched_prefix_struct_weight"},
+                  "stage2_drop": {"rollout_matching.gt_step_share"},  # drop is the recipe's own trailing setting
                   "stage2_recipe": {"rollout_matching.gt_step_share"},
                   "hot": {"rollout_matching.gt_step_share", "rollout_matching.pipeline.objective.0.config.rollout_fn_desc_weight"}}
     for name, keys in treatments.items():
@@ -79,6 +87,8 @@ def test_grid_arms_differ_only_in_the_treatment(bench, tmp_path):
         assert differ - {"training.output_dir"} == keys, name
     assert runs["stage2"].rollout_matching.gt_step_share == 0.0
     assert runs["stage2"].rollout_matching.trailing_unmatched == "keep"
+    assert runs["stage2_drop"].rollout_matching.trailing_unmatched == "drop"
+    assert runs["stage1_gap"].rollout_matching.gt_prefix_mix.leave_one_out == 0.2
     assert runs["stage1_continued"].rollout_matching.repeat_terminate.max_object_keys == 18
 
 
@@ -108,7 +118,8 @@ def test_one_evaluation_config_for_every_arm(bench, tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "_train", fake_train)
     monkeypatch.setattr(bench, "_evaluate", fake_evaluate)
     out = bench.run_seed(args, 3)
-    assert [n for _, n in seen] == ["stage1", "stage1_continued", "stage2", "stage2_recipe", "hot"]
+    assert [n for _, n in seen] == ["stage1", "stage1_continued", "stage1_gap", "stage2", "stage2_drop",
+                                    "stage2_recipe", "hot"]
     assert len({c for c, _ in seen}) == 1 and seen[0][0].name == "eval.yaml"
     import yaml
 

@@ -25,8 +25,9 @@ def evaluate_arm(run: "RunContract", *, out_dir: str | Path, cells: int, score: 
     from coordexp.runtime.model.data import load_records
     from coordexp.runtime.model.policy import load_policy
     from coordexp.runtime.rollout.registry import create_backend
+    from coordexp.runtime.core.dedup import dedup_figures
     from coordexp.runtime.train.evaluate import (detection_metrics, roll_out_and_score, rollout_image_figures,
-                                                 write_eval_files)
+                                                 scored_images, write_eval_files)
     from coordexp.runtime.train.probe import decode_probes
     from coordexp.runtime.train.rollout_step import HostContext
 
@@ -47,6 +48,7 @@ def evaluate_arm(run: "RunContract", *, out_dir: str | Path, cells: int, score: 
     per_image = rollout_image_figures(rollouts)
     figures: dict[str, Any] = dict(report.figures)
     figures["cell_precision"] = cell_precision(preds, [r.record.objects for r in rollouts], cells)
+    figures["dedup"] = dedup_figures(scored_images(rollouts, score))  # the zero-training bound (decision 18)
     eval_s = time.perf_counter() - started
     probe_records = records if probe_images is None else records[:probe_images]
     figures.update(decode_probes(model, processor, host, probe_records,

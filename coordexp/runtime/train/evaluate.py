@@ -23,6 +23,7 @@ import numpy as np
 
 from coordexp.runtime.core.coco import CocoImage, ScoredObject, build_coco_gt, coco_results, relative_image_name
 from coordexp.runtime.core.coco_metrics import CocoMetrics, evaluate_coco
+from coordexp.runtime.core.dedup import ScoredImage, dedup_figures
 from coordexp.runtime.core.objects import DetObject
 from coordexp.runtime.core.set_figures import FIGURE_NAMES, ImageFigures, aggregate_figures, image_figures
 from coordexp.runtime.core.telemetry import RolloutCounters, sum_counters
@@ -48,6 +49,7 @@ __all__ = [
     "score_samples",
     "detection_metrics",
     "rollout_image_figures",
+    "scored_images",
     "write_eval_files",
     "evaluate_detection",
     "run_evaluation",
@@ -95,6 +97,7 @@ class DetectionEval:
     images: int
     left_out: dict[str, int] = field(default_factory=dict)  # predictions COCO cannot score, by reason
     figures: dict[str, Any] = field(default_factory=dict)  # set figures (core.set_figures), fractions
+    dedup: dict[str, Any] = field(default_factory=dict)  # --dedup: raw vs label-free repeats removed (core.dedup)
     files: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
 
@@ -116,7 +119,8 @@ class DetectionEval:
         return {
             "images": self.images, "score": self.score, "bbox": self.bbox.to_dict(),
             "segm": None if self.segm is None else self.segm.to_dict(),
-            "figures": dict(self.figures), "counters": self.counters.to_log_dict(prefix=""),
+            "figures": dict(self.figures), **({"dedup": dict(self.dedup)} if self.dedup else {}),
+            "counters": self.counters.to_log_dict(prefix=""),
             "ratios": self.counters.ratios(),
             "left_out": dict(self.left_out), "files": dict(self.files), "seconds": self.seconds,
         }
@@ -209,6 +213,12 @@ def rollout_image_figures(rollouts: Sequence[ImageRollout]) -> list[ImageFigures
             for r in rollouts]
 
 
+def scored_images(rollouts: Sequence[ImageRollout], score: ScoreMode = "logprob") -> list[ScoredImage]:
+    """The rollouts as :func:`coordexp.runtime.core.dedup.dedup_figures` reads them."""
+    return [ScoredImage(r.record.width, r.record.height, tuple(r.record.objects), tuple(p.obj for p in r.predictions),
+                        tuple(p.score(score) for p in r.predictions), r.counters.eos_stopped > 0) for r in rollouts]
+
+
 def detection_metrics(
     rollouts: Sequence[ImageRollout], *, score: ScoreMode = "logprob", image_root: str | Path | None = None
 ) -> tuple[DetectionEval, dict[str, Any], list[dict[str, Any]]]:
@@ -281,12 +291,16 @@ def evaluate_detection(
     image_root: str | Path | None = None,
     out_dir: str | Path | None = None,
     png_count: int = 4,
+    dedup: bool = False,
 ) -> DetectionEval:
-    """Roll out, score and evaluate ``records``; with ``out_dir`` also write the results files and PNGs."""
+    """Roll out, score and evaluate ``records``; with ``out_dir`` also write the results files and PNGs; with
+    ``dedup`` also the figures with label-free certified repeats removed, beside the raw ones (never instead)."""
     started = time.perf_counter()
     rollouts = roll_out_and_score(model, host, backend, records, decode_batch_size=decode_batch_size, seed=seed,
                                   step=step, score=score)
     report, gt, results = detection_metrics(rollouts, score=score, image_root=image_root)
+    if dedup:
+        report.dedup = dedup_figures(scored_images(rollouts, score), ("raw", "label_free"))
     report.seconds = time.perf_counter() - started
     if out_dir is not None:
         write_eval_files(report, rollouts, gt, results, out_dir, png_count=png_count)
@@ -303,6 +317,7 @@ def run_evaluation(
     png_count: int = 4,
     log: Any = None,
     adapter: str | Path | None = None,
+    dedup: bool = False,
 ) -> DetectionEval:
     """``coordexp eval``: load ``run.model.path`` (plus the saved LoRA ``adapter``, if any) and the split's records,
     roll out through the configured backend, evaluate, write the files under ``out_dir`` and close the backend.
@@ -331,7 +346,7 @@ def run_evaluation(
     try:
         return evaluate_detection(
             model, host, backend, records, decode_batch_size=run.rollout_matching.decode_batch_size, seed=run.seed,
-            score=score, image_root=run.data.image_root, out_dir=out_dir, png_count=png_count,
+            score=score, image_root=run.data.image_root, out_dir=out_dir, png_count=png_count, dedup=dedup,
         )
     finally:
         backend.close()

@@ -1,0 +1,33 @@
+"""The zero-training bound (coordexp/runtime/core/dedup.py) on hand-built images: a repeat of a found object costs
+precision and AP; removing it (label-free or oracle) or ranking it last gives them back."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordexp.runtime.core.dedup import ScoredImage, dedup_figures
+from coordexp.runtime.core.objects import DetObject
+
+
+def box(x, desc="box"):
+    return DetObject(desc, "bbox_2d", (x, 100, x + 100, 200))
+
+
+def test_repeats_removed_or_ranked_last():
+    gt = (box(0), box(300), box(600))
+    # image 1: all three found, object 0 repeated with a high score; image 2: a missed object, no repeat
+    one = ScoredImage(1000, 1000, gt, (box(0), box(2), box(300), box(600)), (0.9, 0.95, 0.5, 0.4))
+    two = ScoredImage(1000, 1000, gt, (box(0), box(300)), (0.8, 0.3))
+    f = dedup_figures([one, two])
+    assert f["raw"]["removed"] == 0 and f["raw"]["precision"] == pytest.approx(5 / 6)
+    assert f["label_free"]["removed"] == 1 and f["oracle"]["removed"] == 1  # IoU(box(0), box(2)) >= 0.9
+    for mode in ("label_free", "oracle"):
+        assert f[mode]["precision"] == 1.0 and f[mode]["recall"] == pytest.approx(5 / 6)
+        assert f[mode]["AP50"] > f["raw"]["AP50"]
+    assert f["oracle_lowest"]["removed"] == 0 and f["oracle_lowest"]["AP50"] == pytest.approx(f["oracle"]["AP50"])
+    # another desc on a found object's place: only the ground-truth rule can call it a repeat
+    three = ScoredImage(1000, 1000, gt, (box(0), box(2, "other"), box(300), box(600)), (0.9, 0.95, 0.5, 0.4))
+    g = dedup_figures([three], ("label_free", "oracle"))
+    assert (g["label_free"]["removed"], g["oracle"]["removed"]) == (0, 1)
+    with pytest.raises(ValueError, match="unknown dedup modes"):
+        dedup_figures([one], ("nope",))
