@@ -156,7 +156,7 @@ class RolloutMatchingContract:
     trailing_unmatched: Literal["keep", "drop"] = "keep"  # the prefix ends after the last matched object when "drop"
     collapse_alarm: CollapseAlarmConfig = field(default_factory=CollapseAlarmConfig)  # stage-2 window checks
     fn_placement: Literal["append", "reading_order", "cut_at_skip"] = "append"  # where a missed object is taught
-    repeats: Literal["neutral", "drop"] = "neutral"  # certified repeats: context (spec) or left out of Y_train
+    repeats: Literal["neutral", "drop"] = "neutral"  # certified repeats: context (the spec's) or left out
     gt_prefix_mix: GtPrefixMix = field(default_factory=GtPrefixMix)  # data.gt_prefix_mix: gap-augmented GT samples
 
     @property
