@@ -378,10 +378,11 @@ def test_resume_auto_replays_the_recorded_overrides_and_appends_to_the_record(tm
 
 
 @pytest.mark.slow  # starts a training process
-@pytest.mark.parametrize("save", ["sigterm", "never"])
-def test_sigterm_exits_143_without_a_traceback_and_says_how_to_resume(tmp_path, tiny_model_dir, save):
+@pytest.mark.parametrize(("save", "signum", "code"), [("sigterm", signal.SIGTERM, 143),
+                                                     ("never", signal.SIGTERM, 143), ("never", signal.SIGINT, 130)])
+def test_sigterm_exits_143_without_a_traceback_and_says_how_to_resume(tmp_path, tiny_model_dir, save, signum, code):
     """SIGTERM once the loop runs: by default the step in progress ends with its checkpoint (save_steps is far
-    away), no final model is written, and the resume command names the run's --set."""
+    away), no final model is written, and the resume command names the run's --set; Ctrl-C (130) says the same."""
     config = _config(tmp_path, tiny_model_dir, save_steps=1000 if save == "sigterm" else 1)
     process = subprocess.Popen([sys.executable, "-m", "coordexp", "train", str(config), "--set",
                                 "training.max_steps=400", "--set", f"training.save_on_interrupt={save}"],
@@ -393,10 +394,10 @@ def test_sigterm_exits_143_without_a_traceback_and_says_how_to_resume(tmp_path, 
         assert time.monotonic() < deadline
         time.sleep(0.2)
     time.sleep(4 if save == "sigterm" else 0)  # the loop is running
-    process.send_signal(signal.SIGTERM)
+    process.send_signal(signum)
     stdout, stderr = process.communicate(timeout=120)
     text = " ".join((stdout + stderr).split())
-    assert process.returncode == 143, text[-2000:]
+    assert process.returncode == code, text[-2000:]
     assert "Traceback" not in text and not (run / "model.safetensors").exists()
     assert "last complete checkpoint" in text
     assert "--resume auto --set training.max_steps=400 --set training.save_on_interrupt=" + save in text

@@ -20,7 +20,8 @@ if TYPE_CHECKING:
     from coordexp.schema.contract import RunContract
 
 __all__ = ["LaunchError", "load_policy", "training_arguments", "build_trainer", "TrainOutcome", "run_training",
-           "release_process_group", "check_finite_weights", "RunTerminated", "StopRequest"]
+           "release_process_group", "check_finite_weights", "RunTerminated", "StopRequest", "non_finite_stop",
+           "NonFiniteTrainingError"]
 
 def _accumulation_steps(t: Any, world_size: int) -> int:
     """``gradient_accumulation_steps``, or ``effective_batch_size / (per_device_train_batch_size * world_size)``
@@ -188,6 +189,30 @@ class StopRequest:
         return _StopAtStepEnd()
 
 
+class NonFiniteTrainingError(LaunchError):
+    """The loss or the gradient norm logged at a step is NaN or Inf: training diverged (exit 2, the step named)."""
+
+
+def non_finite_stop() -> Any:
+    """A callback that ends the run when a logged ``loss`` or ``grad_norm`` is NaN or Inf, naming the step: a
+    diverged run must not go on writing checkpoints of non-finite weights under normal-looking progress."""
+    import math
+
+    from transformers import TrainerCallback
+
+    class _NonFiniteStop(TrainerCallback):
+        def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
+            for key in ("loss", "grad_norm"):
+                value = (logs or {}).get(key)
+                if isinstance(value, (int, float)) and not math.isfinite(value):
+                    raise NonFiniteTrainingError(
+                        f"training diverged: {key} is {value} at step {state.global_step}; the run was stopped "
+                        f"(the last checkpoint before it is in {args.output_dir})",
+                        hint="lower training.learning_rate or raise warmup, then resume from an earlier checkpoint")
+
+    return _NonFiniteStop()
+
+
 @dataclass(frozen=True)
 class TrainOutcome:
     output_dir: Path
@@ -214,7 +239,7 @@ def run_training(
     from coordexp.runtime.train.deepspeed import process_state_restored
 
     with process_state_restored():  # also TENSORBOARD_LOGGING_DIR (training.logging_dir): this run's only
-        callbacks = [*callbacks, *([stop.callback()] if stop is not None else [])]
+        callbacks = [*callbacks, non_finite_stop(), *([stop.callback()] if stop is not None else [])]
         trainer = build_trainer(run, callbacks=callbacks, rollout_log_every=rollout_log_every)
         if not print_logs:
             trainer.remove_callback(PrinterCallback)  # raw log dicts on stdout; the CLI shows its own progress
