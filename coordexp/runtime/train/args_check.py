@@ -22,7 +22,8 @@ from coordexp.schema.hf_training_fields import HF_TRAINING_FIELDS
 if TYPE_CHECKING:
     from coordexp.schema.contract import RunContract
 
-__all__ = ["MACHINE_FIELDS", "needs_machine_check", "training_argument_issues", "check_training_arguments"]
+__all__ = ["MACHINE_FIELDS", "needs_machine_check", "training_argument_issues", "check_training_arguments",
+           "deepspeed_issues"]
 
 MACHINE_FIELDS = ("tf32",)
 """Pass-through fields whose acceptance depends on the machine (checked at preflight and train, not validate)."""
@@ -86,6 +87,42 @@ def _compile_checks(args: Any) -> None:
     TorchDynamoPlugin(backend=args.torch_compile_backend, mode=args.torch_compile_mode)
 
 
+def deepspeed_issues(run: "RunContract") -> list[ConfigIssue]:
+    """What DeepSpeed refuses only once the model is loaded, read from the config's DeepSpeed JSON (bounded): an
+    ``amp`` block (refused under the HF Trainer even when disabled) and values transformers calls a mismatch at this
+    launch's WORLD_SIZE (``train_batch_size`` = per-device batch x accumulation x WORLD_SIZE; ``validate``, which
+    does not know the world size, checks the rest: :func:`coordexp.schema.deepspeed_file.transformers_mismatches`)."""
+    import os
+
+    from coordexp.runtime.train.deepspeed import resolve_deepspeed
+    from coordexp.runtime.train.launch import accumulation_steps
+    from coordexp.schema.deepspeed_file import read_deepspeed_json, transformers_mismatches
+    from coordexp.schema.file_read import FileReadError
+
+    t = run.training
+    path = resolve_deepspeed(t.deepspeed)
+    if path is None:
+        return []
+    try:
+        config = read_deepspeed_json(path)
+    except FileReadError:  # validate names the file's own problem
+        return []
+    if not isinstance(config, dict):
+        return []
+    issues = []
+    if "amp" in config:
+        issues.append(ConfigIssue("training.deepspeed", f"{path} has an amp block, which DeepSpeed refuses under the "
+                                  "HF Trainer (even with enabled: false)",
+                                  "remove the amp block; mixed precision comes from training.bf16 / fp16"))
+    world = int(os.environ.get("WORLD_SIZE", "1") or "1")
+    resolved = t.model_copy(update={"gradient_accumulation_steps": accumulation_steps(t, world)})
+    for key, value, want in transformers_mismatches(config, resolved, world_size=world):
+        issues.append(ConfigIssue("training.deepspeed", f"{path}: {key} is {value!r}, but this launch (WORLD_SIZE "
+                                  f"{world}) trains with {want!r}",
+                                  'write "auto" (coordexp fills it from training.*) or the launch\'s value'))
+    return issues
+
+
 def training_argument_issues(run: "RunContract", *, machine: bool = True) -> list[ConfigIssue]:
     """Every refusal of the run's training arguments, each at its dotted path; ``machine=False`` leaves out what
     depends on this machine (:data:`MACHINE_FIELDS`). The arguments are built exactly as the run builds them
@@ -96,6 +133,9 @@ def training_argument_issues(run: "RunContract", *, machine: bool = True) -> lis
     from coordexp.runtime.train.launch import training_arguments
 
     overrides: dict[str, Any] = {} if machine else {name: None for name in MACHINE_FIELDS}
+    refused = deepspeed_issues(run)
+    if refused:
+        return refused
     try:
         args = training_arguments(run, **overrides)
     except CoordexpError:

@@ -21,9 +21,9 @@ if TYPE_CHECKING:
 
 __all__ = ["LaunchError", "load_policy", "training_arguments", "build_trainer", "TrainOutcome", "run_training",
            "release_process_group", "check_finite_weights", "RunTerminated", "StopRequest", "non_finite_stop",
-           "NonFiniteTrainingError"]
+           "NonFiniteTrainingError", "accumulation_steps"]
 
-def _accumulation_steps(t: Any, world_size: int) -> int:
+def accumulation_steps(t: Any, world_size: int) -> int:
     """``gradient_accumulation_steps``, or ``effective_batch_size / (per_device_train_batch_size * world_size)``
     when the effective batch size is set (exit 2 when it does not divide)."""
     if t.effective_batch_size is None:
@@ -65,7 +65,7 @@ def training_arguments(run: "RunContract", **overrides: Any):
         output_dir=t.output_dir,
         per_device_train_batch_size=t.per_device_train_batch_size,
         per_device_eval_batch_size=t.per_device_eval_batch_size,
-        gradient_accumulation_steps=_accumulation_steps(t, world_size),
+        gradient_accumulation_steps=accumulation_steps(t, world_size),
         max_steps=t.max_steps if t.max_steps is not None else -1,
         num_train_epochs=t.num_train_epochs,
         learning_rate=t.learning_rate,
