@@ -77,6 +77,9 @@ def test_every_stage_and_device_validates_as_written(project, stage, device):
     if stage == "2":  # the recipe of docs/design.md, decisions 15 and 16
         rm = contract.rollout_matching
         assert (rm.gt_step_share, rm.trailing_unmatched, rm.decoding.coord_group_greedy) == (0.5, "drop", True)
+        # the placement and repeat keys are written out (issue 41), with what the measurements support
+        assert data["rollout_matching"]["fn_placement"] == "append" and data["rollout_matching"]["repeats"] == "neutral"
+        assert (rm.fn_placement, rm.repeats) == ("append", "neutral")
         assert contract.training.packing is True
         if device == "gpu":
             assert (rm.vllm.mode, rm.vllm.tensor_parallel_size) == ("colocate", 1)
