@@ -165,3 +165,17 @@ def test_any_image_string_is_answered_below_500(client, image, prompt):
     test_client, _ = client
     reply = test_client.post("/detect/", json={"image": image, "prompt": prompt})
     assert reply.status_code < 500, reply.text
+
+
+def test_dedup_moves_certified_repeats_out_of_objects(run_contract, processor, dataset, record):
+    """A rollout that writes its first object twice: with dedup the repeat is under "repeats", not "objects"."""
+    import dataclasses
+
+    repeated = dataclasses.replace(record, objects=(record.objects[0], *record.objects))
+    test_client, _ = scripted_client(run_contract, processor, dataset, repeated)
+    with test_client:
+        plain = test_client.post("/detect/", json={"image": image_arg(record, dataset)}).json()
+        deduped = test_client.post("/detect/", json={"image": image_arg(record, dataset), "dedup": True}).json()
+    assert len(plain["objects"]) == len(record.objects) + 1 and "repeats" not in plain
+    assert [o["bbox_2d"] for o in deduped["objects"]] == [o["bbox_2d"] for o in plain["objects"][1:]]
+    assert deduped["repeats"] == [plain["objects"][1]] and deduped["text"] == plain["text"]

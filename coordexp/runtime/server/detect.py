@@ -8,7 +8,8 @@ The request is ``{"image": PATH_OR_BASE64, "prompt": TEXT?, "decoding": {...}?}`
 and the answer is parsed exactly as training parses a rollout:
 
 ``{"objects": [{"desc", "bbox_2d": [x1, y1, x2, y2], "poly": [[x, y], ...] (polygons only), "score"}], "text": RAW,
-"parse": {"image_size", "objects_written", "valid", "dropped", "truncated", "finish_reason", "score"}}``
+"parse": {"image_size", "objects_written", "valid", "dropped", "truncated", "finish_reason", "score"}}``; with
+``"dedup": true`` certified repeats move from ``objects`` to ``"repeats"`` (the same form)
 
 Coordinates are pixels of the image as sent (norm1000 bin ``b`` of a side of ``size`` pixels is ``b * size / 1000``,
 :func:`~coordexp.runtime.core.coco.bin_to_pixel`); a polygon's ``bbox_2d`` is its enclosing box. ``score`` is the
@@ -30,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from coordexp.runtime.core.coco import object_pixel_polygon
 from coordexp.runtime.core.parsing import RolloutParse, parse_rollout
 from coordexp.runtime.core.pieces import PieceTable
+from coordexp.runtime.core.set_figures import certified_duplicates
 from coordexp.runtime.core.tokens import CoordVocab
 from coordexp.runtime.rollout import protocol as p
 from coordexp.runtime.server.inputs import IMAGE_TAG, InferInputError, resolve_image
@@ -61,6 +63,8 @@ class DetectRequest(BaseModel):
     image: str = Field(min_length=1, description="A path under the server's --image-root, or base64 image data.")
     prompt: Optional[str] = Field(None, description="User text after the image (default: template.user_prompt).")
     decoding: DetectDecoding = Field(default_factory=DetectDecoding)
+    dedup: bool = Field(False, description="Move certified repeats (same desc, IoU >= 0.9 with an earlier kept "
+                                           "object) from objects to repeats (docs/figures.md).")
 
     @field_validator("prompt")
     @classmethod
@@ -106,15 +110,21 @@ class Detector:
                                                   images=[request.image])],
             request_config=p.RequestConfig(**config, return_details=True, logprobs=self.logprobs))
 
-    def answer(self, item: dict[str, Any], size: tuple[int, int]) -> dict[str, Any]:
-        """The ``/detect/`` reply of one ``/infer/`` item (see the module docstring)."""
+    def answer(self, item: dict[str, Any], size: tuple[int, int], dedup: bool = False) -> dict[str, Any]:
+        """The ``/detect/`` reply of one ``/infer/`` item (see the module docstring); with ``dedup`` the certified
+        repeats move from ``objects`` to ``repeats`` (nothing is lost: ``text`` holds what the model wrote)."""
         choice = item["response"]["choices"][0]
         ids = list(choice.get("token_ids") or [])
         logprobs = [float(t["logprob"]) for t in (choice.get("logprobs") or {}).get("content") or []] or None
         parse = parse_rollout(ids, self.tokenizer, self.vocab(), piece_table=PieceTable.for_tokenizer(self.tokenizer))
         objects = [detected_object(o, size, logprobs, len(ids)) for o in parse.valid_objects]
-        return {"objects": objects, "text": choice["message"]["content"], "parse": parse_summary(
+        out = {"objects": objects, "text": choice["message"]["content"], "parse": parse_summary(
             parse, size, choice.get("finish_reason"), scored=logprobs is not None)}
+        if dedup:
+            repeats = certified_duplicates([o.to_det_object() for o in parse.valid_objects])
+            out["objects"] = [o for o, r in zip(objects, repeats) if not r]
+            out["repeats"] = [o for o, r in zip(objects, repeats) if r]
+        return out
 
 
 def detected_object(parsed: Any, size: tuple[int, int], logprobs: Optional[list[float]], n_ids: int
@@ -154,4 +164,4 @@ def add_detect_route(app: FastAPI, detector: Detector,
         except InferInputError as exc:
             raise HTTPException(400, f"/detect/: {exc}") from None
         items = await run_infer(infer_body, "/detect/")
-        return detector.answer(items[0], size)
+        return detector.answer(items[0], size, dedup=body.dedup)
