@@ -130,7 +130,7 @@ def test_effective_batch_size_resolves_accumulation_from_world_size(qwen3_run, m
     else:  # building TrainingArguments for 2 ranks would need a process group: check the resolution itself
         from coordexp.runtime.train import launch
 
-        assert launch._accumulation_steps(run.training, world_size) == expected
+        assert launch.accumulation_steps(run.training, world_size) == expected
 
 
 def test_effective_batch_size_that_does_not_divide_exits_2(qwen3_run, monkeypatch):
