@@ -2,7 +2,11 @@
 
 :class:`ProgressCallback` is a ``transformers.TrainerCallback``; it reads only what the trainer logs
 (``loss``, ``tokens/trained``, ``packing/fill_ratio``, ``rollout/*``, ``eval/*``), so it works for stage 1 and
-stage 2. Only the main process (rank 0) draws or prints. :func:`summarize_history` turns a finished run's log history
+stage 2. Only the main process (rank 0) draws or prints. During an evaluation the trainer reports the images rolled
+out (:func:`report_eval_progress`, an ``on_prediction_step`` event with ``eval_progress=(done, total)``): the
+panel shows it, a plain log prints ``eval  step N  rolling out 32/64 images  ETA 40s`` at most every
+:data:`EVAL_PRINT_INTERVAL_S`. The run's ETA is training time per step times the steps left plus the mean
+evaluation time times the evaluations left, so it does not jump after each evaluation. :func:`summarize_history` turns a finished run's log history
 into the numbers the end-of-run summary shows: sums over the whole run, and each evaluation's headline figures.
 """
 
@@ -15,7 +19,11 @@ from typing import Any, Mapping, Optional, Sequence
 from transformers import TrainerCallback
 
 __all__ = ["ProgressSnapshot", "ProgressCallback", "EvalFigures", "snapshot_from_logs", "format_log_line",
-           "format_eval_line", "eval_figures", "summarize_history"]
+           "format_eval_line", "eval_figures", "summarize_history", "report_eval_progress", "evaluations_left",
+           "EVAL_PRINT_INTERVAL_S"]
+
+EVAL_PRINT_INTERVAL_S = 10.0
+"""Least time between two plain ``eval  ... rolling out`` lines of one evaluation (the first chunk always prints)."""
 
 
 @dataclass(frozen=True)
@@ -174,6 +182,14 @@ class ProgressCallback(TrainerCallback):
         self._live: Any = None
         self._last_time: Optional[float] = None
         self._start: Optional[tuple[float, int]] = None  # (monotonic time, global step) when training began
+        self._eval_every = 0  # evaluate every N steps (eval_strategy steps), 0: no periodic evaluation
+        self._eval_delay = 0
+        self._eval_seconds = 0.0  # wall time of the finished evaluations of this run
+        self._eval_count = 0
+        self._last_eval_step = -1
+        self._eval_began: Optional[float] = None  # the evaluation in progress
+        self._eval_printed: Optional[float] = None
+        self.eval_status: Optional[str] = None  # "eval  step N  rolling out d/t images  ETA x" while one runs
 
     # -- rendering --------------------------------------------------------------------------------------------
     def renderable(self) -> Any:
@@ -188,20 +204,30 @@ class ProgressCallback(TrainerCallback):
             table.add_column(name, justify="right")
         table.add_row(*(value for _, value in fields))
         bar = ProgressBar(total=max(s.max_steps, 1), completed=min(s.step, max(s.max_steps, 1)), width=60)
-        if self.last_eval is None:
-            return Group(bar, table)
         from rich.text import Text
 
-        return Group(bar, table, Text(format_eval_line(self.last_eval)))  # plain: no number highlighting
+        lines = [Text(line) for line in (None if self.last_eval is None else format_eval_line(self.last_eval),
+                                         self.eval_status) if line]  # plain: no number highlighting
+        return Group(bar, table, *lines)
 
     def _timed(self, step: int, max_steps: int) -> ProgressSnapshot:
-        """The snapshot at ``step`` with elapsed time and the ETA the steps so far predict."""
+        """The snapshot at ``step`` with elapsed time and the ETA: the training time per step so far (evaluations
+        left out) times the steps left, plus the mean evaluation time times the evaluations still to run."""
         if self._start is None:
             return replace(self.snapshot, step=step, max_steps=max_steps)
         began, first_step = self._start
-        elapsed = time.monotonic() - began
+        now = time.monotonic()
+        elapsed = now - began
+        current = 0.0 if self._eval_began is None else now - self._eval_began
+        training = max(0.0, elapsed - self._eval_seconds - current)
         done = step - first_step
-        eta = elapsed / done * max(0, max_steps - step) if done > 0 and max_steps > 0 else None
+        eta = None
+        if done > 0 and max_steps > 0:
+            eta = training / done * max(0, max_steps - step)
+            mean_eval = self._eval_seconds / self._eval_count if self._eval_count else None
+            if mean_eval is not None and self._eval_every:
+                eta += mean_eval * evaluations_left(step, max_steps, self._eval_every, self._last_eval_step,
+                                                    self._eval_delay)
         return replace(self.snapshot, step=step, max_steps=max_steps, elapsed_s=elapsed, eta_s=eta)
 
     def _print(self, line: str) -> None:
@@ -211,6 +237,11 @@ class ProgressCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         self._last_time = time.monotonic()
         self._start = (self._last_time, state.global_step)
+        strategy = getattr(args, "eval_strategy", "no")
+        if str(getattr(strategy, "value", strategy)) == "steps":
+            self._eval_every = int(getattr(state, "eval_steps", 0) or getattr(args, "eval_steps", 0) or 0)
+            self._eval_delay = int(getattr(args, "eval_delay", 0) or 0)
+        self._last_eval_step = state.global_step  # a resumed run evaluated up to here
         self.snapshot = self._timed(state.global_step, state.max_steps)
         if state.is_world_process_zero and self.use_live:
             from rich.live import Live
@@ -222,6 +253,34 @@ class ProgressCallback(TrainerCallback):
         if self._live is not None:
             self.snapshot = self._timed(state.global_step, state.max_steps)
             self._live.update(self.renderable())
+
+    def on_prediction_step(self, args, state, control, eval_progress=None, **kwargs):
+        """An evaluation chunk is done: ``eval_progress`` is ``(images done, images)`` on this rank."""
+        if eval_progress is None:
+            return
+        done, total = (int(n) for n in eval_progress)
+        now = time.monotonic()
+        if self._eval_began is None:
+            self._eval_began, self._eval_printed = now, None
+        spent = now - self._eval_began
+        eta = spent / done * max(0, total - done) if done > 0 else None
+        self.eval_status = (f"eval  step {state.global_step}  rolling out {done}/{total} images  "
+                            f"ETA {format_duration(eta)}")
+        if not state.is_world_process_zero:
+            return
+        if self._live is not None:
+            self.snapshot = self._timed(state.global_step, state.max_steps)
+            self._live.update(self.renderable())
+        elif 0 < done < total and (self._eval_printed is None or now - self._eval_printed >= EVAL_PRINT_INTERVAL_S):
+            self._eval_printed = now
+            self._print(self.eval_status)
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        if self._eval_began is not None:
+            self._eval_seconds += time.monotonic() - self._eval_began
+            self._eval_count += 1
+        self._eval_began, self.eval_status = None, None
+        self._last_eval_step = state.global_step
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not logs:
@@ -256,6 +315,23 @@ class ProgressCallback(TrainerCallback):
             self._live.update(self.renderable())
             self._live.stop()
             self._live = None
+
+
+def evaluations_left(step: int, max_steps: int, every: int, last_evaluated: int, delay: int = 0) -> int:
+    """How many evaluations an ``eval_strategy: steps`` run of ``max_steps`` still runs at ``step``: one at each
+    multiple of ``every`` from ``step`` on (the one at ``step`` runs after its log) not yet evaluated, from
+    ``delay`` on (transformers' ``eval_delay``)."""
+    if every <= 0:
+        return 0
+    first = max(step, last_evaluated + 1, delay, 1)
+    return max(0, max_steps // every - (first - 1) // every)
+
+
+def report_eval_progress(trainer: Any, done: int, total: int) -> None:
+    """Tell the trainer's callbacks that ``done`` of this rank's ``total`` evaluation images are rolled out
+    (``on_prediction_step`` with ``eval_progress``; callbacks that do not read it ignore it)."""
+    trainer.control = trainer.callback_handler.call_event("on_prediction_step", trainer.args, trainer.state,
+                                                          trainer.control, eval_progress=(done, total))
 
 
 _RUN_COUNTERS = ("samples", "pred_valid", "pred_parsed", "gt_objects", "matched", "fn_appended", "fp",

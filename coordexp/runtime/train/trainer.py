@@ -42,6 +42,7 @@ from coordexp.runtime.train.dataset import identity_collator
 from coordexp.runtime.train.deepspeed import backward_row, padding_rows
 from coordexp.runtime.train.metrics import StepStats, WindowContext, reduce_values, step_log_values
 from coordexp.runtime.train.pipeline import MicroStepPipeline, PipelineSettings
+from coordexp.runtime.train.progress import report_eval_progress
 from coordexp.runtime.train.rollout_step import HostContext, SampleTarget, build_gt_sample
 from coordexp.runtime.train.run_log import RunLog, run_start_fields
 
@@ -410,9 +411,12 @@ class CoordExpTrainer(Trainer):
         world, rank = max(1, int(self.args.world_size)), int(self.args.process_index)
         positions = list(range(rank, len(records), world))  # seeds follow the record, not the shard
         step = int(self.state.global_step)
+        rollouts: list[Any] = []
+        report_eval_progress(self, 0, len(positions))  # the progress line and the run's ETA time the evaluation
         try:
-            rollouts = [r for _, scored in self.scored_chunks([records[i] for i in positions], positions)
-                        for r in scored]
+            for _, scored in self.scored_chunks([records[i] for i in positions], positions):
+                rollouts.extend(scored)
+                report_eval_progress(self, len(rollouts), len(positions))
         finally:
             self._scoring_copy.release()  # ZeRO-3: the whole copy lives for one evaluation, not the rest of the run
         scored = list(zip(positions, rollouts, strict=True))
