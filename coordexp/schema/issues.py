@@ -83,15 +83,50 @@ def _describe(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _hint_for(err: dict, allowed: Optional[list[str]], key: str) -> tuple[str, str]:
+_SHORT_NAMES = {
+    "lr": ("learning_rate",), "batch_size": ("per_device_train_batch_size", "effective_batch_size"),
+    "bs": ("per_device_train_batch_size", "effective_batch_size"), "epochs": ("num_train_epochs",),
+    "steps": ("max_steps",), "grad_accum": ("gradient_accumulation_steps",),
+    "accumulation_steps": ("gradient_accumulation_steps",), "warmup": ("warmup_ratio", "warmup_steps"),
+    "max_length": ("global_max_length",), "model_path": ("path",), "output": ("output_dir",),
+}
+"""Common short names of keys; a name is suggested only where the schema has that field (the schema owns keys)."""
+
+
+def _candidates(key: str, allowed: list[str]) -> list[str]:
+    """Up to three fields of ``allowed`` that ``key`` probably means: the fields of a known short name
+    (``batch_size``: the per-device and the effective batch size), else close spellings and fields ending in
+    ``_key``."""
+    found = [name for name in _SHORT_NAMES.get(key.lower(), ()) if name in allowed]
+    if found:
+        return found
+    found = difflib.get_close_matches(key, allowed, n=2)
+    if len(key) >= 4:
+        found += [name for name in allowed if name.endswith("_" + key)]
+    return list(dict.fromkeys(found))[:3]
+
+
+def _elsewhere(root: Optional[type], key: str) -> list[str]:
+    """``section.field`` for each top-level section of ``root`` that has ``key`` (or its short name's field)."""
+    out = []
+    for section, info in (root.model_fields.items() if root is not None else ()):
+        model = _unwrap(info.annotation)
+        if isinstance(model, type):
+            names = {key, *_SHORT_NAMES.get(key.lower(), ())}
+            out += [f"{section}.{name}" for name in sorted(names) if name in model.model_fields]
+    return out[:3]
+
+
+def _hint_for(err: dict, allowed: Optional[list[str]], key: str, root: Optional[type] = None) -> tuple[str, str]:
     kind = err["type"]
     value = err.get("input")
     if kind == "extra_forbidden":
         hint = "Remove it or fix its spelling."
         if allowed:
-            close = difflib.get_close_matches(key, allowed, n=1)
+            close = _candidates(key, allowed) or _elsewhere(root, key)
             listing = ", ".join(allowed) if len(allowed) <= 12 else "see `coordexp schema`"
-            hint = (f"Did you mean {close[0]!r}? " if close else "") + f"Allowed keys here: {listing}."
+            guess = f"Did you mean {' or '.join(map(repr, close))}? " if close else ""
+            hint = f"{guess}Allowed keys here: {listing}."
         return "unknown key", hint
     if kind == "missing":
         return "required key is missing", f"Add `{key}: ...` (see `coordexp schema` for its type)."
@@ -140,7 +175,7 @@ def validation_issues(
             continue
         key = str(path[-1]) if path else ""
         allowed = _allowed_keys(root, loc) if root is not None and loc else None
-        message, hint = _hint_for(err, allowed, key)
+        message, hint = _hint_for(err, allowed, key, root)
         yield path, ConfigIssue(format_path(path), message, hint)
 
 

@@ -164,12 +164,40 @@ def parse_yaml_text(text: str) -> Any:
     except YamlReadError:
         raise
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise YamlReadError(f"invalid YAML: {where}{problem}", "Fix the YAML syntax at that position.") from None
+        raise _syntax_error(exc, text) from None
     except RecursionError:
         raise YamlReadError("invalid YAML: nesting is too deep", "Flatten the document.") from None
+
+
+_UNCLOSED = ("simple key", "quoted scalar", "flow sequence", "flow mapping")
+"""Parser contexts that begin a construct the problem found only later (a key without ``:``, a quote or bracket not
+closed): the problem mark lies on a later line, often the next key's or the end of the file, so the line named is
+the context's, where the construct began."""
+
+
+def _syntax_error(exc: yaml.YAMLError, text: str) -> YamlReadError:
+    """The line at fault (the unclosed construct's first line, never past the last line), its text, and "tab" when a
+    tab character is the cause (YAML indents with spaces only)."""
+    mark, context = getattr(exc, "problem_mark", None), getattr(exc, "context_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    if mark is None:
+        return YamlReadError(f"invalid YAML: {problem}", "Fix the YAML syntax.")
+    lines = text.splitlines() or [""]
+    at = lines[mark.line] if mark.line < len(lines) else ""
+    if "\t" in at[:mark.column + 1].lstrip(" ") or "tab" in problem and "\t" in at:
+        column = at.index("\t")
+        return YamlReadError(f"invalid YAML: line {mark.line + 1}, column {column + 1}: a tab character ({problem}) "
+                             f"in line {mark.line + 1}: {at[:120]!r}",
+                             "YAML indents with spaces only: replace the tab with spaces.")
+    line, column = mark.line, mark.column
+    where = str(getattr(exc, "context", None) or "")
+    if context is not None and context.line < line and any(kind in where for kind in _UNCLOSED):
+        line, column, problem = context.line, context.column, f"{problem} ({where}, which begins here)"
+    if line >= len(lines) or not lines[line].strip():  # the end of the file: the last line that holds text
+        line = max((i for i, text_line in enumerate(lines[:line + 1]) if text_line.strip()), default=0)
+        column = len(lines[line])
+    return YamlReadError(f"invalid YAML: line {line + 1}, column {column + 1}: {problem}; line {line + 1}: "
+                         f"{lines[line][:120]!r}", "Fix the YAML syntax at that position.")
 
 
 def read_yaml_file(path: Path) -> Any:

@@ -129,7 +129,7 @@ def test_duplicate_keys_are_errors_but_merge_keys_work():
         ("# only a comment\n", "file is empty"),
         ("- a\n- b\n", "got a list"),
         ("just a string\n", "got a str"),
-        ("a: [1, 2\n", "invalid YAML: line 2"),
+        ("a: [1, 2\n", "invalid YAML: line 1"),  # where the bracket opens, not past the end of the file
         ("1: one\n", "keys must be strings"),
         ("a: 1\n\tb: 2\n", "invalid YAML"),
     ],
