@@ -45,30 +45,53 @@ def _broken_link(path: Path) -> str:
     return f"a symlink to a missing file ({os.readlink(path)[:200]!r})"
 
 
+def _open_flags() -> int:
+    """Read only, never waiting to open (a FIFO) nor taking a terminal as the controlling one."""
+    return os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def _open_problem(path: Path, exc: OSError, kind: str, error: type[FileReadError]) -> FileReadError:
+    if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR) and not os.path.exists(path):
+        link = _broken_link(path)
+        if link:
+            return error(link, f"Point the link at a {kind} file, or name the file itself.")
+        return error("file not found", "Check the path (relative paths are from the current directory).")
+    if exc.errno in (errno.ENXIO, errno.EOPNOTSUPP):  # a socket (or a FIFO on some systems)
+        return error("is a FIFO or socket, not a file", "Pass a file.")
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return error(f"cannot read file ({exc.strerror})", "Check the file permissions.")
+    reason = exc.strerror or str(exc)  # a name over NAME_MAX, a NUL byte (ValueError), a path through a file
+    return error(f"cannot use this path ({reason})", "Check the path; each file or folder name may have at most 255 "
+                                                     "bytes.")
+
+
 def read_capped_text(path: Path, *, max_bytes: int, kind: str, suffix: str,
                      error: type[FileReadError] = FileReadError) -> str:
     """The UTF-8 text of the regular file ``path`` (at most ``max_bytes``); ``kind`` names what it should be
-    ("YAML", "JSON") and ``suffix`` the file to pass instead, in the messages."""
+    ("YAML", "JSON") and ``suffix`` the file to pass instead, in the messages. The file is opened once, without
+    waiting (a FIFO, a terminal), and judged by what was opened (``fstat``), never checked by name and reopened."""
     try:
-        info = path.stat() if path.exists() else None
-    except (OSError, ValueError) as exc:  # a name over NAME_MAX, a NUL byte, a loop of symlinks, no permission
-        reason = getattr(exc, "strerror", None) or str(exc)
-        raise error(f"cannot use this path ({reason})", "Check the path; each file or folder name may have "
-                                                        "at most 255 bytes.") from None
-    if info is None:
-        link = _broken_link(path)
-        if link:
-            raise error(link, f"Point the link at a {kind} file, or name the file itself.")
-        raise error("file not found", "Check the path (relative paths are from the current directory).")
-    if stat.S_ISDIR(info.st_mode):
-        raise error(f"is a directory, not a {kind} file", f"Pass a {suffix} file.")
-    if stat.S_ISFIFO(info.st_mode) or stat.S_ISSOCK(info.st_mode):  # opening one would wait for a writer
-        raise error("is a FIFO or socket, not a file", f"Pass a {suffix} file.")
+        fd = os.open(path, _open_flags())
+    except ValueError as exc:  # a NUL byte in the name
+        raise error(f"cannot use this path ({exc})", "Check the path.") from None
+    except OSError as exc:
+        raise _open_problem(path, exc, kind, error) from None
     try:
-        with path.open("rb") as handle:
-            raw = handle.read(max_bytes + 1)  # never more than the cap, whatever the file claims (or a device)
-    except OSError as exc:  # /proc/self/mem: a regular file that refuses reads
-        raise error(f"cannot read file ({exc.strerror or exc})", "Check the file permissions.") from None
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise error(f"is a directory, not a {kind} file", f"Pass a {suffix} file.")
+        if stat.S_ISFIFO(info.st_mode) or stat.S_ISSOCK(info.st_mode):  # reading one would wait for a writer
+            raise error("is a FIFO or socket, not a file", f"Pass a {suffix} file.")
+        if os.isatty(fd):  # a terminal: reading waits for someone to type
+            raise error("is a terminal, not a file", f"Pass a {suffix} file.")
+        try:
+            raw = _read_up_to(fd, max_bytes + 1)  # never more than the cap, whatever the file claims (or a device)
+        except BlockingIOError:  # a device with nothing to read now: reading would wait
+            raise error("is a device that waits for input, not a file", f"Pass a {suffix} file.") from None
+        except OSError as exc:  # /proc/self/mem: a regular file that refuses reads
+            raise error(f"cannot read file ({exc.strerror or exc})", "Check the file permissions.") from None
+    finally:
+        os.close(fd)
     if len(raw) > max_bytes:
         raise error(f"file is larger than the {max_bytes // 1024} KiB cap on {kind} settings files",
                     f"A {kind} settings file is a few KiB; check that the path names the right file.")
@@ -79,6 +102,18 @@ def read_capped_text(path: Path, *, max_bytes: int, kind: str, suffix: str,
     if "\x00" in text:
         raise error("not a text file (contains NUL bytes)", f"Pass a {suffix} file.")
     return text
+
+
+def _read_up_to(fd: int, limit: int) -> bytes:
+    """Up to ``limit`` bytes of ``fd``, reading until the end of the file (one read may return less)."""
+    parts, size = [], 0
+    while size < limit:
+        part = os.read(fd, limit - size)
+        if not part:
+            break
+        parts.append(part)
+        size += len(part)
+    return b"".join(parts)
 
 
 def json_depth(text: str) -> int:

@@ -50,7 +50,8 @@ PARENTS = {"symlink loop": (_loop, "symlink loop"), "dangling symlink": (_dangli
 
 @pytest.fixture
 def deny_reading(monkeypatch):
-    """Make opening ``locked.yaml`` fail as it does for a file without the read permission (root ignores modes)."""
+    """Make opening ``locked.yaml`` fail as it does for a file without the read permission (root ignores modes),
+    through ``Path.open`` and ``os.open``."""
     real_open = Path.open
 
     def guarded_open(self, *args, **kwargs):
@@ -59,6 +60,14 @@ def deny_reading(monkeypatch):
         return real_open(self, *args, **kwargs)
 
     monkeypatch.setattr(Path, "open", guarded_open)
+    real_os_open = os.open
+
+    def guarded_os_open(path, *args, **kwargs):  # the bounded reader opens with os.open (fstat, no reopen)
+        if os.path.basename(os.fspath(path)) == "locked.yaml":
+            raise PermissionError(errno.EACCES, "Permission denied", os.fspath(path))
+        return real_os_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", guarded_os_open)
 
 
 def _leaf(folder: Path, key: str, parent: str) -> Path:

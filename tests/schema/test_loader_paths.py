@@ -3,6 +3,7 @@ a config problem of the file that names it (exit 2 from ``coordexp validate``), 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,14 @@ def test_extends_into_a_folder_that_cannot_be_read(tmp_path, monkeypatch):
         return check
 
     monkeypatch.setattr(Path, "exists", refuse("exists"))
+    real_open = os.open
+
+    def refuse_open(path, *args, **kwargs):  # the bounded reader opens the name once (os.open), then fstat
+        if locked in Path(os.fspath(path)).parents:
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refuse_open)
     issue = _only_issue(_extending(tmp_path, "locked/base.yaml"))
     assert issue.path == "extends" and "Permission denied" in issue.message
     monkeypatch.setattr(Path, "resolve", refuse("resolve"))
