@@ -3,7 +3,9 @@ transformers' ``HfTrainerDeepSpeedConfig.trainer_config_process`` and DeepSpeed'
 launch: a JSON object, ZeRO stage 0..3 read as DeepSpeed reads it (``"3"`` and ``3.0`` are stage 3), batch sizes,
 accumulation, clipping and precision equal to the training block (``"auto"`` agrees), and what coordexp refuses
 itself: ``optimizer`` / ``scheduler`` blocks (they would replace coordexp's per-part parameter groups and the
-configured schedule) and NVMe offload to a folder that does not exist (docs/design.md, "Hostile input, round five").
+configured schedule) and NVMe offload to a path DeepSpeed cannot make a folder (docs/design.md, "Hostile input, round
+five"; a folder that does not exist yet is created by DeepSpeed). The shipped presets (``zero2``, ``zero3``) are read
+from the package and checked the same way (:func:`preset_json_path`).
 tests/schema/test_deepspeed_file.py keeps :func:`transformers_mismatches` equal to transformers' verdict."""
 
 from __future__ import annotations
@@ -17,13 +19,20 @@ from typing import Any, Optional
 from coordexp.schema.errors import RuleViolation
 from coordexp.schema.file_read import FileReadError, read_json_file
 
-__all__ = ["read_deepspeed_json", "deepspeed_stage", "transformers_mismatches", "content_violations"]
+__all__ = ["read_deepspeed_json", "deepspeed_stage", "transformers_mismatches", "content_violations",
+           "preset_json_path"]
 
 _WHERE = "training.deepspeed"
 _AUTO_HINT = 'Set it to "auto" (filled from the training block at launch), or make the two equal.'
 _OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 _INT_TEXT = re.compile(r"([+-]?[0-9]+)(?:\.0+)?", re.ASCII)
 _HALF_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+def preset_json_path(name: str) -> Path:
+    """The JSON file of the shipped preset ``name`` (``zero2``: ``coordexp/runtime/train/deepspeed/zero2.json``), a
+    data file read here without importing the runtime (the schema imports nothing from it)."""
+    return Path(__file__).resolve().parent.parent / "runtime" / "train" / "deepspeed" / f"{name}.json"
 
 
 def read_deepspeed_json(path: str) -> Any:
@@ -115,11 +124,33 @@ def _offload_violations(zero: dict, shown: str) -> list[RuleViolation]:
                                      f"Use one of {', '.join(_OFFLOAD_DEVICES)}."))
         elif device == "nvme":
             nvme = block.get("nvme_path")
-            if not isinstance(nvme, str) or not nvme or not Path(nvme).expanduser().is_dir():
+            problem = _nvme_folder_problem(nvme)
+            if problem:
                 out.append(RuleViolation(_WHERE, f"{shown}: zero_optimization.{key} offloads to NVMe at "
-                                         f"{str(nvme)[:200]!r}, which is not an existing folder",
+                                         f"{str(nvme)[:200]!r}, {problem}",
                                          "Set nvme_path to a folder on a local NVMe drive, or use device: cpu."))
     return out
+
+
+def _nvme_folder_problem(nvme: Any) -> str:
+    """Why DeepSpeed could not use ``nvme_path`` as its swap folder ("" when it can): it creates the folder (and
+    missing parents) itself, so a path that does not exist yet is fine when its nearest existing ancestor is a
+    folder; a file there, or on the way, is not."""
+    if not isinstance(nvme, str) or not nvme.strip():
+        return "which is not a folder path"
+    try:
+        path = Path(nvme).expanduser().absolute()
+        if path.exists():
+            return "" if path.is_dir() else "which is not a folder"
+        for parent in path.parents:
+            if parent.exists():
+                if not parent.is_dir():
+                    return f"which cannot be created ({str(parent)[:200]} is not a folder)"
+                writable = os.access(parent, os.W_OK | os.X_OK)
+                return "" if writable else f"which cannot be created ({str(parent)[:200]} is not writable here)"
+    except (OSError, ValueError) as exc:
+        return f"which cannot be used ({getattr(exc, 'strerror', None) or exc})"
+    return ""
 
 
 def _precision_violations(config: dict, training: Any, model_dtype: str, shown: str) -> list[RuleViolation]:
@@ -132,8 +163,10 @@ def _precision_violations(config: dict, training: Any, model_dtype: str, shown: 
         return [RuleViolation(_WHERE, f"{shown}: bf16 and fp16 are both enabled (DeepSpeed refuses both)",
                               "Enable one of them.")]
     return [RuleViolation(_WHERE, f"{shown}: {key}.enabled makes DeepSpeed cast the model to {_HALF_DTYPES[key]}, "
-                          f"but model.dtype is {model_dtype}", f"Set model.dtype: {_HALF_DTYPES[key]}, or "
-                          f"{key}.enabled: false in the DeepSpeed file.")
+                          f"but model.dtype is {model_dtype}", f"Set model.dtype: {_HALF_DTYPES[key]}, or " + (
+                              f"training.{key}: false (the DeepSpeed {key}.enabled is \"auto\")"
+                              if _node(config, f"{key}.enabled") == "auto" else
+                              f"{key}.enabled: false in the DeepSpeed file") + ".")
             for key in ("bf16", "fp16") if enabled[key] and model_dtype != _HALF_DTYPES[key]]
 
 

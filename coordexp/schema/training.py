@@ -27,7 +27,7 @@ from coordexp.schema.base import (
     int_in,
     path_extra,
 )
-from coordexp.schema.deepspeed_file import content_violations, deepspeed_stage, load_violations
+from coordexp.schema.deepspeed_file import content_violations, deepspeed_stage, load_violations, preset_json_path
 from coordexp.schema.errors import RuleViolation, raise_violations
 from coordexp.schema.hf_surface import passthrough_fields, refused_fields
 from coordexp.schema.hf_training_fields import HF_TRAINING_FIELDS, REPORT_TO_CHOICES
@@ -284,12 +284,15 @@ def deepspeed_violations(training: "_OwnedTrainingFields", *, adapter: bool, rol
     would refuse it at launch (``schema/deepspeed_file.py``)."""
     stage = zero_stage(training.deepspeed) if training.deepspeed in DEEPSPEED_PRESETS else None
     problems: list[RuleViolation] = []
-    if training.deepspeed is not None and training.deepspeed not in DEEPSPEED_PRESETS:
-        config, read_problems = load_violations(training.deepspeed)  # read once, bounded
+    if training.deepspeed is not None:  # a preset's packaged JSON is checked as a file of the same content is
+        preset = training.deepspeed in DEEPSPEED_PRESETS
+        path = str(preset_json_path(training.deepspeed)) if preset else training.deepspeed
+        config, read_problems = load_violations(path)  # read once, bounded
         problems = read_problems or []
         if read_problems == []:
             stage = _stage_of(config)
-            problems = content_violations(config, training, model_dtype=model_dtype, shown=training.deepspeed[:300])
+            problems = content_violations(config, training, model_dtype=model_dtype,
+                                          shown=f"preset {training.deepspeed}" if preset else training.deepspeed[:300])
     out = []
     if training.deepspeed is not None and colocate_offload:
         out.append(RuleViolation(

@@ -6,8 +6,9 @@ stage 2. Only the main process (rank 0) draws or prints. During an evaluation th
 out (:func:`report_eval_progress`, an ``on_prediction_step`` event with ``eval_progress=(done, total)``): the
 panel shows it, a plain log prints ``eval  step N  rolling out 32/64 images  ETA 40s`` at most every
 :data:`EVAL_PRINT_INTERVAL_S`. The run's ETA is training time per step times the steps left plus the mean
-evaluation time times the evaluations left, so it does not jump after each evaluation. :func:`summarize_history` turns a finished run's log history
-into the numbers the end-of-run summary shows: sums over the whole run, and each evaluation's headline figures.
+evaluation time times the evaluations left, so it does not jump after each evaluation. :func:`summarize_history`
+turns a finished run's log history into the numbers the end-of-run summary shows: sums over the whole run, and each
+evaluation's headline figures.
 """
 
 from __future__ import annotations
