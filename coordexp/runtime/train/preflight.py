@@ -2,10 +2,9 @@
 
 Checks: the config validates (every problem listed, like ``coordexp validate``); the multi-process sync mode; the
 model directory has a config and all 1000 coord tokens; this machine has the packages and CUDA the config needs,
-and a stage-2 model.path was trained by coordexp (warnings where it can still run; ``preflight_machine.py``); the
-data files exist and a sample of records and their
-images load; in server mode each server answers ``/health/`` and ``/get_world_size/`` (probed in parallel), the
-topology is feasible, ``decode_batch_size * S >= W``, and, when the config enables ``repeat_terminate``, each
+and a stage-2 model.path was trained by coordexp (warnings where it can still run, RAM for a CPU run included;
+``preflight_machine.py``); the data files exist and a sample of records and their images load; in server mode each
+server answers ``/health/`` and ``/get_world_size/`` (probed in parallel), the topology is feasible, ``decode_batch_size * S >= W``, and, when the config enables ``repeat_terminate``, each
 server's repeat guard is on (``GET /coordexp/repeat_guard/``; a ``swift rollout`` server cannot be checked: said so). With ``launch=True`` servers are not running yet: their HTTP
 and group ports must be free on this host instead, and each is assumed to have ``server_world_size`` replicas.
 Every check runs that can (only an invalid config stops the rest), so one run reports every problem.
@@ -33,7 +32,8 @@ from urllib.parse import urlsplit
 from coordexp.errors import EXIT_EXTERNAL, EXIT_INVALID, EXIT_OK, UserInputError
 from coordexp.runtime.core.distribution import InfeasibleTopologyError, per_rank_chunk
 from coordexp.runtime.core.tokens import ALL_COORD_TOKENS
-from coordexp.runtime.train.preflight_machine import PreflightCheck, machine_checks, stage2_start_checks
+from coordexp.runtime.train.preflight_machine import (PreflightCheck, machine_checks, memory_checks,
+                                                      stage2_start_checks)
 
 __all__ = ["EXIT_CODES", "PreflightCheck", "PreflightReport", "run_preflight", "exit_code_of",
            "coord_tokens_missing", "suggest_device_split", "port_is_free", "optimizer_groups_detail", "hub_id_hint"]
@@ -182,6 +182,7 @@ def run_preflight(config_path: str | Path, *, learner_world_size: int = 1, healt
     if stage2:
         checks.extend(stage2_start_checks(run))
     checks.extend(machine_checks(run))
+    checks.extend(memory_checks(run, _part_sizes_or_none(run)))
     _check_training_arguments(run, checks)
     checks.append(PreflightCheck("optimizer groups", True, optimizer_groups_detail(run)))
     _check_data(run, checks, sample_records)
@@ -299,6 +300,13 @@ def _checkpoint_part_sizes(model_dir: Path) -> dict[str, int] | None:
     return sizes
 
 
+def _part_sizes_or_none(run: Any) -> dict[str, int] | None:
+    try:
+        return _checkpoint_part_sizes(Path(run.model.path))
+    except (OSError, ValueError, struct.error):
+        return None
+
+
 def optimizer_groups_detail(run: Any) -> str:
     """The optimizer groups a launch will build: per part its lr, weight decay and checkpoint parameter count, or
     frozen (biases and norms get weight decay 0 in a group of their own at launch; docs/design.md, decision 13)."""
@@ -307,10 +315,7 @@ def optimizer_groups_detail(run: Any) -> str:
 
     t, tuner = run.training, run.tuner
     frozen = frozen_parts(tuner)
-    try:
-        sizes = _checkpoint_part_sizes(Path(run.model.path))
-    except (OSError, ValueError, struct.error):
-        sizes = None
+    sizes = _part_sizes_or_none(run)
     parts = []
     for part, rate in part_rates(t).items():
         if part in frozen:

@@ -6,6 +6,9 @@
   kernels); ``model.dtype`` bfloat16/float16 and stage 2's colocated vLLM without one pass with a warning (they
   run on CPU, slowly, or need vLLM's CPU build). The device count comes from torch, imported only when the config
   names such a setting; ``CUDA_VISIBLE_DEVICES=""`` (or ``-1``) means none.
+- Memory, where it can be computed: without a CUDA device, the parameters (safetensors headers) in ``model.dtype``
+  plus, for the parts that train in a full fine-tune, their gradients and AdamW's two states, against the RAM
+  available here (``MemAvailable``); more than available warns (activations and rollouts come on top).
 - Stage 2's ``model.path`` without a coordexp training record (``coordexp_config.yaml`` / ``run_metadata.jsonl``
   in it or its parent, ``trainer_state.json`` for a checkpoint) warns: stage 2 from a model that never saw the task
   rolls out noise.
@@ -21,7 +24,8 @@ from typing import Any
 from coordexp.errors import EXIT_EXTERNAL, EXIT_OK
 from coordexp.optional_deps import installed, missing_for
 
-__all__ = ["PreflightCheck", "machine_checks", "stage2_start_checks", "cuda_device_count", "TRAINING_RECORDS"]
+__all__ = ["PreflightCheck", "machine_checks", "stage2_start_checks", "cuda_device_count", "TRAINING_RECORDS",
+           "memory_checks", "available_memory"]
 
 TRAINING_RECORDS = ("coordexp_config.yaml", "run_metadata.jsonl", "trainer_state.json")
 
@@ -76,6 +80,47 @@ def machine_checks(run: Any) -> list[PreflightCheck]:
                               "attn_implementation: sdpa here", EXIT_EXTERNAL) for what in hard]
     checks += [PreflightCheck("cuda", True, f"no CUDA device on this machine: {what}", warning=True) for what in soft]
     return checks
+
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_GIB = 2**30
+
+
+def available_memory() -> int | None:
+    """Bytes of RAM available to a new process (``MemAvailable`` of ``/proc/meminfo``); None where it cannot be read."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def memory_checks(run: Any, part_sizes: dict[str, int] | None) -> list[PreflightCheck]:
+    """A warning when training ``run`` on this machine's CPU needs more RAM than is available (module docstring);
+    nothing where it cannot be computed: parameter counts unknown (``part_sizes`` None), a CUDA device (its memory,
+    not RAM, holds the model), or no ``MemAvailable``."""
+    from coordexp.runtime.model.tuner import frozen_parts
+
+    if not part_sizes or cuda_device_count():
+        return []
+    available = available_memory()
+    if available is None:
+        return []
+    per = _DTYPE_BYTES.get(str(run.model.dtype), 4)
+    frozen = frozen_parts(run.tuner)
+    trained = 0 if run.tuner.train_type == "lora" else sum(n for part, n in part_sizes.items() if part not in frozen)
+    weights, training = sum(part_sizes.values()) * per, trained * per * 3  # gradients + AdamW's two states
+    need = weights + training
+    if need <= available:
+        return []
+    what = (f"weights {weights / _GIB:.1f} GiB in {run.model.dtype}" + (
+        f" + gradients and AdamW states of the trained parts {training / _GIB:.1f} GiB" if training else ""))
+    return [PreflightCheck("memory", True, f"training on this CPU needs about {need / _GIB:.1f} GiB ({what}; "
+                           f"activations and rollouts on top) but {available / _GIB:.1f} GiB of RAM is available; "
+                           "use a GPU node, a smaller model, or tuner.train_type: lora", warning=True)]
 
 
 def stage2_start_checks(run: Any) -> list[PreflightCheck]:
