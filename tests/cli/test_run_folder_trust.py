@@ -242,14 +242,7 @@ def test_the_record_holds_what_was_written_and_gives_the_same_contract(tmp_path,
     from coordexp.runtime.train.launch import training_arguments
     from coordexp.schema.loader import load_merged
 
-    from coordexp.runtime.toy.synthetic import write_synthetic_dataset
-
-    write_synthetic_dataset(tmp_path / "data", n_train=4, n_val=2, seed=0)
-    config = tmp_path / "stage1.yaml"
-    result = _run("init", "-o", str(config), "--model", str(tiny_model_dir), "--device", "cpu",
-                  "--train-jsonl", str(tmp_path / "data" / "train.jsonl"),
-                  "--val-jsonl", str(tmp_path / "data" / "val.jsonl"))
-    assert result.exit_code == 0, result.output
+    config = _init_stage1(tmp_path, tiny_model_dir)
     sets = ["training.max_steps=6"]
     original, _ = load_run_and_config(config, overrides=sets)
     assert original.training.eval_steps is not None
@@ -409,14 +402,7 @@ def test_sigterm_exits_143_without_a_traceback_and_says_how_to_resume(tmp_path, 
 def test_a_run_retrained_from_its_record_evaluates_and_warms_up_the_same_way(tmp_path, tiny_model_dir):
     import torch
 
-    from coordexp.runtime.toy.synthetic import write_synthetic_dataset
-
-    write_synthetic_dataset(tmp_path / "data", n_train=4, n_val=2, seed=0)
-    config = tmp_path / "stage1.yaml"
-    made = _run("init", "-o", str(config), "--model", str(tiny_model_dir), "--device", "cpu",
-                "--train-jsonl", str(tmp_path / "data" / "train.jsonl"),
-                "--val-jsonl", str(tmp_path / "data" / "val.jsonl"))
-    assert made.exit_code == 0, made.output
+    config = _init_stage1(tmp_path, tiny_model_dir)
     sets = ["--set", "training.max_steps=2", "--set", "training.eval_steps=1", "--set", "training.save_steps=2",
             "--set", "rollout_matching.max_new_tokens=32"]
     first = _run("train", str(config), *sets, "--set", f"training.output_dir={tmp_path / 'a'}")
@@ -464,3 +450,16 @@ def test_show_rollouts_of_a_deep_rollout_log_exits_2(tmp_path):
     (run / "rollouts.jsonl").write_text("[" * 100_000 + "]" * 100_000 + "\n")
     result = _run("show-rollouts", str(run))
     assert result.exit_code == 2, result.output
+
+
+def _init_stage1(tmp_path: Path, model: Path) -> Path:
+    """init's stage-1 recipe (evaluation, warmup) for the tiny model and a 4+2-image synthetic set."""
+    from coordexp.runtime.toy.synthetic import write_synthetic_dataset
+
+    write_synthetic_dataset(tmp_path / "data", n_train=4, n_val=2, seed=0)
+    config = tmp_path / "stage1.yaml"
+    made = _run("init", "-o", str(config), "--model", str(model), "--device", "cpu",
+                "--train-jsonl", str(tmp_path / "data" / "train.jsonl"),
+                "--val-jsonl", str(tmp_path / "data" / "val.jsonl"))
+    assert made.exit_code == 0, made.output
+    return config
