@@ -18,7 +18,8 @@ GRID_FIGURES = ("recall", "precision", "f1", "pred_per_gt", "duplicates_per_imag
 
 
 # figures printed as they are (counts per image); every other figure is a rate, printed in percent
-PER_IMAGE = ("fp_per_image", "fn_per_image", "duplicates_per_image", "count_error", "rollout_tokens_per_image",
+PER_IMAGE = ("fp_per_image", "fn_per_image", "duplicates_per_image", "pred_per_gt", "count_error",
+             "rollout_tokens_per_image",
              "backtracks_per_image")
 
 
