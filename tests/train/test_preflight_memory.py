@@ -22,7 +22,7 @@ def _run(dtype="float32", train_type="full", freeze_vit=True):
 @pytest.fixture()
 def cpu_with(monkeypatch):
     def set_available(gib: float | None):
-        monkeypatch.setattr(preflight_machine, "cuda_device_count", lambda: 0)
+        monkeypatch.setattr(preflight_machine, "nvidia_driver_loaded", lambda: False)
         monkeypatch.setattr(preflight_machine, "available_memory", lambda: None if gib is None else int(gib * GIB))
     return set_available
 
@@ -47,8 +47,17 @@ def test_what_fits_or_cannot_be_computed_says_nothing(cpu_with, monkeypatch):
     cpu_with(None)
     assert preflight_machine.memory_checks(_run(), SIZES) == []  # no MemAvailable
     cpu_with(1)
-    monkeypatch.setattr(preflight_machine, "cuda_device_count", lambda: 1)
+    monkeypatch.setattr(preflight_machine, "nvidia_driver_loaded", lambda: True)
     assert preflight_machine.memory_checks(_run(), SIZES) == []  # a GPU holds the model, not RAM
+
+
+def test_the_driver_check_imports_no_torch_and_honours_cuda_visible_devices(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert preflight_machine.nvidia_driver_loaded() is False
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    import os
+
+    assert preflight_machine.nvidia_driver_loaded() == os.path.exists("/proc/driver/nvidia/version")
 
 
 def test_available_memory_reads_proc_meminfo():

@@ -55,6 +55,15 @@ def cuda_device_count() -> int:
     return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
 
 
+def nvidia_driver_loaded() -> bool:
+    """Whether this machine may have a CUDA device, asked without importing torch (preflight stays light): the
+    NVIDIA kernel driver is loaded and ``CUDA_VISIBLE_DEVICES`` does not hide every device."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return False
+    return os.path.exists("/proc/driver/nvidia/version")
+
+
 def machine_checks(run: Any) -> list[PreflightCheck]:
     """Packages and CUDA for ``run`` (module docstring); an empty list when the config needs neither."""
     checks = [PreflightCheck(f"package {dep.package}", False, f"{why} needs {dep.package}, which is not installed "
@@ -104,7 +113,7 @@ def memory_checks(run: Any, part_sizes: dict[str, int] | None) -> list[Preflight
     not RAM, holds the model), or no ``MemAvailable``."""
     from coordexp.runtime.model.tuner import frozen_parts
 
-    if not part_sizes or cuda_device_count():
+    if not part_sizes or nvidia_driver_loaded():
         return []
     available = available_memory()
     if available is None:
