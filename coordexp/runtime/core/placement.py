@@ -59,10 +59,12 @@ def first_skip(pairs: Sequence[tuple[int, int]]) -> int | None:
 def plan_target(entries_valid: Sequence[bool], preds: Sequence[DetObject], valid_positions: Sequence[int],
                 gts: Sequence[DetObject], pairs: Sequence[tuple[int, int]],
                 pair_targets: Mapping[tuple[int, int], np.ndarray], *, placement: FnPlacement = "append",
-                repeats: RepeatTreatment = "neutral", trailing: Literal["keep", "drop"] = "keep") -> TargetPlan:
+                repeats: RepeatTreatment = "neutral", trailing: Literal["keep", "drop"] = "keep",
+                duplicates: Sequence[bool] | None = None) -> TargetPlan:
     """The target plan of one rollout. ``entries_valid`` flags every parsed entry, ``preds`` are the valid ones at
     ``valid_positions``; ``pairs`` are the matcher's (prediction index, gt index) and ``pair_targets`` their coord
-    targets keyed the same way; ``trailing`` is ``rollout_matching.trailing_unmatched``."""
+    targets keyed the same way; ``trailing`` is ``rollout_matching.trailing_unmatched``; ``duplicates`` the
+    predictions' certified-duplicate flags when the caller has them (computed here otherwise)."""
     n_entries = len(entries_valid)
     by_position = {valid_positions[p]: (p, g) for p, g in pairs}
     parse_pairs = sorted((valid_positions[p], g) for p, g in pairs)
@@ -70,7 +72,7 @@ def plan_target(entries_valid: Sequence[bool], preds: Sequence[DetObject], valid
     matched_preds = {p for p, _ in pairs}
     repeat_at: set[int] = set()
     if repeats == "drop":
-        flags = certified_duplicates(preds, gts)
+        flags = certified_duplicates(preds, gts) if duplicates is None else duplicates
         repeat_at = {valid_positions[p] for p, dup in enumerate(flags) if dup and p not in matched_preds}
     change = limit
     if repeat_at & set(range(limit)):

@@ -151,8 +151,10 @@ def build_rollout_sample(
     match = match_objects(preds, gts, ctx.rollout.matching)
     pair_targets = pair_coord_targets(preds, gts, match.pairs, ctx.rollout.ot)
     rm = ctx.rollout
+    duplicates = certified_duplicates(preds, gts)  # one pass for the plan and the counters
     plan = plan_target([o.valid for o in parse.objects], preds, valid_positions, gts, match.pairs, pair_targets,
-                       placement=rm.fn_placement, repeats=rm.repeats, trailing=rm.trailing_unmatched)
+                       placement=rm.fn_placement, repeats=rm.repeats, trailing=rm.trailing_unmatched,
+                       duplicates=duplicates)
     target_parse = parse
     if plan.kept < len(parse.objects):
         target_parse = cut_after_objects(parse, plan.kept, ctx.tokenizer, ctx.vocab, piece_table=ctx.pieces)
@@ -186,7 +188,7 @@ def build_rollout_sample(
         rollout_tokens=len(rollout.response_token_ids),
         cut_fallbacks=parse.cut_fallbacks,
         trailing_dropped=len(parse.objects) - len(target_parse.objects),
-        certified_duplicates=sum(certified_duplicates(preds, gts)),
+        certified_duplicates=sum(duplicates),
         repeats_removed=plan.repeats_removed,
     )
     return SampleTarget(encoded, target, counters, parse, match, valid_positions)
