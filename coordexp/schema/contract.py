@@ -20,7 +20,7 @@ from coordexp.schema.matching import MatchingConfig, OtConfig
 from coordexp.schema.model import ModelConfig
 from coordexp.schema.pipeline import PipelineConfig
 from coordexp.schema.rollout import (CollapseAlarmConfig, DecodingConfig, HfGenerateConfig, OffloadConfig,
-                                      OverlapConfig, RepeatTerminateConfig)
+                                      OverlapConfig, RepeatTerminateConfig, RepeatUnlikelihoodConfig)
 from coordexp.schema.root import CoordExpConfig
 from coordexp.schema.template import TemplateConfig
 from coordexp.schema.training import TrainingConfig
@@ -156,7 +156,8 @@ class RolloutMatchingContract:
     trailing_unmatched: Literal["keep", "drop"] = "keep"  # the prefix ends after the last matched object when "drop"
     collapse_alarm: CollapseAlarmConfig = field(default_factory=CollapseAlarmConfig)  # stage-2 window checks
     fn_placement: Literal["append", "reading_order", "cut_at_skip"] = "append"  # where a missed object is taught
-    repeats: Literal["neutral", "drop"] = "neutral"  # certified repeats: context (the spec's) or left out
+    repeats: Literal["neutral", "drop", "unlikelihood"] = "neutral"  # certified repeats: context, left out, pushed down
+    repeat_unlikelihood: RepeatUnlikelihoodConfig = field(default_factory=RepeatUnlikelihoodConfig)
     gt_prefix_mix: GtPrefixMix = field(default_factory=GtPrefixMix)  # data.gt_prefix_mix: gap-augmented GT samples
 
     @property
@@ -310,6 +311,7 @@ def build_contract(cfg: CoordExpConfig) -> RunContract:
         collapse_alarm=rm.collapse_alarm,
         fn_placement=rm.fn_placement,
         repeats=rm.repeats,
+        repeat_unlikelihood=rm.repeat_unlikelihood,
         gt_prefix_mix=cfg.data.gt_prefix_mix,
     )
     data = cfg.data

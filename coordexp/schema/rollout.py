@@ -16,6 +16,7 @@ from coordexp.schema.base import (
     Probability,
     StrictModel,
     TokenLength,
+    Weight,
     float_in,
     int_in,
 )
@@ -324,6 +325,16 @@ class CollapseAlarmConfig(StrictModel):
         "reason in the run summary.")
 
 
+class RepeatUnlikelihoodConfig(StrictModel):
+    """The term ``repeats: unlikelihood`` adds: ``-log(1 - p)`` at each certified repeat's first divergent token
+    (docs/design.md, decision 18), ``p`` that token's probability, or for a coordinate the mass of a band of bins
+    around the repeat's that leaves out the band around the position's own target."""
+
+    weight: Weight = Field(1.0, description="Weight of the mean unlikelihood term in the total loss.")
+    band: int_in(0, 100) = Field(
+        2, description="Half-width in bins of the coordinate band pushed down (0: the repeat's bin alone).")
+
+
 class RolloutMatchingConfig(StrictModel):
     """``rollout_matching``: every stage-2 rollout, matching and loss-pipeline key (docs/design.md)."""
 
@@ -346,10 +357,12 @@ class RolloutMatchingConfig(StrictModel):
         "token-identical up to the first splice, canonically serialized after it); cut_at_skip = the prefix ends "
         "before the first entry written past a skipped object and the ground truth completes it (docs/design.md, "
         "decision 18). Not with data.object_order: random (no reading order).")
-    repeats: Literal["neutral", "drop"] = Field(
+    repeats: Literal["neutral", "drop", "unlikelihood"] = Field(
         "neutral", description="Certified repeats of the rollout (an unmatched entry with the same desc and IoU >= "
         "0.9 as an earlier kept one, or IoU >= 0.5 with an object an earlier entry took): neutral = the spec "
-        "(context, no loss); drop = left out of Y_train (docs/design.md, decision 18).")
+        "(context, no loss); drop = left out of Y_train; unlikelihood = left out, and pushed down at the first "
+        "token where writing it again would leave the target (docs/design.md, decision 18).")
+    repeat_unlikelihood: RepeatUnlikelihoodConfig = Field(default_factory=RepeatUnlikelihoodConfig)
     gt_step_share: Probability = Field(
         0.0, description="Share of stage-2 optimizer steps that train the ground-truth serialization (channel A: "
         "stage-1 targets, no rollout) instead of rollouts, spread evenly over the run; 0 = rollouts only, the spec's "

@@ -69,6 +69,9 @@ REFUSED = [
     (f"{_RM}.vllm.gpu_memory_utilization", NAN, {}),
     (f"{_RM}.vllm.max_model_len", 10**30, {}),
     (f"{_RM}.repeat_terminate.ngram_size", 10**30, {}),
+    (f"{_RM}.repeat_unlikelihood.weight", INF, {f"{_RM}.repeats": "unlikelihood"}),
+    (f"{_RM}.repeat_unlikelihood.band", 101, {f"{_RM}.repeats": "unlikelihood"}),
+    (f"{_RM}.repeats", "unlike", {}),
     (f"{_RM}.vllm.server.timeout_s", INF, {f"{_RM}.vllm.mode": "server", f"{_RM}.vllm.server.servers":
                                            [{"base_url": "http://127.0.0.1:8000", "group_port": 51216}]}),
     ("training.output_dir", "runs/\x00evil", {}),

@@ -5,7 +5,7 @@ Coordinates are norm1000 integer bins 0..999 everywhere (docs/design.md, decisio
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -43,3 +43,10 @@ class TokenSupervision:
     coord_positions: np.ndarray  # int64 (Nc,)
     coord_targets: np.ndarray  # float32 (Nc,), continuous target bin in [0, 999] (soft-target centre)
     bbox_slots: np.ndarray  # int64 (K, 4): indices into coord_positions of supervised boxes' x1, y1, x2, y2
+    # Unlikelihood negatives of certified repeats (docs/design.md, decision 18): at label position ``ul_positions[i]``
+    # push down token ``ul_tokens[i]``, or, when ``ul_bins[i] >= 0`` (a coord token), a band of bins around it that
+    # leaves out the band around ``ul_exclude[i]`` (the position's own target bin; -1: none).
+    ul_positions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    ul_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    ul_bins: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    ul_exclude: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))

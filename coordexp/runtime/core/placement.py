@@ -12,6 +12,8 @@ The spec's target keeps the rollout prefix and appends every missed ground-truth
   take follows in reading order: roll in with the model, roll out with the ground truth.
 - ``repeats: drop``: certified repeats (:mod:`coordexp.runtime.core.set_figures`; never an entry the matcher
   paired) are left out of the target: the prefix ends before the first one and the rest is serialized as above.
+  ``repeats: unlikelihood`` plans the same target and says where each repeat stood (``TargetPlan.repeats_at``), for
+  the negative at its first divergent token (:mod:`coordexp.runtime.core.unlikelihood`).
 
 Both refuse nothing at run time: a rollout with no skip, no missed object before the end and no repeat keeps the
 spec's target exactly.
@@ -31,7 +33,7 @@ from coordexp.runtime.core.targets import TailEntry
 __all__ = ["FnPlacement", "RepeatTreatment", "TargetPlan", "plan_target", "first_skip"]
 
 FnPlacement = Literal["append", "reading_order", "cut_at_skip"]
-RepeatTreatment = Literal["neutral", "drop"]
+RepeatTreatment = Literal["neutral", "drop", "unlikelihood"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,7 @@ class TargetPlan:
     prefix_pairs: tuple[tuple[int, int], ...]  # (position in parse.objects, gt index)
     tail: tuple[TailEntry, ...] | None
     repeats_removed: int = 0
+    repeats_at: tuple[tuple[int, DetObject], ...] = ()  # (tail entries before it, the repeat) of each removed one
 
 
 def first_skip(pairs: Sequence[tuple[int, int]]) -> int | None:
@@ -71,7 +74,7 @@ def plan_target(entries_valid: Sequence[bool], preds: Sequence[DetObject], valid
     limit = max((pos + 1 for pos, _ in parse_pairs), default=0) if trailing == "drop" else n_entries
     matched_preds = {p for p, _ in pairs}
     repeat_at: set[int] = set()
-    if repeats == "drop":
+    if repeats != "neutral":
         flags = certified_duplicates(preds, gts) if duplicates is None else duplicates
         repeat_at = {valid_positions[p] for p, dup in enumerate(flags) if dup and p not in matched_preds}
     change = limit
@@ -87,7 +90,9 @@ def plan_target(entries_valid: Sequence[bool], preds: Sequence[DetObject], valid
         kept_pairs = tuple((pos, g) for pos, g in parse_pairs if pos < change)
         taken = {g for _, g in kept_pairs}
         tail = tuple(TailEntry(gts[g], "fn", g) for g in range(len(gts)) if g not in taken)
-        return TargetPlan(change, kept_pairs, tail, len(repeat_at & set(range(change, limit))))
+        at_cut = ((0, preds[valid_positions.index(change)]),) if change in repeat_at else ()  # its context is kept
+        return TargetPlan(change, kept_pairs, tail, len(repeat_at & set(range(change, limit))),
+                          at_cut if repeats == "unlikelihood" else ())
     insert_before: dict[int, list[int]] = {}  # parse position -> missed objects spliced before it
     if placement == "reading_order":
         for g in missed:
@@ -100,10 +105,13 @@ def plan_target(entries_valid: Sequence[bool], preds: Sequence[DetObject], valid
         return _unchanged(limit, parse_pairs)
     tail: list[TailEntry] = []
     placed: set[int] = set()
+    removed: list[tuple[int, DetObject]] = []
     for pos in range(change, limit):
         for g in insert_before.get(pos, []):
             tail.append(TailEntry(gts[g], "fn", g))
             placed.add(g)
+        if pos in repeat_at:
+            removed.append((len(tail), preds[valid_positions.index(pos)]))
         if not entries_valid[pos] or pos in repeat_at:
             continue
         p, g = by_position.get(pos, (None, None))
@@ -114,7 +122,7 @@ def plan_target(entries_valid: Sequence[bool], preds: Sequence[DetObject], valid
             tail.append(TailEntry(preds[p], "matched", g, targets))
     tail += [TailEntry(gts[g], "fn", g) for g in missed if g not in placed]
     kept_pairs = tuple((pos, g) for pos, g in parse_pairs if pos < change)
-    return TargetPlan(change, kept_pairs, tuple(tail), len(repeat_at & set(range(change, limit))))
+    return TargetPlan(change, kept_pairs, tuple(tail), len(removed), tuple(removed) if repeats == "unlikelihood" else ())
 
 
 def _unchanged(limit: int, parse_pairs: Sequence[tuple[int, int]]) -> TargetPlan:

@@ -73,6 +73,7 @@ _SCALAR_FIELDS: tuple[str, ...] = (
     "trailing_dropped",
     "certified_duplicates",
     "repeats_removed",
+    "repeat_negatives",
 )
 _REASON_FIELDS: tuple[str, ...] = ("dropped_by_reason", "prefix_fallbacks_by_reason")
 
@@ -105,6 +106,7 @@ class RolloutCounters:
     trailing_dropped: int = 0  # parsed entries after the last matched one, cut from Y_train (trailing_unmatched: drop)
     certified_duplicates: int = 0  # valid predictions that repeat an earlier one (core.set_figures; label safe)
     repeats_removed: int = 0  # certified repeats left out of Y_train (rollout_matching.repeats: drop)
+    repeat_negatives: int = 0  # unlikelihood negatives they became (rollout_matching.repeats: unlikelihood)
 
     def __post_init__(self) -> None:
         for name in _SCALAR_FIELDS:
@@ -149,6 +151,7 @@ class RolloutCounters:
         trailing_dropped: int = 0,
         certified_duplicates: int = 0,
         repeats_removed: int = 0,
+        repeat_negatives: int = 0,
     ) -> "RolloutCounters":
         """Counters of one rollout. ``drop_reasons`` lists one reason per non-valid parsed object; the
         :data:`AMBIGUOUS_REASON` entries count as ambiguous-excluded. ``fp`` is derived as valid - matched.
@@ -190,6 +193,7 @@ class RolloutCounters:
             trailing_dropped=trailing_dropped,
             certified_duplicates=certified_duplicates,
             repeats_removed=repeats_removed,
+            repeat_negatives=repeat_negatives,
         )
 
     def merge(self, other: "RolloutCounters") -> "RolloutCounters":

@@ -33,7 +33,9 @@ from coordexp.runtime.model.coord_losses import (
     w1_distance,
 )
 from coordexp.runtime.core.objects import TokenSupervision
+from coordexp.runtime.model.repeat_loss import repeat_unlikelihood
 from coordexp.schema.pipeline import BboxGeoConfig, CoordRegConfig, PipelineConfig
+from coordexp.schema.rollout import RepeatUnlikelihoodConfig
 
 __all__ = ["SupervisionSegment", "SupervisionBatch", "LossDenominators", "ObjectiveResult", "compute_objective"]
 
@@ -103,6 +105,23 @@ def _checked_values(
     return ce_w, targets, slots
 
 
+def _checked_negatives(sup: TokenSupervision, n_assistant: int, where: str) -> tuple[np.ndarray, ...]:
+    """(positions, tokens, bins, exclude) of the unlikelihood negatives, one per position and token."""
+    arrays = [_as_index_array(getattr(sup, f"ul_{name}"), f"ul_{name}", where).reshape(-1)
+              for name in ("positions", "tokens", "bins", "exclude")]
+    positions, tokens, bins, exclude = arrays
+    if len({a.size for a in arrays}) != 1:
+        raise ValueError(f"{where}: ul_positions, ul_tokens, ul_bins and ul_exclude need one entry each per negative")
+    if positions.size and (positions.min() < 0 or positions.max() >= n_assistant):
+        raise ValueError(f"{where}: ul_positions fall outside the assistant span [0, {n_assistant})")
+    if tokens.size and tokens.min() < 0:
+        raise ValueError(f"{where}: ul_tokens must be token ids (>= 0)")
+    for name, values in (("ul_bins", bins), ("ul_exclude", exclude)):
+        if values.size and (values.min() < -1 or values.max() > _MAX_BIN):
+            raise ValueError(f"{where}: {name} must be coord bins in [0, 999] or -1")
+    return positions, tokens, bins, exclude
+
+
 def _segment_arrays(segment: SupervisionSegment, seq_len: int, where: str) -> dict[str, np.ndarray]:
     """Validate one segment and return its absolute label positions, labels, weights, targets and slots."""
     sup, row, start = segment.supervision, int(segment.row), int(segment.assistant_start)
@@ -126,8 +145,9 @@ def _segment_arrays(segment: SupervisionSegment, seq_len: int, where: str) -> di
             "are supervised only by coord_reg/bbox_geo (fix the target builder)"
         )
     ce_w, targets, slots = _checked_values(sup, ce_pos.size, coord_pos.size, where)
+    ul = _checked_negatives(sup, n, where)
     abs_ce, abs_coord = start + ce_pos, start + coord_pos
-    if (abs_ce.size and abs_ce.min() == 0) or (abs_coord.size and abs_coord.min() == 0):
+    if any(a.size and a.min() == 0 for a in (abs_ce, abs_coord, start + ul[0])):
         raise ValueError(
             f"{where}: a label sits at absolute position 0 of row {row}, where no logit predicts it; the assistant "
             "span must start after the prompt (assistant_start >= 1)"
@@ -141,6 +161,10 @@ def _segment_arrays(segment: SupervisionSegment, seq_len: int, where: str) -> di
         "coord_targets": targets,
         "bbox_slots": slots,
         "span": np.array([row, start, start + n], dtype=np.int64),
+        "ul_index": base + start + ul[0],
+        "ul_tokens": ul[1],
+        "ul_bins": ul[2],
+        "ul_exclude": ul[3],
     }
 
 
@@ -160,6 +184,11 @@ class SupervisionBatch:
     bbox_slots: torch.Tensor  # int64 (K, 4) indices into coord_logit_index
     seq_len: int
     num_rows: int  # rows the segments occupy (max row + 1); the logits may not have fewer
+    # unlikelihood negatives of certified repeats (TokenSupervision.ul_*), in flattened logit coordinates
+    ul_logit_index: torch.Tensor = torch.zeros(0, dtype=torch.long)
+    ul_tokens: torch.Tensor = torch.zeros(0, dtype=torch.long)
+    ul_bins: torch.Tensor = torch.zeros(0, dtype=torch.long)
+    ul_exclude: torch.Tensor = torch.zeros(0, dtype=torch.long)
 
     @classmethod
     def from_segments(cls, segments: Sequence[SupervisionSegment], seq_len: int) -> "SupervisionBatch":
@@ -197,6 +226,9 @@ class SupervisionBatch:
             ),
             seq_len=int(seq_len),
             num_rows=max((int(p["span"][0]) + 1 for p in parts), default=0),
+            **{f"ul_{name}": torch.from_numpy(cat(f"ul_{name}", np.int64))
+               for name in ("tokens", "bins", "exclude")},
+            ul_logit_index=torch.from_numpy(cat("ul_index", np.int64)),
         )
 
     def to(self, device: torch.device | str) -> "SupervisionBatch":
@@ -210,6 +242,10 @@ class SupervisionBatch:
                 "coord_logit_index",
                 "coord_targets",
                 "bbox_slots",
+                "ul_logit_index",
+                "ul_tokens",
+                "ul_bins",
+                "ul_exclude",
             )
         }
         return SupervisionBatch(**moved, seq_len=self.seq_len, num_rows=self.num_rows)
@@ -219,7 +255,7 @@ class SupervisionBatch:
         least one), and this batch re-indexed for logits computed at those positions only (``model(...,
         logits_to_keep=positions)``). Prompt and padding logits are never read, so the LM head then runs on K
         instead of T positions, and the logits and their gradient shrink by K / T."""
-        flat = torch.cat([self.ce_logit_index, self.coord_logit_index])
+        flat = torch.cat([self.ce_logit_index, self.coord_logit_index, self.ul_logit_index])
         if flat.numel():
             positions = torch.unique(flat % self.seq_len)  # sorted
         else:
@@ -233,6 +269,7 @@ class SupervisionBatch:
             self,
             ce_logit_index=remap(self.ce_logit_index),
             coord_logit_index=remap(self.coord_logit_index),
+            ul_logit_index=remap(self.ul_logit_index),
             seq_len=kept,
         )
 
@@ -246,6 +283,7 @@ class LossDenominators:
     ce: int  # text_gate: supervised text positions
     coord: int  # coord_ce, soft_ce, w1, gate: coord slots
     boxes: int  # smoothl1, ciou: bbox slots
+    negatives: int = 0  # repeat_ul: unlikelihood negatives
 
     @classmethod
     def of(cls, batch: "SupervisionBatch") -> "LossDenominators":
@@ -254,11 +292,13 @@ class LossDenominators:
             int(batch.ce_logit_index.numel()),
             int(batch.coord_logit_index.numel()),
             int(batch.bbox_slots.shape[0]),
+            int(batch.ul_logit_index.numel()),
         )
 
     def __add__(self, other: "LossDenominators") -> "LossDenominators":
         return LossDenominators(
-            self.ce_weight + other.ce_weight, self.ce + other.ce, self.coord + other.coord, self.boxes + other.boxes
+            self.ce_weight + other.ce_weight, self.ce + other.ce, self.coord + other.coord, self.boxes + other.boxes,
+            self.negatives + other.negatives,
         )
 
     def scales(self, whole: "LossDenominators") -> dict[str, float]:
@@ -269,7 +309,8 @@ class LossDenominators:
 
         coord, box = share(self.coord, whole.coord), share(self.boxes, whole.boxes)
         return {"token_ce": share(self.ce_weight, whole.ce_weight), "text_gate": share(self.ce, whole.ce),
-                "coord_ce": coord, "soft_ce": coord, "w1": coord, "gate": coord, "smoothl1": box, "ciou": box}
+                "coord_ce": coord, "soft_ce": coord, "w1": coord, "gate": coord, "smoothl1": box, "ciou": box,
+                "repeat_ul": share(self.negatives, whole.negatives)}
 
 
 @dataclass(frozen=True)
@@ -412,6 +453,7 @@ def compute_objective(
     coord_ids: torch.Tensor,
     pipeline: PipelineConfig,
     denominators: LossDenominators | None = None,
+    repeat_ul: RepeatUnlikelihoodConfig | None = None,
 ) -> ObjectiveResult:
     """Total loss ``sum(module.weight * module_loss)`` over the modules that run on the rollout channel ``B``.
 
@@ -422,6 +464,8 @@ def compute_objective(
         pipeline: the contract's ``rollout_matching.pipeline``.
         denominators: the counts the means divide by (default: this batch's own); one row of a multi-row step
             passes the step's, so its ``total`` and ``terms`` are its share of the step's loss.
+        repeat_ul: ``rollout_matching.repeat_unlikelihood`` when ``repeats: unlikelihood`` (None: no such term);
+            reported as ``repeat_ul`` and the pushed-down probability ``repeat_ul/mass`` (means over negatives).
 
     ``token_ce`` is ``sum(w * ce) / sum(w)`` over supervised text positions (full vocab, sanitised logits);
     every other term is a plain mean over its positions or boxes. With nothing to average, a term is exactly 0
@@ -474,6 +518,17 @@ def compute_objective(
         terms["bbox_geo"] = module_loss
         terms.update({f"bbox_geo/{k}": v for k, v in sub.items()})
         total = total + bbox_geo_module.weight * module_loss
+    if repeat_ul is not None:
+        n_neg = int(batch.ul_logit_index.numel())
+        term, mass = zero, zero
+        if n_neg:
+            term, mass = repeat_unlikelihood(logits, batch.ul_logit_index, batch.ul_tokens, batch.ul_bins,
+                                             batch.ul_exclude, coord_ids, repeat_ul.band)
+            term, mass = term / n_neg, mass / n_neg
+        share = scales.get("repeat_ul", 1.0)
+        terms["repeat_ul"], terms["repeat_ul/mass"] = term * share, mass * share
+        if repeat_ul.weight > 0 and n_neg:
+            total = total + repeat_ul.weight * terms["repeat_ul"]
 
     if rows.stats.coord.requires_grad and not total.requires_grad:
         total = total + rows.stats.coord.sum() * 0.0  # nothing supervised: an exact 0 that still backpropagates
@@ -483,6 +538,8 @@ def compute_objective(
         "num_coord_tokens": int(batch.coord_logit_index.numel()),
         "num_bbox_slots": int(batch.bbox_slots.shape[0]),
     }
+    if repeat_ul is not None:
+        counts["num_ul_negatives"] = int(batch.ul_logit_index.numel())
     return ObjectiveResult(
         total=total, terms={k: float(v.detach()) for k, v in terms.items()}, diagnostics=diagnostics, counts=counts
     )

@@ -31,6 +31,7 @@ from coordexp.runtime.core.serialize import serialize_objects
 from coordexp.runtime.core.targets import TailEntry, TrainTarget, build_train_target
 from coordexp.runtime.core.telemetry import RolloutCounters
 from coordexp.runtime.core.tokens import CoordVocab
+from coordexp.runtime.core.unlikelihood import with_repeat_negatives
 from coordexp.runtime.train.visualize import RolloutLogEntry, bounded_text
 from coordexp.schema.pipeline import TokenCeConfig
 
@@ -133,7 +134,7 @@ def decode_mode_of(rollout: "RolloutMatchingContract") -> DecodeMode:
 def _check_span(ctx_source: str, target: TrainTarget, encoded: EncodedSample) -> None:
     sup = target.supervision
     start = encoded.assistant_start
-    for name, positions in (("CE", sup.ce_positions), ("coord", sup.coord_positions)):
+    for name, positions in (("CE", sup.ce_positions), ("coord", sup.coord_positions), ("unlikelihood", sup.ul_positions)):
         check_supervised_span(
             np.asarray(positions, dtype=np.int64) + start, encoded.prompt_len, encoded.total_len, what=f"{ctx_source} {name}"
         )
@@ -172,6 +173,8 @@ def build_rollout_sample(
         piece_table=ctx.pieces,
         tail=plan.tail,
     )
+    target = with_repeat_negatives(target, target_parse, plan.repeats_at, ctx.tokenizer, ctx.vocab, ctx.pieces,
+                                   rm.object_field_order)
     encoded = encode_teacher_forced(ctx.processor, record, ctx.template, target.ids, prompt=prompt)
     _check_span(record.source, target, encoded)
     counters = RolloutCounters.for_sample(
@@ -190,6 +193,7 @@ def build_rollout_sample(
         trailing_dropped=len(parse.objects) - len(target_parse.objects),
         certified_duplicates=sum(duplicates),
         repeats_removed=plan.repeats_removed,
+        repeat_negatives=int(target.supervision.ul_positions.size),
     )
     return SampleTarget(encoded, target, counters, parse, match, valid_positions)
 

@@ -246,7 +246,9 @@ class CoordExpTrainer(Trainer):
         supervision = supervision.to(logits.device)
         if self.run.training.token_type_metrics and torch.is_grad_enabled():  # the rows a training step trains
             self.stats.token_types += token_type_totals(logits.detach(), supervision, coord_ids)  # stays on device
-        return logits, compute_objective(logits, supervision, coord_ids, pipeline, denominators)
+        rm = self.run.rollout_matching
+        repeat_ul = rm.repeat_unlikelihood if rm.repeats == "unlikelihood" else None
+        return logits, compute_objective(logits, supervision, coord_ids, pipeline, denominators, repeat_ul)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The micro-step's loss. Every row but the last runs its own forward and backward here (gradient sync
