@@ -80,6 +80,9 @@ def summarize(per_seed: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 k: paired([None if s["runs"][name]["eval"].get(k) is None or s["runs"][reference]["eval"].get(k) is None
                            else s["runs"][name]["eval"][k] - s["runs"][reference]["eval"][k] for s in per_seed])
                 for k in figures}
+    bound = _dedup_bound(per_seed, names)
+    if bound:
+        summary["dedup_bound"] = bound
     if all(r in names for r in REFERENCES):
         summary["rule"] = {name: pays(summary, name) for name in names
                            if not name.startswith("stage1") and name != "stage2_drop"}
@@ -91,6 +94,27 @@ def summarize(per_seed: Sequence[dict[str, Any]]) -> dict[str, Any]:
     if orders:
         summary["data_order_equal"] = all(o["equal"] for o in orders)
     return summary
+
+
+DEDUP_FIGURES = ("AP50", "precision", "f1")
+# raw predictions, certified repeats removed with the label-free rule (a decoding option), removed with the
+# ground-truth rule, and ranked below every other prediction of the image (docs/design.md, decision 18)
+DEDUP_KINDS = ("raw", "label_free", "oracle", "oracle_lowest")
+
+
+def _dedup_bound(per_seed: Sequence[dict[str, Any]], names: Sequence[str]) -> dict[str, Any]:
+    """The zero-training bound of every arm whose evaluation holds the dedup figures: each kind's spread over seeds
+    and its paired gain over the raw predictions (what removing or demoting repeats buys with no training)."""
+    out: dict[str, Any] = {}
+    for name in names:
+        rows = [s["runs"][name]["eval"].get("dedup") for s in per_seed]
+        if not all(rows):
+            continue
+        out[name] = {kind: {k: spread([r[kind].get(k) for r in rows]) for k in DEDUP_FIGURES}
+                     for kind in DEDUP_KINDS if all(kind in r for r in rows)}
+        out[name]["gain"] = {kind: {k: paired([r[kind][k] - r["raw"][k] for r in rows]) for k in DEDUP_FIGURES}
+                             for kind in DEDUP_KINDS[1:] if all(kind in r for r in rows)}
+    return out
 
 
 def pays(summary: dict[str, Any], name: str) -> dict[str, Any]:
@@ -150,7 +174,7 @@ def print_tables(per_seed: Sequence[dict[str, Any]], summary: dict[str, Any], he
     print(f"\nmean +- std over {len(per_seed)} seeds (+- is a standard deviation)")
     print(f"{'run':<20}{'AP':>14}{'AP50':>14}{'parse%':>14}{'match%':>14}")
     for name, figures in summary.items():
-        if " - " in name or name in ("gate", "data_order_equal", "rule"):
+        if " - " in name or name in ("gate", "data_order_equal", "rule", "dedup_bound"):
             continue
         cells = [f"{100 * figures[k]['mean']:.1f}+-{100 * figures[k]['std']:.1f}" if figures[k]["mean"] is not None
                  else "-" for k in FIGURES[:4]]
@@ -167,6 +191,14 @@ def print_tables(per_seed: Sequence[dict[str, Any]], summary: dict[str, Any], he
             ci = "-" if d["ci95"] is None else f"[{scale * d['ci95'][0]:+.2f}, {scale * d['ci95'][1]:+.2f}]"
             se = "-" if d["se"] is None else f"{scale * d['se']:.2f}"
             print(f"    {k:<26}{scale * d['mean']:>+9.2f}  se {se:>6}  CI {ci:<20} {d['up']} up / {d['down']} down")
+    if summary.get("dedup_bound"):
+        print("\nzero-training bound: AP50 / precision / F1 in percent, mean over seeds; certified repeats removed "
+              "(label_free: the decoding option; oracle: the ground-truth rule) or ranked last (oracle_lowest)")
+        print(f"{'run':<22}" + "".join(f"{kind:>22}" for kind in DEDUP_KINDS))
+        for name, kinds in summary["dedup_bound"].items():
+            cells = ["/".join(_pct(kinds[kind][k]["mean"]) for k in DEDUP_FIGURES) if kind in kinds else "-"
+                     for kind in DEDUP_KINDS]
+            print(f"{name:<22}" + "".join(f"{c:>22}" for c in cells))
     for name, rule in (summary.get("rule") or {}).items():
         shown = ", ".join(f"{k} {'yes' if ok else 'no'}" for k, ok in rule["passed"].items())
         print(f"decision 18's rule, {name}: {'PAYS' if rule['pays'] else 'does not pay'} ({shown})")

@@ -126,3 +126,20 @@ def test_one_evaluation_config_for_every_arm(bench, tmp_path, monkeypatch):
     evaluation = yaml.safe_load(seen[0][0].read_text())
     assert "rollout_fn_desc_weight" not in str(evaluation) and evaluation["extends"].endswith("demo_stage2.yaml")
     assert "gate" in out and out["gate"]["passed"] is False  # exposure gap 0.5 passes, cell precision 0.5 does not
+
+
+def test_the_report_recomputes_the_zero_training_bound_from_the_committed_smoke():
+    """The dedup figures every arm's evaluation saved become the bound's table: each kind's mean over seeds and its
+    paired gain over the raw predictions, recomputed from the committed per-seed JSON (not from a stored summary)."""
+    import json
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from _learning_report import summarize
+
+    saved = json.loads((ROOT / "benchmarks" / "results" / "issue41_smoke_seed111.json").read_text(encoding="utf-8"))
+    bound = summarize(saved["seeds"])["dedup_bound"]
+    raw = saved["seeds"][0]["runs"]["stage2"]["eval"]["dedup"]
+    assert bound["stage2"]["label_free"]["AP50"]["mean"] == raw["label_free"]["AP50"]
+    gain = bound["stage2"]["gain"]["oracle_lowest"]["precision"]
+    assert gain["n"] == 1 and gain["mean"] == raw["oracle_lowest"]["precision"] - raw["raw"]["precision"]
+    assert set(bound) == set(saved["seeds"][0]["runs"])  # every arm of the smoke saved its dedup figures
