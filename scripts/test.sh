@@ -21,4 +21,4 @@ export VLLM_CACHE_ROOT="${VLLM_CACHE_ROOT:-$root/.coordexp/vllm-cache}" HF_HUB_O
 VLLM_RPC_BASE_PATH=$(mktemp -d)
 export VLLM_RPC_BASE_PATH
 trap 'rm -rf "$VLLM_RPC_BASE_PATH"' EXIT
-"$py" -m pytest -q "$@"
+"$py" -m pytest -q --durations=25 "$@"  # the slowest tests, so the suite's time stays visible
