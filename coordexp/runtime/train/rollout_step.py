@@ -187,7 +187,8 @@ def build_rollout_sample(
         truncated=parse.truncated,
         prefix_fallback=parse.prefix_fallback,
         decode_mode=decode_mode_of(ctx.rollout),
-        eos_stopped=parse.stopped_at_eos,
+        # backends hand back stop-trimmed ids: the finish reason, not the ids, says the model ended its turn
+        eos_stopped=parse.stopped_at_eos or rollout.finish_reason == "stop",
         rollout_tokens=len(rollout.response_token_ids),
         cut_fallbacks=parse.cut_fallbacks,
         trailing_dropped=len(parse.objects) - len(target_parse.objects),
