@@ -21,13 +21,13 @@ from tests.core.test_targets_properties import SETTINGS
 CE = TokenCeConfig(rollout_fn_desc_weight=1.0, rollout_matched_prefix_struct_weight=1.0)
 
 
-def _target(tok, vocab, table, gts, preds, pairs, placement="append", repeats="unlikelihood"):
+def _target(tok, vocab, table, gts, preds, pairs, placement="append", repeats="unlikelihood", trailing="keep"):
     ids = tok.encode(_rollout_text(preds), add_special_tokens=False)
     parse = parse_rollout(ids, tok, vocab)
     valid = [i for i, o in enumerate(parse.objects) if o.valid]
     targets = {(p, g): np.asarray(gts[g].coords, dtype=float) for p, g in pairs}
     plan = plan_target([o.valid for o in parse.objects], preds, valid, gts, pairs, targets, placement=placement,
-                       repeats=repeats)
+                       repeats=repeats, trailing=trailing)
     cut = parse if plan.kept == len(parse.objects) else cut_after_objects(parse, plan.kept, tok, vocab)
     target = build_train_target(cut, gts, list(plan.prefix_pairs), [targets[p] for p in plan.prefix_pairs], tok,
                                 vocab, field_order="desc_first", token_ce=CE, eos_id=tok.eos_token_id,
@@ -91,9 +91,11 @@ def test_two_repeats_at_one_boundary_with_one_first_token_count_once(tiny_tokeni
     assert target.supervision.ul_positions.size == 1
 
 
-@given(case=rollout_case(), placement=st.sampled_from(["append", "reading_order", "cut_at_skip"]))
+@given(case=rollout_case(), placement=st.sampled_from(["append", "reading_order", "cut_at_skip"]),
+       trailing=st.sampled_from(["keep", "drop"]))
 @SETTINGS
-def test_negatives_are_other_tokens_inside_the_tail(tiny_tokenizer, coord_vocab, piece_table, case, placement):
+def test_negatives_are_other_tokens_inside_the_tail(tiny_tokenizer, coord_vocab, piece_table, case, placement,
+                                                   trailing):
     gts, preds = case
     taken: set[int] = set()
     pairs = []
@@ -102,10 +104,16 @@ def test_negatives_are_other_tokens_inside_the_tail(tiny_tokenizer, coord_vocab,
         if g is not None:
             taken.add(g)
             pairs.append((p, g))
-    plan, target, plain = _target(tiny_tokenizer, coord_vocab, piece_table, gts, preds, pairs, placement=placement)
+    plan, target, plain = _target(tiny_tokenizer, coord_vocab, piece_table, gts, preds, pairs, placement=placement,
+                                  trailing=trailing)
+    _, dropped, _ = _target(tiny_tokenizer, coord_vocab, piece_table, gts, preds, pairs, placement=placement,
+                            repeats="drop", trailing=trailing)
     sup = target.supervision
-    assert target.ids == plain.ids
-    assert sup.ul_positions.size <= len(plan.repeats_at) <= plan.repeats_removed
+    assert target.ids == plain.ids == dropped.ids  # the same Y_train as drop's, negatives aside
+    assert np.array_equal(sup.ce_weights, dropped.supervision.ce_weights)
+    assert sup.ul_positions.size <= len(plan.repeats_at)
+    if trailing == "keep" and placement != "cut_at_skip":  # cut_at_skip keeps only the context of the one at its cut
+        assert len(plan.repeats_at) == plan.repeats_removed
     pairs_at = list(zip(sup.ul_positions.tolist(), sup.ul_tokens.tolist()))
     assert len(set(pairs_at)) == len(pairs_at)
     repeat_bins = {c for _, obj in plan.repeats_at for c in obj.coords}
@@ -127,3 +135,19 @@ def test_a_jittered_repeat_is_pushed_down_where_its_coordinates_part(tiny_tokeni
     assert sup.ul_positions.size == 1 and int(sup.ul_bins[0]) == 2
     assert target.ids[int(sup.ul_positions[0])] == coord_vocab.ids[200] and int(sup.ul_exclude[0]) == 200
     assert DetObject("cat", "bbox_2d", (2, 10, 52, 60)) == jitter
+
+
+def test_a_repeat_after_the_last_match_is_pushed_down_where_the_list_goes_on(tiny_tokenizer, coord_vocab,
+                                                                            piece_table):
+    ghost = DetObject("cat", "bbox_2d", (900, 900, 950, 950))
+    preds = [GT[0], GT[1], GT[1], ghost]  # trailing_unmatched: drop cuts the repeat and the FP after GT 1
+    plan, target, plain = _target(tiny_tokenizer, coord_vocab, piece_table, GT, preds, [(0, 0), (1, 1)],
+                                  trailing="drop")
+    _, dropped, _ = _target(tiny_tokenizer, coord_vocab, piece_table, GT, preds, [(0, 0), (1, 1)],
+                            repeats="drop", trailing="drop")
+    assert plan.kept == 2 and plan.repeats_removed == 0 and plan.repeats_at == ((0, GT[1]),)
+    assert target.ids == dropped.ids and np.array_equal(target.supervision.ce_positions,
+                                                        dropped.supervision.ce_positions)
+    sup = target.supervision
+    assert sup.ul_positions.size == 1 and int(sup.ul_bins[0]) == 100  # GT 1's x1 again, where GT 2 (missed) starts
+    assert target.ids[int(sup.ul_positions[0])] == coord_vocab.ids[200]

@@ -13,7 +13,8 @@ The spec's target keeps the rollout prefix and appends every missed ground-truth
 - ``repeats: drop``: certified repeats (:mod:`coordexp.runtime.core.set_figures`; never an entry the matcher
   paired) are left out of the target: the prefix ends before the first one and the rest is serialized as above.
   ``repeats: unlikelihood`` plans the same target and says where each repeat stood (``TargetPlan.repeats_at``), for
-  the negative at its first divergent token (:mod:`coordexp.runtime.core.unlikelihood`).
+  the negative at its first divergent token (:mod:`coordexp.runtime.core.unlikelihood`); a repeat written after the
+  last match, which ``trailing_unmatched: drop`` cuts, stands where the list goes on (before the appended objects).
 
 Both refuse nothing at run time: a rollout with no skip, no missed object before the end and no repeat keeps the
 spec's target exactly.
@@ -81,12 +82,15 @@ def plan_target(entries_valid: Sequence[bool], preds: Sequence[DetObject], valid
     if repeat_at & set(range(limit)):
         change = min(repeat_at & set(range(limit)))
     missed = [g for g in range(len(gts)) if g not in {g for _, g in pairs}]
+    # repeats after the last match, which trailing_unmatched: drop cuts: pushed down where the list goes on
+    after_list = [preds[valid_positions.index(pos)] for pos in sorted(repeat_at) if pos >= limit] \
+        if repeats == "unlikelihood" else []
     if placement == "cut_at_skip":
         skip = first_skip([(pos, g) for pos, g in parse_pairs if pos < limit])
         if skip is not None:
             change = min(change, skip)
         if change >= limit:
-            return _unchanged(limit, parse_pairs)
+            return _unchanged(limit, parse_pairs, [TailEntry(gts[g], "fn", g) for g in missed], after_list)
         kept_pairs = tuple((pos, g) for pos, g in parse_pairs if pos < change)
         taken = {g for _, g in kept_pairs}
         tail = tuple(TailEntry(gts[g], "fn", g) for g in range(len(gts)) if g not in taken)
@@ -102,7 +106,7 @@ def plan_target(entries_valid: Sequence[bool], preds: Sequence[DetObject], valid
         if insert_before:
             change = min(change, min(insert_before))
     if change >= limit:
-        return _unchanged(limit, parse_pairs)
+        return _unchanged(limit, parse_pairs, [TailEntry(gts[g], "fn", g) for g in missed], after_list)
     tail: list[TailEntry] = []
     placed: set[int] = set()
     removed: list[tuple[int, DetObject]] = []
@@ -120,11 +124,18 @@ def plan_target(entries_valid: Sequence[bool], preds: Sequence[DetObject], valid
         else:
             targets = tuple(float(v) for v in np.asarray(pair_targets[(p, g)], dtype=np.float64).reshape(-1))
             tail.append(TailEntry(preds[p], "matched", g, targets))
+    n_removed = len(removed)
+    removed += [(len(tail), obj) for obj in after_list]
     tail += [TailEntry(gts[g], "fn", g) for g in missed if g not in placed]
     kept_pairs = tuple((pos, g) for pos, g in parse_pairs if pos < change)
-    return TargetPlan(change, kept_pairs, tuple(tail), len(removed), tuple(removed) if repeats == "unlikelihood" else ())
+    return TargetPlan(change, kept_pairs, tuple(tail), n_removed, tuple(removed) if repeats == "unlikelihood" else ())
 
 
-def _unchanged(limit: int, parse_pairs: Sequence[tuple[int, int]]) -> TargetPlan:
-    """The spec's target (or ``trailing_unmatched: drop``'s cut): the prefix up to ``limit``, then the append."""
-    return TargetPlan(limit, tuple((pos, g) for pos, g in parse_pairs if pos < limit), None)
+def _unchanged(limit: int, parse_pairs: Sequence[tuple[int, int]], append: Sequence[TailEntry] = (),
+               after_list: Sequence[DetObject] = ()) -> TargetPlan:
+    """The spec's target (or ``trailing_unmatched: drop``'s cut): the prefix up to ``limit``, then the append;
+    with repeats cut after the list, the append written out as a tail so they have a place in it."""
+    kept = tuple((pos, g) for pos, g in parse_pairs if pos < limit)
+    if after_list:
+        return TargetPlan(limit, kept, tuple(append), 0, tuple((0, obj) for obj in after_list))
+    return TargetPlan(limit, kept, None)
