@@ -5,8 +5,6 @@ every window (found on decision 18's screen, seed 111)."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from coordexp.runtime.core.serialize import serialize_objects
@@ -43,6 +41,5 @@ def test_a_repeat_guard_stop_is_a_cut_off(ctx, synthetic_dataset):
     record = next(iter(load_records(synthetic_dataset.train_jsonl)))
     prompt = encode_prompt(ctx.processor, record, ctx.template)
     ids = ctx.tokenizer.encode(serialize_objects(record.objects), add_special_tokens=False)
-    rollout = dataclasses.replace(RolloutOutput(tuple(prompt.input_ids.tolist()), tuple(ids), "", "stop"),
-                                  finish_reason="repeat")
+    rollout = RolloutOutput(tuple(prompt.input_ids.tolist()), tuple(ids), "", "repeat")
     assert build_rollout_sample(record, prompt, rollout, ctx).counters.eos_stopped == 0

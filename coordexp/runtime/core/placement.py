@@ -70,6 +70,7 @@ def plan_target(entries_valid: Sequence[bool], preds: Sequence[DetObject], valid
     targets keyed the same way; ``trailing`` is ``rollout_matching.trailing_unmatched``; ``duplicates`` the
     predictions' certified-duplicate flags when the caller has them (computed here otherwise)."""
     n_entries = len(entries_valid)
+    pred_at = {pos: p for p, pos in enumerate(valid_positions)}  # parse position -> prediction index
     by_position = {valid_positions[p]: (p, g) for p, g in pairs}
     parse_pairs = sorted((valid_positions[p], g) for p, g in pairs)
     limit = max((pos + 1 for pos, _ in parse_pairs), default=0) if trailing == "drop" else n_entries
@@ -83,18 +84,18 @@ def plan_target(entries_valid: Sequence[bool], preds: Sequence[DetObject], valid
         change = min(repeat_at & set(range(limit)))
     missed = [g for g in range(len(gts)) if g not in {g for _, g in pairs}]
     # repeats after the last match, which trailing_unmatched: drop cuts: pushed down where the list goes on
-    after_list = [preds[valid_positions.index(pos)] for pos in sorted(repeat_at) if pos >= limit] \
-        if repeats == "unlikelihood" else []
+    after_list = [preds[pred_at[pos]] for pos in sorted(repeat_at) if pos >= limit] if repeats == "unlikelihood" \
+        else []
     if placement == "cut_at_skip":
         skip = first_skip([(pos, g) for pos, g in parse_pairs if pos < limit])
         if skip is not None:
             change = min(change, skip)
         if change >= limit:
-            return _unchanged(limit, parse_pairs, [TailEntry(gts[g], "fn", g) for g in missed], after_list)
+            return _unchanged(limit, parse_pairs, gts, missed, after_list)
         kept_pairs = tuple((pos, g) for pos, g in parse_pairs if pos < change)
         taken = {g for _, g in kept_pairs}
         tail = tuple(TailEntry(gts[g], "fn", g) for g in range(len(gts)) if g not in taken)
-        at_cut = ((0, preds[valid_positions.index(change)]),) if change in repeat_at else ()  # its context is kept
+        at_cut = ((0, preds[pred_at[change]]),) if change in repeat_at else ()  # its context is kept
         return TargetPlan(change, kept_pairs, tail, len(repeat_at & set(range(change, limit))),
                           at_cut if repeats == "unlikelihood" else ())
     insert_before: dict[int, list[int]] = {}  # parse position -> missed objects spliced before it
@@ -106,7 +107,7 @@ def plan_target(entries_valid: Sequence[bool], preds: Sequence[DetObject], valid
         if insert_before:
             change = min(change, min(insert_before))
     if change >= limit:
-        return _unchanged(limit, parse_pairs, [TailEntry(gts[g], "fn", g) for g in missed], after_list)
+        return _unchanged(limit, parse_pairs, gts, missed, after_list)
     tail: list[TailEntry] = []
     placed: set[int] = set()
     removed: list[tuple[int, DetObject]] = []
@@ -115,12 +116,12 @@ def plan_target(entries_valid: Sequence[bool], preds: Sequence[DetObject], valid
             tail.append(TailEntry(gts[g], "fn", g))
             placed.add(g)
         if pos in repeat_at:
-            removed.append((len(tail), preds[valid_positions.index(pos)]))
+            removed.append((len(tail), preds[pred_at[pos]]))
         if not entries_valid[pos] or pos in repeat_at:
             continue
         p, g = by_position.get(pos, (None, None))
         if p is None:
-            tail.append(TailEntry(preds[valid_positions.index(pos)], "neutral"))
+            tail.append(TailEntry(preds[pred_at[pos]], "neutral"))
         else:
             targets = tuple(float(v) for v in np.asarray(pair_targets[(p, g)], dtype=np.float64).reshape(-1))
             tail.append(TailEntry(preds[p], "matched", g, targets))
@@ -131,11 +132,13 @@ def plan_target(entries_valid: Sequence[bool], preds: Sequence[DetObject], valid
     return TargetPlan(change, kept_pairs, tuple(tail), n_removed, tuple(removed) if repeats == "unlikelihood" else ())
 
 
-def _unchanged(limit: int, parse_pairs: Sequence[tuple[int, int]], append: Sequence[TailEntry] = (),
-               after_list: Sequence[DetObject] = ()) -> TargetPlan:
-    """The spec's target (or ``trailing_unmatched: drop``'s cut): the prefix up to ``limit``, then the append;
-    with repeats cut after the list, the append written out as a tail so they have a place in it."""
+def _unchanged(limit: int, parse_pairs: Sequence[tuple[int, int]], gts: Sequence[DetObject], missed: Sequence[int],
+               after_list: Sequence[DetObject]) -> TargetPlan:
+    """The spec's target (or ``trailing_unmatched: drop``'s cut): the prefix up to ``limit``, then the append of
+    the ``missed`` objects; with repeats cut after the list, that append written out as a tail so they have a place
+    in it."""
     kept = tuple((pos, g) for pos, g in parse_pairs if pos < limit)
     if after_list:
-        return TargetPlan(limit, kept, tuple(append), 0, tuple((0, obj) for obj in after_list))
+        return TargetPlan(limit, kept, tuple(TailEntry(gts[g], "fn", g) for g in missed), 0,
+                          tuple((0, obj) for obj in after_list))
     return TargetPlan(limit, kept, None)

@@ -33,6 +33,7 @@ __all__ = [
     "TailEntry",
     "encode_append",
     "build_train_target",
+    "render_tail",
     "check_supervision_in_span",
     "serialize_append",
     "serialize_objects",
@@ -337,6 +338,14 @@ def encode_append(rendered: RenderedAppend, tokenizer: Any, vocab: CoordVocab, t
     return table.encode_joined(rendered.segments, [coord_ids[value] for value, _, _ in rendered.coord_spans])
 
 
+def render_tail(objects: Sequence[DetObject], start_index: int, field_order: FieldOrder, joined: str,
+                prefix_text: str) -> RenderedAppend:
+    """The text ``Y_train`` continues with after its kept ids: the re-encoded cut token (``joined``), the comma rule
+    of SerializeAppend, ``objects`` numbered from ``start_index``, and the closing brace."""
+    return render_entries(objects, start_index, field_order, lead=joined + append_lead(prefix_text, len(objects)),
+                          tail="}")
+
+
 def build_train_target(
     parse: RolloutParse,
     gt_objects: Sequence[DetObject],
@@ -374,8 +383,7 @@ def build_train_target(
         fn = tuple(int(e.gt_index) for e in entries if e.role == "fn")
     start_index = (parse.max_object_index or 0) + 1
     kept_ids, joined = _join_at_cut(parse, table)
-    rendered = render_entries([e.obj for e in entries], start_index, field_order,
-                              lead=joined + append_lead(parse.prefix_text, len(entries)), tail="}")
+    rendered = render_tail([e.obj for e in entries], start_index, field_order, joined, parse.prefix_text)
     append_ids = encode_append(rendered, tokenizer, vocab, table)
     coord_at, desc_at, starts = _append_token_layout(append_ids, rendered, table, vocab)
     roles, desc_taught = None, None

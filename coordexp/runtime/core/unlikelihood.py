@@ -19,8 +19,8 @@ import numpy as np
 from coordexp.runtime.core.objects import DetObject
 from coordexp.runtime.core.parsing import RolloutParse
 from coordexp.runtime.core.pieces import PieceTable
-from coordexp.runtime.core.serialize import FieldOrder, append_lead, render_entries
-from coordexp.runtime.core.targets import TrainTarget, encode_append
+from coordexp.runtime.core.serialize import FieldOrder
+from coordexp.runtime.core.targets import TrainTarget, encode_append, render_tail
 from coordexp.runtime.core.tokens import CoordVocab
 
 __all__ = ["first_divergence", "with_repeat_negatives"]
@@ -57,8 +57,7 @@ def with_repeat_negatives(target: TrainTarget, parse: RolloutParse, repeats_at: 
     found: dict[tuple[int, int], tuple[int, int]] = {}  # (position, token) -> (bin, exclude)
     for index, obj in repeats_at:
         alternative = entries[:index] + [obj] + entries[index:]
-        rendered = render_entries(alternative, target.start_index, field_order,
-                                  lead=target.joined_text + append_lead(parse.prefix_text, len(alternative)), tail="}")
+        rendered = render_tail(alternative, target.start_index, field_order, target.joined_text, parse.prefix_text)
         other = encode_append(rendered, tokenizer, vocab, table)
         at = first_divergence(clean, other)
         if at is None or at >= len(other) or at >= len(clean) - 1:

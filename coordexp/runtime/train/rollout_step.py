@@ -134,7 +134,8 @@ def decode_mode_of(rollout: "RolloutMatchingContract") -> DecodeMode:
 def _check_span(ctx_source: str, target: TrainTarget, encoded: EncodedSample) -> None:
     sup = target.supervision
     start = encoded.assistant_start
-    for name, positions in (("CE", sup.ce_positions), ("coord", sup.coord_positions), ("unlikelihood", sup.ul_positions)):
+    for name, positions in (("CE", sup.ce_positions), ("coord", sup.coord_positions),
+                            ("unlikelihood", sup.ul_positions)):
         check_supervised_span(
             np.asarray(positions, dtype=np.int64) + start, encoded.prompt_len, encoded.total_len, what=f"{ctx_source} {name}"
         )
