@@ -29,8 +29,10 @@ quiet_pip() {
   fi
 }
 
-# Re-install only when pyproject.toml, this script, the CPU pins or the requested extras change.
-key=$(cat "$root/pyproject.toml" "$root/scripts/bootstrap.sh" "$root/scripts/constraints-cpu.txt" | sha1sum | cut -c1-12)
+# Re-install only when the checkout (a venv shared by several clones holds an editable install of one of them),
+# pyproject.toml, this script, the CPU pins or the requested extras change.
+key=$({ echo "$root"; cat "$root/pyproject.toml" "$root/scripts/bootstrap.sh" "$root/scripts/constraints-cpu.txt"; } \
+  | sha1sum | cut -c1-12)
 stamp="$venv/.coordexp-installed-${key}-${extras:-base}"
 if [ ! -f "$stamp" ]; then
   pins=()
