@@ -21,4 +21,9 @@ export VLLM_CACHE_ROOT="${VLLM_CACHE_ROOT:-$root/.coordexp/vllm-cache}" HF_HUB_O
 VLLM_RPC_BASE_PATH=$(mktemp -d)
 export VLLM_RPC_BASE_PATH
 trap 'rm -rf "$VLLM_RPC_BASE_PATH"' EXIT
-"$py" -m pytest -q --durations=25 "$@"  # the slowest tests, so the suite's time stays visible
+# Tests run in parallel worker processes (pytest-xdist): one per core up to 4 (more would start more vLLM engines
+# and tiny models than a small machine holds), COORDEXP_TEST_WORKERS=N to choose; 0 runs them in this process.
+workers="${COORDEXP_TEST_WORKERS:-$(n=$(nproc 2>/dev/null || echo 2); echo $(( n < 4 ? n : 4 )))}"
+parallel=(-n "$workers")
+[ "$workers" -gt 0 ] && parallel+=(--dist worksteal)
+"$py" -m pytest -q "${parallel[@]}" --durations=25 "$@"  # the slowest tests, so the suite's time stays visible
