@@ -82,10 +82,11 @@ def plan_target(entries_valid: Sequence[bool], preds: Sequence[DetObject], valid
     change = limit
     if repeat_at & set(range(limit)):
         change = min(repeat_at & set(range(limit)))
-    missed = [g for g in range(len(gts)) if g not in {g for _, g in pairs}]
+    matched = {g for _, g in pairs}
+    missed = [g for g in range(len(gts)) if g not in matched]
     # repeats after the last match, which trailing_unmatched: drop cuts: pushed down where the list goes on
-    after_list = [preds[pred_at[pos]] for pos in sorted(repeat_at) if pos >= limit] if repeats == "unlikelihood" \
-        else []
+    after_list = ([preds[pred_at[pos]] for pos in sorted(repeat_at) if pos >= limit]
+                  if repeats == "unlikelihood" else [])
     if placement == "cut_at_skip":
         skip = first_skip([(pos, g) for pos, g in parse_pairs if pos < limit])
         if skip is not None:
