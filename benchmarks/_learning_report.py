@@ -9,8 +9,11 @@ from pathlib import Path
 from typing import Any, Sequence
 
 CONTROL = "stage1_continued"
+RECIPE = "stage2_recipe"
 # every arm is also compared with these when present: the second control and decision 17's best arm (decision 18)
 REFERENCES = (CONTROL, "stage1_gap", "stage2_drop")
+# the arms the bench always trains; any other arm is a --variant, also paired against the recipe it changes
+DEFAULT_ARMS = ("stage1", CONTROL, "stage1_gap", "stage2", "stage2_drop", RECIPE)
 FIGURES = ("AP", "AP50", "parse_valid_rate", "match_rate", "fp_per_image", "fn_per_image", "truncation_rate")
 GRID_FIGURES = ("recall", "precision", "f1", "pred_per_gt", "duplicates_per_image", "premature_eos_rate", "count_error",
                 "rollout_tokens_per_image", "cell_precision", "next_object_tf", "next_object_free", "exposure_gap",
@@ -76,16 +79,17 @@ def summarize(per_seed: Sequence[dict[str, Any]]) -> dict[str, Any]:
             if name == reference or name in REFERENCES[:REFERENCES.index(reference) + 1] or (
                     reference != CONTROL and name.startswith("stage1")):
                 continue
-            summary[f"{name} - {reference}"] = {
-                k: paired([None if s["runs"][name]["eval"].get(k) is None or s["runs"][reference]["eval"].get(k) is None
-                           else s["runs"][name]["eval"][k] - s["runs"][reference]["eval"][k] for s in per_seed])
-                for k in figures}
+            summary[f"{name} - {reference}"] = {k: _paired_of(per_seed, name, reference, k) for k in figures}
+    if RECIPE in names:
+        for name in (n for n in names if n not in DEFAULT_ARMS):
+            summary[f"{name} - {RECIPE}"] = {k: _paired_of(per_seed, name, RECIPE, k) for k in figures}
     bound = _dedup_bound(per_seed, names)
     if bound:
         summary["dedup_bound"] = bound
     if all(r in names for r in REFERENCES):
         summary["rule"] = {name: pays(summary, name) for name in names
                            if not name.startswith("stage1") and name != "stage2_drop"}
+        summary["ships"] = ships(summary)
     gates = [s.get("gate") for s in per_seed if s.get("gate") is not None]
     if gates:
         summary["gate"] = {"passed": all(g["passed"] for g in gates), "failed_seeds": [
@@ -94,6 +98,13 @@ def summarize(per_seed: Sequence[dict[str, Any]]) -> dict[str, Any]:
     if orders:
         summary["data_order_equal"] = all(o["equal"] for o in orders)
     return summary
+
+
+def _paired_of(per_seed: Sequence[dict[str, Any]], name: str, reference: str, key: str) -> dict[str, Any]:
+    """``name`` minus ``reference`` seed by seed (a seed missing either figure is left out)."""
+    runs = [s["runs"] for s in per_seed]
+    return paired([None if r[name]["eval"].get(key) is None or r[reference]["eval"].get(key) is None
+                   else r[name]["eval"][key] - r[reference]["eval"][key] for r in runs])
 
 
 DEDUP_FIGURES = ("AP50", "precision", "f1")
@@ -132,6 +143,32 @@ def pays(summary: dict[str, Any], name: str) -> dict[str, Any]:
               "F1 > stage2_drop": mean("stage2_drop", "f1"), "precision > -3 points": ci_low(CONTROL, "precision")}
     passed = {k: v is not None and (v > -0.03 if k.startswith("precision") else v > 0) for k, v in checks.items()}
     return {"checks": checks, "passed": passed, "pays": all(passed.values())}
+
+
+def ships(summary: dict[str, Any]) -> dict[str, Any]:
+    """Decision 18's third amendment: the arm ``coordexp init --stage 2`` writes, read from the rule over these seeds.
+    A variant replaces the recipe only by meeting the rule and, when the recipe meets it too, by beating the recipe's
+    AP50 (paired 95% interval above 0) without a lower F1; of several, the higher AP50 over the control."""
+    rule = summary["rule"]
+    paying = [n for n in rule if n not in DEFAULT_ARMS and rule[n]["pays"]]
+    recipe_pays = rule.get(RECIPE, {}).get("pays", False)
+    if recipe_pays:
+        paying = [n for n in paying if _beats_recipe(summary, n)]
+    if not paying:
+        why = ("the recipe meets the rule and no variant beats it beyond noise" if recipe_pays
+               else "no arm meets the rule: init keeps what it writes")
+        return {"arm": RECIPE, "why": why}
+    best = max(paying, key=lambda n: summary[f"{n} - {CONTROL}"]["AP50"]["mean"])
+    why = ("it meets the rule and beats the recipe's AP50 with an interval above 0" if recipe_pays
+           else "it meets the rule and the recipe does not")
+    return {"arm": best, "why": why}
+
+
+def _beats_recipe(summary: dict[str, Any], name: str) -> bool:
+    d = summary.get(f"{name} - {RECIPE}")
+    if not d or d["AP50"]["ci95"] is None or d["f1"]["mean"] is None:
+        return False
+    return d["AP50"]["ci95"][0] > 0 and d["f1"]["mean"] >= 0
 
 
 def _pct(value: Any) -> str:
@@ -174,7 +211,7 @@ def print_tables(per_seed: Sequence[dict[str, Any]], summary: dict[str, Any], he
     print(f"\nmean +- std over {len(per_seed)} seeds (+- is a standard deviation)")
     print(f"{'run':<20}{'AP':>14}{'AP50':>14}{'parse%':>14}{'match%':>14}")
     for name, figures in summary.items():
-        if " - " in name or name in ("gate", "data_order_equal", "rule", "dedup_bound"):
+        if " - " in name or name in ("gate", "data_order_equal", "rule", "ships", "dedup_bound"):
             continue
         cells = [f"{100 * figures[k]['mean']:.1f}+-{100 * figures[k]['std']:.1f}" if figures[k]["mean"] is not None
                  else "-" for k in FIGURES[:4]]
@@ -202,6 +239,9 @@ def print_tables(per_seed: Sequence[dict[str, Any]], summary: dict[str, Any], he
     for name, rule in (summary.get("rule") or {}).items():
         shown = ", ".join(f"{k} {'yes' if ok else 'no'}" for k, ok in rule["passed"].items())
         print(f"decision 18's rule, {name}: {'PAYS' if rule['pays'] else 'does not pay'} ({shown})")
+    if summary.get("ships"):
+        print(f"decision 18's third amendment, over these seeds: init --stage 2 writes {summary['ships']['arm']} "
+              f"({summary['ships']['why']})")
     if "gate" in summary:
         verdict = "passed on every seed" if summary["gate"]["passed"] else (
             f"FAILED on seeds {summary['gate']['failed_seeds']}: the comparison is NOT a result")
