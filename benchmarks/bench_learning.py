@@ -168,6 +168,9 @@ def _args() -> argparse.Namespace:
     p.add_argument("--passed-gate-only", action="store_true",
                    help="with --report: summarize only the seeds whose stage 1 passed the pilot gate (the others' "
                    "comparisons are no result); the seeds left out are named")
+    p.add_argument("--stop-at-failed-gate", action="store_true",
+                   help="grid task: when a seed's stage 1 fails the pilot gate, train none of its continuations (the "
+                   "seed is reported with its gate and left out of every comparison)")
     p.add_argument("--add-arms", action="store_true",
                    help="the workdir holds a finished run (summary.json): train and evaluate only the --variant arms "
                    "of each of its seeds from the saved stage-1 checkpoint, add them and re-summarize (the other "
@@ -479,6 +482,11 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
             out["gate"] = g = gate(runs[name]["eval"])
             print(f"[bench_learning] seed {seed} {g.line()}", flush=True)
             out["gate"] = g.to_dict()
+            if args.stop_at_failed_gate and not g.passed:
+                print(f"[bench_learning] seed {seed}: gate failed, no continuation trained (--stop-at-failed-gate)",
+                      flush=True)
+                out["stopped"] = "gate failed"
+                return out
     out["data_order"] = _data_order(work, [n for n, _ in plan[1:]])
     return out
 
@@ -488,7 +496,15 @@ def _pct(value: Any) -> str:
 
 
 def _report(per_seed: list[dict[str, Any]], args: Any, workdir: Path) -> dict[str, Any]:
+    stopped = [s["seed"] for s in per_seed if s.get("stopped")]
+    if stopped:
+        print(f"seeds stopped at a failed gate, left out of every comparison: {stopped}")
+        per_seed = [s for s in per_seed if not s.get("stopped")]
+        if not per_seed:
+            return {"gate": {"passed": False, "failed_seeds": stopped}}
     summary = summarize(per_seed)
+    if stopped:
+        summary["stopped_at_gate"] = stopped
     print_tables(per_seed, summary, f"task {args['task']}; held-out images per seed: {args['n_val']}; box AP in "
                  f"percent (COCO); continuations: {args['k']} optimizer steps of {args['continue_batch']} records at "
                  f"lr {args['continue_lr']:g} (constant) each; one evaluation config for every run")

@@ -128,6 +128,35 @@ def test_one_evaluation_config_for_every_arm(bench, tmp_path, monkeypatch):
     assert "gate" in out and out["gate"]["passed"] is False  # exposure gap 0.5 passes, cell precision 0.5 does not
 
 
+@pytest.mark.parametrize("cell_precision", [0.5, 0.9])
+def test_stop_at_failed_gate_trains_no_continuation_of_a_failed_seed(bench, tmp_path, monkeypatch, capsys,
+                                                                    cell_precision):
+    """A seed whose stage 1 fails the gate trains nothing more and is left out of the comparison, named; a seed that
+    passes trains every arm."""
+    args = _args(bench, tmp_path, "--stop-at-failed-gate")
+    trained: list[str] = []
+
+    def fake_evaluate(a, work, eval_config, name):
+        trained.append(name)
+        report = sys.modules["_learning_report"]
+        return {**{k: 0.5 for k in report.FIGURES + report.GRID_FIGURES}, "cell_precision": cell_precision}
+
+    monkeypatch.setattr(bench, "_assets", lambda a, w, s: (tmp_path / "m", tmp_path / "t", tmp_path / "v"))
+    monkeypatch.setattr(bench, "_size_decoding", lambda a, m: None)
+    monkeypatch.setattr(bench, "_train", lambda c: {"steps": 1, "wall_s": 0.1, "trained_tokens": 1, "final_loss": 0})
+    monkeypatch.setattr(bench, "_evaluate", fake_evaluate)
+    monkeypatch.setattr(bench, "_data_order", lambda work, names: {"equal": True, "steps": 1, "differ": []})
+    out = bench.run_seed(args, 3)
+    if cell_precision < 0.8:
+        assert trained == ["stage1"] and out["stopped"] == "gate failed" and not out["gate"]["passed"]
+        return
+    assert "stopped" not in out and out["gate"]["passed"] and len(trained) == 6
+    failed = {**out, "seed": 4, "runs": {"stage1": out["runs"]["stage1"]}, "stopped": "gate failed"}
+    summary = bench._report([out, failed], bench._printable(args), tmp_path)
+    assert summary["stopped_at_gate"] == [4] and "seeds stopped at a failed gate" in capsys.readouterr().out
+    assert summary["stage2 - stage1_continued"]["AP50"]["n"] == 1  # the stopped seed is in no comparison
+
+
 def test_the_report_recomputes_the_zero_training_bound_from_the_committed_seeds():
     """The dedup figures every arm's evaluation saved become the bound's table: each kind's mean over seeds and its
     paired gain over the raw predictions, recomputed from the committed per-seed JSON (not from a stored summary)."""
