@@ -211,7 +211,7 @@ def print_tables(per_seed: Sequence[dict[str, Any]], summary: dict[str, Any], he
     print(f"\nmean +- std over {len(per_seed)} seeds (+- is a standard deviation)")
     print(f"{'run':<20}{'AP':>14}{'AP50':>14}{'parse%':>14}{'match%':>14}")
     for name, figures in summary.items():
-        if " - " in name or name in ("gate", "data_order_equal", "rule", "ships", "dedup_bound"):
+        if " - " in name or name in ("gate", "data_order_equal", "rule", "ships", "dedup_bound", "stopped_at_gate"):
             continue
         cells = [f"{100 * figures[k]['mean']:.1f}+-{100 * figures[k]['std']:.1f}" if figures[k]["mean"] is not None
                  else "-" for k in FIGURES[:4]]
