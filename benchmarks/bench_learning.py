@@ -366,7 +366,7 @@ SAME_FOR_ADDED = ("task", "grid", "object_order", "probe_images", "eval_batch", 
 def add_arms(args: argparse.Namespace, saved: dict[str, Any]) -> None:
     """Train and evaluate the ``--variant`` arms on every seed of a finished run (``saved``, its summary.json) from
     that seed's stage-1 checkpoint, under the seed's one evaluation config; the seed's data order is checked again
-    over every continuation on disk."""
+    over every continuation on disk. A seed stopped at its gate gets no arm: the report leaves it out anyway."""
     if not args.variant:
         raise SystemExit("--add-arms needs at least one --variant")
     printable = _printable(args)
@@ -377,6 +377,9 @@ def add_arms(args: argparse.Namespace, saved: dict[str, Any]) -> None:
             f"{k} {printable.get(k)!r} != {saved['args'].get(k)!r}" for k in differ))
     for out in saved["seeds"]:
         seed, runs = out["seed"], out["runs"]
+        if out.get("stopped"):
+            print(f"[bench_learning] seed {seed}: {out['stopped']}, no arm added (it is in no comparison)", flush=True)
+            continue
         clash = [name for name, _ in args.variant if name in runs]
         if clash:
             raise SystemExit(f"--add-arms: seed {seed} already has {', '.join(clash)}")

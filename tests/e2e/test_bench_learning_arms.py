@@ -155,6 +155,11 @@ def test_stop_at_failed_gate_trains_no_continuation_of_a_failed_seed(bench, tmp_
     summary = bench._report([out, failed], bench._printable(args), tmp_path)
     assert summary["stopped_at_gate"] == [4] and "seeds stopped at a failed gate" in capsys.readouterr().out
     assert summary["stage2 - stage1_continued"]["AP50"]["n"] == 1  # the stopped seed is in no comparison
+    trained.clear()
+    args.variant, args.add_arms = [bench._variant("extra=rollout_matching.repeats:drop")], True
+    saved = {"args": bench._printable(args), "seeds": [failed]}
+    bench.add_arms(args, saved)  # regression: it trained the arm on a seed the report leaves out
+    assert trained == [] and set(failed["runs"]) == {"stage1"} and "no arm added" in capsys.readouterr().out
 
 
 def test_the_report_recomputes_the_zero_training_bound_from_the_committed_seeds():
