@@ -105,8 +105,8 @@ def _plan(c: InitChoices) -> dict[str, Any]:
     if stage2:
         rollout["gt_step_share"] = (0.5, "the recipe: every other optimizer step")
         rollout["trailing_unmatched"] = ("drop", "the recipe")
-        rollout["fn_placement"] = ("append", "the spec's; reading_order and cut_at_skip are measured in decision 18")
-        rollout["repeats"] = ("neutral", "the spec's; drop and unlikelihood are measured in decision 18")
+        rollout["fn_placement"] = ("append", "the recipe's: reading_order is no better beyond noise (decision 18)")
+        rollout["repeats"] = ("neutral", "the recipe's: drop and unlikelihood are no better beyond noise (decision 18)")
         if not cpu:
             rollout["vllm"] = {
                 "mode": ("colocate", "'server' talks to `coordexp serve-rollout` on other GPUs (README: launch recipes)"),
