@@ -370,6 +370,12 @@ def test_resume_auto_replays_the_recorded_overrides_and_appends_to_the_record(tm
     assert record.startswith(record_before) and "# resumed at" in record
 
 
+def _sigint_as_in_a_terminal() -> None:
+    """The child gets Ctrl-C's default disposition: a suite started as a background job (`cmd &` in a script)
+    inherits SIGINT ignored, which coordexp rightly leaves alone, and the SIGINT case would then test nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow  # starts a training process
 @pytest.mark.parametrize(("save", "signum", "code"), [("sigterm", signal.SIGTERM, 143),
                                                      ("never", signal.SIGTERM, 143), ("never", signal.SIGINT, 130)])
@@ -379,7 +385,8 @@ def test_sigterm_exits_143_without_a_traceback_and_says_how_to_resume(tmp_path, 
     config = _config(tmp_path, tiny_model_dir, save_steps=1000 if save == "sigterm" else 1)
     process = subprocess.Popen([sys.executable, "-m", "coordexp", "train", str(config), "--set",
                                 "training.max_steps=400", "--set", f"training.save_on_interrupt={save}"],
-                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=_sigint_as_in_a_terminal)
     run = tmp_path / "run"
     started = run / ("coordexp_config.yaml" if save == "sigterm" else "checkpoint-1")
     deadline = time.monotonic() + 300
