@@ -24,6 +24,8 @@ __all__ = [
     "MAX_WEIGHT",
     "MAX_SECONDS",
     "MAX_BEAMS",
+    "MIN_REPETITION_PENALTY",
+    "MAX_REPETITION_PENALTY",
     "MAX_DEVICES",
     "MAX_WORKERS",
     "int_in",
@@ -73,6 +75,10 @@ MAX_SECONDS = 7 * 24 * 3600.0
 """Timeouts (one week); socket and thread waits overflow on values near 2**63 nanoseconds."""
 MAX_BEAMS = 64
 """Beam width: every beam is a full sequence in memory per rollout."""
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+"""``repetition_penalty`` divides or multiplies a seen token's logit by the penalty: within [0.01, 100] a logit
+stays finite in float16 (|logit| up to 655) and the penalty itself never rounds to 0 in float32 (at 1e-46 it did:
+every seen logit became inf or nan and the model wrote image placeholder tokens)."""
 MAX_DEVICES = 1024
 """Devices per engine (``tensor_parallel_size``)."""
 MAX_WORKERS = 256

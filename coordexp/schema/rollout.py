@@ -12,6 +12,8 @@ from coordexp.schema.base import (
     MAX_DEVICES,
     MAX_SECONDS,
     MAX_TOKENS,
+    MAX_REPETITION_PENALTY,
+    MIN_REPETITION_PENALTY,
     BatchSize,
     Probability,
     StrictModel,
@@ -47,7 +49,8 @@ class DecodingConfig(StrictModel):
     top_p: float_in(gt=0.0, le=1.0) = Field(1.0, description="Nucleus mass in (0, 1].")
     top_k: int_in(-1, MAX_TOKENS) = Field(-1, description="-1 disables top-k; otherwise >= 1 (at most 2**20).")
     num_beams: int_in(1, MAX_BEAMS) = Field(1, description="> 1 runs beam search and trains on the best beam.")
-    repetition_penalty: float_in(gt=0.0, le=100.0) = Field(1.0, description="1.0 disables the penalty.")
+    repetition_penalty: float_in(ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY) = Field(
+        1.0, description="1.0 disables the penalty; in [0.01, 100] (a logit stays finite in float16).")
     coord_group_greedy: bool = Field(
         False, description="Greedy steps pick a coordinate when the coord tokens hold more than half the "
         "probability, then the likeliest token of the chosen kind (docs/design.md, decision 16); needs temperature 0 "

@@ -29,6 +29,7 @@ from typing import Any, Literal, Optional, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from coordexp.schema.base import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
 from coordexp.runtime.rollout.base import FinishReason, RolloutOutput
 
 __all__ = [
@@ -167,7 +168,7 @@ class RequestConfig(_InferRequest):
     temperature: Optional[float] = Field(None, ge=0.0)
     top_k: Optional[int] = None
     top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
-    repetition_penalty: Optional[float] = Field(None, gt=0.0)
+    repetition_penalty: Optional[float] = Field(None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     num_beams: int = Field(1, ge=1)
     stop: list[str] = Field(default_factory=list)
     seed: Optional[int] = None

@@ -15,11 +15,13 @@ Coordinates are pixels of the image as sent (norm1000 bin ``b`` of a side of ``s
 :func:`~coordexp.runtime.core.coco.bin_to_pixel`); a polygon's ``bbox_2d`` is its enclosing box. ``score`` is the
 probability of the object's tokens (``exp`` of their summed log-probabilities, as ``coordexp eval --score logprob``),
 ``null`` when the engine returns no log-probabilities. Invalid objects are left out and counted in
-``parse.dropped`` by reason. Every client error is a 4xx naming the field, never a server path.
+``parse.dropped`` by reason; ``parse.finish_reason`` is ``stop``, ``length`` or ``repeat`` (the repeat guard ended
+the answer). Every client error is a 4xx naming the field, never a server path.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import tempfile
 from pathlib import Path
@@ -28,6 +30,7 @@ from typing import Any, Awaitable, Callable, Optional
 from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from coordexp.schema.base import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
 from coordexp.runtime.core.coco import object_pixel_polygon
 from coordexp.runtime.core.parsing import RolloutParse, parse_rollout
 from coordexp.runtime.core.pieces import PieceTable
@@ -51,7 +54,7 @@ class DetectDecoding(BaseModel):
     temperature: Optional[float] = Field(None, ge=0.0)
     top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
     top_k: Optional[int] = None
-    repetition_penalty: Optional[float] = Field(None, gt=0.0)
+    repetition_penalty: Optional[float] = Field(None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     seed: Optional[int] = None
 
 
@@ -91,16 +94,20 @@ class Detector:
         return self._vocab
 
     def image_size(self, image: str) -> tuple[int, int]:
-        """``(width, height)`` of the request's image (a 400 when it cannot be read)."""
-        from PIL import Image, UnidentifiedImageError
+        """``(width, height)`` of the request's image, read through the training data's guarded opener (its pixel
+        and aspect-ratio caps, as ``/infer/`` reads it): a 400 naming the field when it cannot be used. Blocking
+        (temp file, header read): the route runs it off the event loop."""
+        from coordexp.runtime.model.data import ImageFileError, open_image
 
         with tempfile.TemporaryDirectory(prefix="coordexp-detect-") as scratch:
             path = resolve_image(image, self.image_root, Path(scratch), "image", "detect_image")
             try:
-                with Image.open(path) as handle:
-                    return int(handle.width), int(handle.height)
-            except (UnidentifiedImageError, OSError, ValueError):
-                raise InferInputError("image: not a readable image (PNG, JPEG, ...)") from None
+                handle = open_image(path)
+            except ImageFileError as exc:
+                reason = str(exc).replace(f"{path}: ", "", 1).replace(str(path), "the image")
+                raise InferInputError(f"image: {reason}") from None
+            with handle:
+                return int(handle.width), int(handle.height)
 
     def infer_body(self, request: DetectRequest) -> p.InferRequestBody:
         prompt = self.user_prompt if request.prompt is None else request.prompt
@@ -114,12 +121,14 @@ class Detector:
         """The ``/detect/`` reply of one ``/infer/`` item (see the module docstring); with ``dedup`` the certified
         repeats move from ``objects`` to ``repeats`` (nothing is lost: ``text`` holds what the model wrote)."""
         choice = item["response"]["choices"][0]
+        reasons = (item.get("coordexp") or {}).get("finish_reasons") or []
+        finish_reason = reasons[0] if reasons else choice.get("finish_reason")  # ``repeat``: the guard stopped it
         ids = list(choice.get("token_ids") or [])
         logprobs = [float(t["logprob"]) for t in (choice.get("logprobs") or {}).get("content") or []] or None
         parse = parse_rollout(ids, self.tokenizer, self.vocab(), piece_table=PieceTable.for_tokenizer(self.tokenizer))
         objects = [detected_object(o, size, logprobs, len(ids)) for o in parse.valid_objects]
         out = {"objects": objects, "text": choice["message"]["content"], "parse": parse_summary(
-            parse, size, choice.get("finish_reason"), scored=logprobs is not None)}
+            parse, size, finish_reason, scored=logprobs is not None)}
         if dedup:
             repeats = certified_duplicates([o.to_det_object() for o in parse.valid_objects])
             out["objects"] = [o for o, r in zip(objects, repeats) if not r]
@@ -159,7 +168,7 @@ def add_detect_route(app: FastAPI, detector: Detector,
     @app.post("/detect/")
     async def detect(body: DetectRequest) -> dict:
         try:
-            size = detector.image_size(body.image)
+            size = await asyncio.to_thread(detector.image_size, body.image)
             infer_body = detector.infer_body(body)
         except InferInputError as exc:
             raise HTTPException(400, f"/detect/: {exc}") from None
