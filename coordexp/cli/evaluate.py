@@ -27,8 +27,6 @@ __all__ = ["register", "evaluate", "resolve_checkpoint", "run_with_checkpoint", 
            "check_checkpoint_files", "check_out_dir", "print_set_figures"]
 
 SCORES = ("logprob", "mean_logprob", "constant")
-# What runtime.train.evaluate.write_eval_files writes under --out (PNGs go to png/eval_NNNN.png).
-EVAL_FILES = ("coco_gt.json", "coco_results.json", "predictions.jsonl", "metrics.json")
 
 
 def _saved(directory: Path) -> bool:
@@ -40,14 +38,26 @@ def _saved(directory: Path) -> bool:
 
 def resolve_checkpoint(run: Any, checkpoint: Optional[Path]) -> Path:
     """``--checkpoint`` if given; else the run's ``training.output_dir`` once it holds a saved model or adapter;
-    else ``model.path`` (evaluating the starting point)."""
+    else ``model.path`` (evaluating the starting point) when no run trained there. A run folder without its final
+    model (stopped before its end) is refused, naming its newest checkpoint: never the starting model in its place."""
+    from coordexp.runtime.train.run_folder import RunFolder
+
     if checkpoint is not None:
         if not _saved(checkpoint):
             raise UserInputError(f"--checkpoint {checkpoint} holds no saved model (neither config.json nor "
                                  "adapter_config.json)", hint="pass a training output_dir or a checkpoint-N directory")
         return checkpoint
     trained = Path(run.training.output_dir)
-    return trained if _saved(trained) else Path(run.model.path)
+    if _saved(trained):
+        return trained
+    problem = RunFolder(trained).unfinished_problem()
+    if problem is not None:
+        checkpoints = RunFolder(trained).checkpoints()
+        hint = (f"evaluate it with --checkpoint {checkpoints[-1]}, or finish the run (`coordexp train CONFIG "
+                "--resume auto` writes the final model)") if checkpoints else \
+            "finish the run (`coordexp train CONFIG`), or pass --checkpoint DIR"
+        raise UserInputError(f"{problem}; the config's model.path is the model the run started from", hint=hint)
+    return Path(run.model.path)
 
 
 def run_with_checkpoint(run: Any, checkpoint: Optional[Path]) -> tuple[Any, Path, Optional[Path]]:
@@ -61,27 +71,12 @@ def run_with_checkpoint(run: Any, checkpoint: Optional[Path]) -> tuple[Any, Path
     return dataclasses.replace(run, model=run.model.model_copy(update={"path": str(model_dir)})), model_dir, adapter
 
 
-def default_out_dir(run: Any, checkpoint: Optional[Path], split: str) -> Path:
-    """``OUTPUT_DIR/eval_SPLIT``; with ``--checkpoint DIR``: ``OUTPUT_DIR/eval_checkpoint-N`` for this run's own
-    ``checkpoint-N`` (``_train`` for the train split), else ``eval_<run>_<folder>_<hash of its real path>``
-    (``_train``), so results of different checkpoints never share a folder (another run's ``checkpoint-2``, a
-    folder named ``val`` or ``x_train``); names are cut to stay well under the file system's 255 bytes."""
-    import hashlib
-    import re
+def default_out_dir(run: Any, checkpoint: Optional[Path], split: str, kind: str = "eval") -> Path:
+    """Where ``eval`` (or ``probe``: ``kind``) writes by default: the run folder's result folder for this
+    checkpoint and split (:meth:`coordexp.runtime.train.run_folder.RunFolder.result_dir`)."""
+    from coordexp.runtime.train.run_folder import RunFolder
 
-    out_dir = Path(run.training.output_dir)
-    if checkpoint is None:
-        return out_dir / f"eval_{split}"
-    suffix = "" if split == "val" else f"_{split}"
-    real = Path(os.path.realpath(checkpoint))
-    if re.fullmatch(r"checkpoint-[0-9]{1,18}", real.name) and real.parent == Path(os.path.realpath(out_dir)):
-        return out_dir / f"eval_{real.name}{suffix}"
-    digest = hashlib.sha256(os.fsencode(str(real))).hexdigest()[:10]
-
-    def short(name: str) -> str:
-        return re.sub(r"[^A-Za-z0-9._-]", "_", name)[:60] or "_"
-
-    return out_dir / f"eval_{short(real.parent.name)}_{short(real.name)}_{digest}{suffix}"
+    return RunFolder(run.training.output_dir).result_dir(kind, checkpoint, split)
 
 
 def check_checkpoint_files(model_dir: Path, adapter: Optional[Path]) -> None:
@@ -100,19 +95,26 @@ def check_checkpoint_files(model_dir: Path, adapter: Optional[Path]) -> None:
 def input_files(run: Any, config: Path, model_dir: Path, adapter: Optional[Path]) -> list[Path]:
     """Files eval reads: the config, the data files and every file of the checkpoint (and adapter) directory but
     eval's own result names (results written there by an earlier eval may be replaced by this one)."""
+    from coordexp.runtime.train.run_folder import EVAL_RESULT_FILES, PROBE_RESULT_FILES
+
     files = [config] + [Path(p) for p in (run.data.train_jsonl, run.data.val_jsonl) if p]
+    results = {*EVAL_RESULT_FILES, *PROBE_RESULT_FILES}
     for folder in (model_dir, adapter):
         if folder is not None and folder.is_dir():
-            files.extend(p for p in folder.iterdir() if p.is_file() and p.name not in EVAL_FILES)
+            files.extend(p for p in folder.iterdir() if p.is_file() and p.name not in results)
     return files
 
 
-def check_out_dir(target: Path, inputs: Iterable[Path], pngs: int) -> None:
-    """``--out`` before any rollout: a directory (new or existing) that can take files, whose result files are
-    not inputs, devices, FIFOs, directories or read-only; then a probe file is created and removed there."""
+def check_out_dir(target: Path, inputs: Iterable[Path], pngs: int,
+                  result_files: Optional[Iterable[str]] = None) -> None:
+    """``--out`` before any rollout: a directory (new or existing) that can take files, whose result files
+    (``result_files``: eval's by default, probe passes its own) are not inputs, devices, FIFOs, directories or
+    read-only; then a probe file is created and removed there."""
+    from coordexp.runtime.train.run_folder import EVAL_RESULT_FILES
+
     inputs = list(inputs)
     real = check_output_dir(target)
-    names = [*EVAL_FILES, *(f"png/eval_{k:04d}.png" for k in range(min(pngs, 4096)))]
+    names = [*(EVAL_RESULT_FILES if result_files is None else result_files), *(f"png/eval_{k:04d}.png" for k in range(min(pngs, 4096)))]
     for name in names:
         path = real / name
         if os.path.lexists(path):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 import time
 from dataclasses import dataclass
@@ -117,6 +118,24 @@ def apply_overrides(merged: Any, overrides: Sequence[str]) -> Any:
     return MergedConfig(data=data, origins=origins, files=merged.files)
 
 
+def resolved_text(text: str) -> str:
+    """An override as the run record keeps it: a relative path value (a key the schema marks as a path) made
+    absolute against the folder it was given in, so a resume from another folder replays the same file."""
+    from coordexp.schema.loader import _PATH_FIELDS
+
+    override = parse_override(text)
+    kind = dict(_PATH_FIELDS).get(override.path)
+    value = override.value
+    if kind is None or not isinstance(value, str) or not value or "\x00" in value:
+        return text
+    if kind == "hub-or-path" and not value.startswith((".", "/", "~")):
+        return text  # a hub id
+    expanded = os.path.expanduser(value)
+    if os.path.isabs(expanded):
+        return text
+    return f"{'.'.join(override.path)}={json.dumps(os.path.normpath(os.path.abspath(expanded)))}"
+
+
 def masked_text(text: str) -> str:
     key = text.partition("=")[0].strip()
     return f"{key}={SECRET_MASK}" if _secret(tuple(key.split("."))) else text
@@ -143,7 +162,7 @@ def _stamp() -> str:
 def write_run_record(output_dir: str | Path, merged: Any, *, source: Path, overrides: Sequence[str]) -> Path:
     """``OUTPUT_DIR/coordexp_config.yaml``: the keys this run was given (``merged``: the loaded config with its
     overrides applied), headed by the file and the overrides it came from."""
-    from coordexp.runtime.train.run_folder import RECORD_MARK
+    from coordexp.runtime.train.run_folder import RECORD_MARK, write_result_file
     from coordexp.schema.loader import written_config
     from coordexp.schema.yaml_io import dump_yaml
 
@@ -151,20 +170,22 @@ def write_run_record(output_dir: str | Path, merged: Any, *, source: Path, overr
     target.parent.mkdir(parents=True, exist_ok=True)
     header = [f"{RECORD_MARK}: written by `coordexp train` at {_stamp()}; what the run was given (defaults omitted)",
               f"# config: {_quoted(str(Path(source).absolute()))}"]
-    header += [f"# --set: {_quoted(masked_text(text))}" for text in overrides]
+    header += [f"# --set: {_quoted(masked_text(resolved_text(text)))}" for text in overrides]
     body = dump_yaml(_mask_secrets(written_config(merged)))
-    target.write_text("\n".join(header) + "\n" + body, encoding="utf-8")
-    return target
+    return write_result_file(target, ("\n".join(header) + "\n" + body).encode("utf-8"))
 
 
 def append_resume_record(output_dir: str | Path, *, checkpoint: str, overrides: Sequence[str]) -> Path:
     """A resumed run's section at the end of the record: when, from which checkpoint, with which new overrides."""
+    from coordexp.runtime.train.run_folder import is_run_record, write_result_file
+
     target = Path(output_dir) / RESOLVED_CONFIG_NAME
+    if not is_run_record(target):  # a link or a FIFO put there since the checks: never written through
+        raise UserInputError(f"{target} is no run record coordexp wrote; the resume was not recorded",
+                             hint="restore the run's coordexp_config.yaml")
     lines = [f"# resumed at {_stamp()} from {_quoted(str(checkpoint))}"]
-    lines += [f"# --set: {_quoted(masked_text(text))}" for text in overrides]
-    with target.open("a", encoding="utf-8") as handle:
-        handle.write("\n".join(lines) + "\n")
-    return target
+    lines += [f"# --set: {_quoted(masked_text(resolved_text(text)))}" for text in overrides]
+    return write_result_file(target, target.read_bytes() + ("\n".join(lines) + "\n").encode("utf-8"))
 
 
 def recorded_overrides(output_dir: str | Path) -> list[str] | None:
@@ -197,7 +218,8 @@ def recorded_overrides(output_dir: str | Path) -> list[str] | None:
 
 _TRAINING_KEYS = ("max_steps", "num_train_epochs", "learning_rate", "per_device_train_batch_size",
                   "gradient_accumulation_steps", "effective_batch_size", "lr_scheduler_type", "warmup_steps",
-                  "warmup_ratio", "weight_decay", "seed", "optim", "packing")
+                  "warmup_ratio", "weight_decay", "seed", "optim", "packing", "vit_lr", "aligner_lr",
+                  "vit_weight_decay", "aligner_weight_decay", "adam_beta1", "adam_beta2", "lr_scheduler_kwargs")
 _RUN_SECTIONS = ("data", "rollout_matching", "model", "tuner", "custom", "template", "global_max_length")
 
 

@@ -39,12 +39,13 @@ def probe(
 ) -> None:
     """Deletion recovery, Oracle-K recall, the exposure gap and the duplicate probe of a checkpoint, next to the
     set figures of its greedy rollouts; writes probe.json and a PNG of recall by reading-order rank."""
+    from coordexp.runtime.train.run_folder import PROBE_RESULT_FILES
+
     run = load_run(config, as_json=as_json)
     run, model_dir, adapter = run_with_checkpoint(run, checkpoint)
-    default = default_out_dir(run, checkpoint, "val")
-    target = out_dir if out_dir is not None else default.with_name("probe_" + default.name.removeprefix("eval_"))
+    target = out_dir if out_dir is not None else default_out_dir(run, checkpoint, "val", kind="probe")
     check_checkpoint_files(model_dir, adapter)
-    check_out_dir(target, input_files(run, config, model_dir, adapter), 0)
+    check_out_dir(target, input_files(run, config, model_dir, adapter), 0, result_files=PROBE_RESULT_FILES)
 
     from coordexp.runtime.train.probe import run_probe
 

@@ -16,8 +16,8 @@ from typing import Annotated, Any, Iterator, Optional
 
 import typer
 
-from coordexp.cli.frame import (EXIT_INTERRUPTED, EXIT_OK, err, fail, guarded, is_rank_zero, load_run_and_config,
-                                 out, safe, write_result)
+from coordexp.cli.frame import (EXIT_EXTERNAL, EXIT_INTERRUPTED, EXIT_OK, err, fail, guarded, is_rank_zero,
+                                 load_run_and_config, out, safe, write_result)
 
 __all__ = ["register", "train", "show_rollouts", "resolve_resume", "check_output_place", "EXIT_TERMINATED"]
 
@@ -169,8 +169,8 @@ def check_output_place(run: Any, config: Path, *, overwrite: bool, resume: bool)
     no files a run did not write (unless ``--overwrite``, which moves aside only a run's entries); and a used run
     folder only with ``--resume`` or ``--overwrite``."""
     from coordexp.cli.file_guard import check_output_dir
-    from coordexp.runtime.train.run_folder import (PREVIOUS_DIR, foreign_entries, input_overlap, run_entries,
-                                                   used_output_problem)
+    from coordexp.runtime.train.run_folder import (PREVIOUS_DIR, foreign_entries, input_overlap, previous_dir_problem,
+                                                   record_problem, run_entries, used_output_problem)
 
     out_dir = run.training.output_dir
     check_output_dir(Path(out_dir), "training.output_dir")
@@ -191,6 +191,11 @@ def check_output_place(run: Any, config: Path, *, overwrite: bool, resume: bool)
     if overlap is not None and overlap[1] in ("is", "contains"):
         fail(f"training.output_dir {out_dir} {overlap[1]} {overlap[0]}: --overwrite could move the run's inputs "
              "aside", "Choose an output_dir that holds none of the run's inputs (--set training.output_dir=DIR)")
+    for problem in (record_problem(out_dir), previous_dir_problem(out_dir) if overwrite else None):
+        if problem is not None:
+            fail(f"training.output_dir: {problem}; nothing was loaded or written",
+                 "Remove or rename that entry (coordexp writes it itself), or choose another output_dir "
+                 "(--set training.output_dir=DIR)")
     if resume:
         return
     foreign = foreign_entries(Path(out_dir))
@@ -220,13 +225,31 @@ def _replayed_overrides(output_dir: str, given: list[str]) -> list[str]:
     return recorded + given
 
 
-def _refuse_drift(config: Path, output_dir: str, effective: list[str]) -> None:
-    """``--resume``: a key that changes training and differs from the record (the config was edited since) is
-    refused, named, unless passed again with --set (then it is the user's explicit change)."""
+_OPTIMIZER_STATE_KEYS = frozenset(f"training.{key}" for key in (
+    "learning_rate", "vit_lr", "aligner_lr", "weight_decay", "vit_weight_decay", "aligner_weight_decay",
+    "adam_beta1", "adam_beta2", "warmup_ratio", "warmup_steps", "lr_scheduler_type", "lr_scheduler_kwargs", "optim"))
+"""Keys a resumed run cannot take: the optimizer and its schedule are restored from the checkpoint (HF loads
+``optimizer.pt`` and ``scheduler.pt`` over whatever the config says), so a new value would be recorded, not used."""
+
+
+def _refuse_drift(config: Path, output_dir: str, effective: list[str], given: list[str]) -> None:
+    """``--resume``: a key that changes training and differs from the record (the config was edited since, or a
+    recorded relative path now resolves elsewhere) is refused, named, unless given again with --set on this command
+    line (then it is the user's explicit change); an explicit change the checkpoint's optimizer state overrides is
+    refused too, naming why."""
     from coordexp.cli.overrides import apply_overrides, record_drift
     from coordexp.schema.loader import load_merged
 
-    drift = record_drift(output_dir, apply_overrides(load_merged(config), effective), effective)
+    merged = apply_overrides(load_merged(config), effective)
+    changed = set(record_drift(output_dir, merged, []))
+    given_keys = {text.partition("=")[0].strip() for text in given}
+    frozen = sorted(key for key in changed if key in _OPTIMIZER_STATE_KEYS
+                    and any(key == named or key.startswith(named + ".") for named in given_keys))
+    if frozen:
+        fail(f"--resume cannot change {', '.join(frozen)}: the optimizer and learning-rate schedule are restored "
+             "from the checkpoint, so the run would go on at the recorded setting while its record claimed the new "
+             "one", "Resume without it, or start a new run with the checkpoint as model.path and the new setting")
+    drift = record_drift(output_dir, merged, given)
     if drift:
         shown = ", ".join(drift[:6]) + (", ..." if len(drift) > 6 else "")
         fail(f"{config} differs from the run record {Path(output_dir) / 'coordexp_config.yaml'} on {len(drift)} "
@@ -261,7 +284,7 @@ def train(
         effective = _replayed_overrides(run.training.output_dir, given)
         if effective != given:
             run, _ = load_run_and_config(config, as_json=as_json, overrides=effective)
-        _refuse_drift(config, run.training.output_dir, effective)
+        _refuse_drift(config, run.training.output_dir, effective, given)
     from coordexp.optional_deps import require_installed
     require_installed(run, "train")  # a missing optional package (peft, deepspeed, ...): exit 3 before any load
     check_output_place(run, config, overwrite=overwrite, resume=resume is not None)
@@ -278,14 +301,21 @@ def train(
                  "train afresh with --overwrite")
         if is_rank_zero():
             err.print(f"resuming from {safe(resume_from)}")
+            note = _restretch_note(resume_from, run.training)
+            if note:
+                err.print(f"[yellow]![/yellow] {safe(note)}")
 
     done = _finished(resume_from, run.training.max_steps)
     if done is not None:
+        written = _finish_from(resume_from, run.training.output_dir) if is_rank_zero() else []
         message = (f"{resume_from} already reached training.max_steps ({run.training.max_steps}) at step {done}; "
                    "nothing to train (train on with --resume auto --set training.max_steps=N)")
+        if written:
+            message += f"; the run's final model was missing and is now written from it to {run.training.output_dir}"
         if as_json:
             write_result(json.dumps({"ok": True, "already_finished": True, "global_step": done,
-                                         "checkpoint": resume_from}, indent=2) + "\n")
+                                     "checkpoint": resume_from, "final_model_written": bool(written)},
+                                    indent=2) + "\n")
         elif is_rank_zero():
             out.print(f"[green]✓[/green] {safe(message)}")
         raise typer.Exit(EXIT_OK)
@@ -295,6 +325,43 @@ def train(
     with deepspeed_quiet(run.training.deepspeed is None):  # DeepSpeed's import-time lines, where it is not used
         _train(run, config=config, given=given, effective=effective, resume_from=resume_from,
                overwrite=overwrite, as_json=as_json)
+
+
+def _restretch_note(checkpoint: str, training: Any) -> Optional[str]:
+    """What a new ``max_steps`` on resume does to a decaying schedule: HF rebuilds it over the new length and
+    restores only its step, so the rate jumps to where the longer schedule stands (said, never silent)."""
+    from coordexp.runtime.model.checkpoint_files import CheckpointFileError, read_json_object
+
+    try:
+        before = read_json_object(Path(checkpoint) / "trainer_state.json").get("max_steps")
+    except CheckpointFileError:
+        return None
+    now = training.max_steps
+    if not isinstance(before, int) or now is None or before == now or training.lr_scheduler_type.startswith("constant"):
+        return None
+    return (f"training.max_steps is {now} where the checkpoint's run had {before}: the {training.lr_scheduler_type} "
+            f"learning-rate schedule is re-stretched over {now} steps (the optimizer's step is kept), so the rate "
+            "jumps to where the new schedule stands at this step")
+
+
+def _finish_from(checkpoint: str, output_dir: str) -> list[str]:
+    """A run that reached ``max_steps`` but stopped before its final save (SIGTERM or a crash after the last
+    checkpoint): its final model is written from that checkpoint, so ``eval`` and ``probe`` find the trained model.
+    Nothing is written when the folder already holds a final model."""
+    from coordexp.runtime.model.checkpoint_files import CheckpointFileError
+    from coordexp.runtime.train.checkpoints import finish_from_checkpoint
+    from coordexp.runtime.train.run_folder import RunFolder
+
+    if RunFolder(output_dir).has_final_model():
+        return []
+    try:
+        return finish_from_checkpoint(output_dir, checkpoint)
+    except CheckpointFileError as exc:
+        fail(f"{checkpoint} reached training.max_steps but its model cannot be used as the final model: "
+             f"{exc.message}", "Resume from an earlier checkpoint-N (--resume PATH) and train to the end")
+    except OSError as exc:
+        fail(f"cannot write the final model into {output_dir} ({exc.strerror or exc}); the checkpoint is kept",
+             "Free space or fix the folder's permissions, then run the same command again", code=EXIT_EXTERNAL)
 
 
 EXIT_TERMINATED = 143
@@ -412,6 +479,8 @@ def _train(run: Any, *, config: Path, given: list[str], effective: list[str], re
     release_process_group()
     if not is_rank_zero():
         raise typer.Exit(EXIT_OK)
+    if stop is not None and stop.asked:
+        err.print("SIGTERM arrived in the run's last step: the run finished and its final model is saved")
     summary = summarize_history(outcome.log_history)
     summary["global_step"] = outcome.global_step
     summary["output_dir"] = str(outcome.output_dir)

@@ -436,9 +436,8 @@ def test_resume_refuses_a_config_edited_since_the_record_unless_the_key_is_passe
     run = tmp_path / "run"
     write_run_record(run, apply_overrides(load_merged(config), ["training.max_steps=3"]), source=config,
                      overrides=["training.max_steps=3"])
-    (run / "checkpoint-3").mkdir()
+    shutil.copytree(tiny_model_dir, run / "checkpoint-3")
     (run / "checkpoint-3" / "trainer_state.json").write_text('{"global_step": 3}')
-    (run / "checkpoint-3" / "model.safetensors").write_bytes(b"x")
     data = yaml.safe_load(config.read_text())
     data["training"]["learning_rate"] = 0.5
     config.write_text(yaml.safe_dump(data))
@@ -449,6 +448,7 @@ def test_resume_refuses_a_config_edited_since_the_record_unless_the_key_is_passe
     passed = _run("train", str(config), "--resume", "auto", "--set", "training.learning_rate=0.5")
     assert passed.exit_code == 0, passed.output  # checkpoint-3 reached the recorded max_steps: nothing to train
     assert "already reached training.max_steps (3)" in " ".join(passed.output.split())
+    assert (run / "config.json").is_file()  # the final model the run never saved, written from checkpoint-3
 
 
 def test_show_rollouts_of_a_deep_rollout_log_exits_2(tmp_path):

@@ -1,6 +1,7 @@
 """The collapse alarm in a real stage-2 run (issue 42): a bound the tiny model's rollouts cross at once
 (truncation, with 8 new tokens an answer never closes) stops the run at the first logging window with a
-checkpoint, the reason in the summary, the run log and trainer_state.json."""
+checkpoint, the reason in the run log and the checkpoint's trainer_state.json. A stop is no success (issue 56, item
+5): exit 2 naming the step and the checkpoint, and the collapsed weights are not written as the final model."""
 
 from __future__ import annotations
 
@@ -25,15 +26,17 @@ def test_a_crossed_bound_stops_the_run_with_a_checkpoint_and_says_why(tmp_path, 
                      "logging_steps": 1, "max_steps": 3, "save_steps": 100},
     })
     result = runner.invoke(app, ["train", str(config), "--json"], catch_exceptions=False)
-    assert result.exit_code == 0, result.output
-    summary = json.loads(result.stdout)
-    alarms = summary["summary"]["collapse_alarms"] if "summary" in summary else summary["collapse_alarms"]
-    assert len(alarms) == 1 and alarms[0]["step"] == 1 and alarms[0]["action"] == "stop"
-    assert "cut off" in alarms[0]["reasons"]
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.stderr.split())
+    assert "stopped the run at step 1" in text and "checkpoint-1" in text and "no final model" in text
+    assert not (run / "config.json").exists() and not (run / "model.safetensors").exists()
     assert (run / "checkpoint-1").is_dir() and not (run / "checkpoint-2").exists()
     events = read_run_log(run, event="collapse_alarm")
     assert [e["step"] for e in events] == [1]
-    history = json.loads((run / "trainer_state.json").read_text())["log_history"]
+    history = json.loads((run / "checkpoint-1" / "trainer_state.json").read_text())["log_history"]
+    alarms = [h for h in history if "collapse_alarm" in h]
+    assert len(alarms) == 1 and alarms[0]["step"] == 1 and alarms[0]["action"] == "stop"
+    assert "cut off" in alarms[0]["collapse_alarm"]
     window = next(h for h in history if "loss" in h)
     assert window["rollout/cut_off_rate"] == 1.0 and window["rollout/pred_per_gt"] >= 0.0
     assert "collapse alarm at step 1" in result.stderr

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -21,7 +22,8 @@ from coordexp.runtime.model.checkpoint_files import (ADAPTER_WEIGHT_FILES, WEIGH
                                                      read_json_object)
 
 __all__ = ["STAGING_PREFIX", "staging_dir", "publish_checkpoint", "clear_staging", "checkpoint_problem",
-           "ResumeChoice", "choose_resume", "finished_step", "resume_files_problem"]
+           "ResumeChoice", "choose_resume", "finished_step", "resume_files_problem",
+           "finish_from_checkpoint"]
 
 STAGING_PREFIX = ".staging-"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
@@ -125,6 +127,8 @@ def choose_resume(run_dir: str | Path) -> ResumeChoice:
     skipped: list[tuple[Path, str]] = []
     for _, path in sorted(_numbered(root), reverse=True):
         problem = checkpoint_problem(path)
+        if path.is_symlink():  # a link into another run's folder is no checkpoint this run wrote
+            problem = f"a link to {os.path.realpath(path)}, not a checkpoint this run wrote (pass --resume PATH)"
         if problem is None:
             return ResumeChoice(path, tuple(skipped))
         skipped.append((path, problem))
@@ -162,3 +166,36 @@ def resume_files_problem(path: str | Path) -> str | None:
         except CheckpointFileError as exc:
             return exc.message
     return None
+
+
+_TRAINING_STATE_FILES = _RESUME_STATE_FILES
+"""What a checkpoint holds only to continue training (with ``rng_state*.pth``): not copied to a finished run's top."""
+
+
+def finish_from_checkpoint(run_dir: str | Path, checkpoint: str | Path) -> list[str]:
+    """Write a finished run's final model into ``run_dir`` from its last checkpoint (it reached ``max_steps``, but
+    the run stopped before its own final save): the checkpoint's model, processor and ``trainer_state.json`` files,
+    each copied to a temp file and renamed into place (a link there is replaced, never written through). The model
+    is checked first (:class:`CheckpointFileError` names a broken file). Returns the names written."""
+    from coordexp.runtime.model.adapters import is_adapter_dir
+    from coordexp.runtime.model.checkpoint_files import check_adapter_dir, check_model_dir
+
+    source = Path(checkpoint)
+    if is_adapter_dir(source):
+        check_adapter_dir(source)
+    else:
+        check_model_dir(source)
+    names = sorted(child.name for child in source.iterdir()
+                   if child.is_file() and not child.is_symlink() and child.name not in _TRAINING_STATE_FILES
+                   and not child.name.startswith("rng_state"))
+    for name in names:
+        fd, staged = tempfile.mkstemp(dir=run_dir, prefix=f".{name}.", suffix=".finishing")
+        try:
+            with os.fdopen(fd, "wb") as handle, (source / name).open("rb") as original:
+                shutil.copyfileobj(original, handle)
+            os.replace(staged, Path(run_dir) / name)
+        except BaseException:
+            if os.path.lexists(staged):
+                os.unlink(staged)
+            raise
+    return names

@@ -65,6 +65,8 @@ class CollapseCallback(TrainerCallback):
     def __init__(self, config: CollapseAlarmConfig, *, say: Callable[[str], None], record: Callable[..., Any]):
         self.watch = CollapseWatch(config)
         self.action = config.action
+        self.stopped_at: int | None = None
+        """The step ``action: stop`` ended the run at (a stop, not a success: no final model is written)."""
         self.say = say
         self.record = record
 
@@ -82,5 +84,7 @@ class CollapseCallback(TrainerCallback):
             ending = " Stopping with a checkpoint (collapse_alarm.action: stop)." if stop else ""
             self.say(f"collapse alarm at step {state.global_step}: {'; '.join(reasons)}.{ending} See docs/figures.md.")
         if stop:
+            self.stopped_at = int(state.global_step)
+            self.stop_reasons = "; ".join(reasons)
             control.should_save = True
             control.should_training_stop = True

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from coordexp.runtime.train.run_folder import save_image
+
 __all__ = ["Curve", "find_trainer_state", "load_log_history", "run_curves", "rollout_curves", "draw_curves",
            "EVAL_CURVES", "ROLLOUT_CURVES"]
 
@@ -125,5 +127,5 @@ def draw_curves(history: Sequence[Mapping[str, Any]], out_png: Path, *, title: s
         top = 60 + k * (panel_h + 50)
         _panel(draw, (80, top, width - 30, top + panel_h), name, curves, font)
     out_png.parent.mkdir(parents=True, exist_ok=True)
-    image.save(out_png)
+    save_image(image, out_png)
     return out_png

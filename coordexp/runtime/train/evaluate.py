@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Sequence
 
 import numpy as np
 
+from coordexp.runtime.train.run_folder import write_result_file
 from coordexp.runtime.core.coco import CocoImage, ScoredObject, build_coco_gt, coco_results, relative_image_name
 from coordexp.runtime.core.coco_metrics import CocoMetrics, evaluate_coco
 from coordexp.runtime.core.dedup import ScoredImage, dedup_figures
@@ -257,15 +258,15 @@ def write_eval_files(
     ``metrics.json`` and up to ``png_count`` PNGs (images with predictions first, then with ground truth)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "coco_gt.json").write_text(json.dumps(gt) + "\n", encoding="utf-8")
-    (out / "coco_results.json").write_text(json.dumps(results) + "\n", encoding="utf-8")
+    write_result_file(out / "coco_gt.json", (json.dumps(gt) + "\n").encode("utf-8"))
+    write_result_file(out / "coco_results.json", (json.dumps(results) + "\n").encode("utf-8"))
     lines = []
     for r in rollouts:
         objects = [{"desc": p.obj.desc, p.obj.geometry: list(p.obj.coords), "score": p.score(report.score),
                     "logprob": None if math.isnan(p.logprob) else p.logprob} for p in r.predictions]
         lines.append(json.dumps({"image": str(r.record.image_paths[0]), "width": r.record.width,
                                  "height": r.record.height, "objects": objects}))
-    (out / "predictions.jsonl").write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    write_result_file(out / "predictions.jsonl", "".join(line + "\n" for line in lines).encode("utf-8"))
     # images with predictions first (then those with ground truth): the pictures show what the model wrote
     order = sorted(range(len(rollouts)), key=lambda k: (not rollouts[k].predictions,
                                                         len(rollouts[k].record.objects) == 0, k))
@@ -274,7 +275,7 @@ def write_eval_files(
     report.files = {"coco_gt": str(out / "coco_gt.json"), "coco_results": str(out / "coco_results.json"),
                     "predictions": str(out / "predictions.jsonl"), "metrics": str(out / "metrics.json"),
                     "pngs": ", ".join(str(p) for p in pngs)}
-    (out / "metrics.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8")
+    write_result_file(out / "metrics.json", (json.dumps(report.to_dict(), indent=2) + "\n").encode("utf-8"))
     return report
 
 

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 __all__ = ["LaunchError", "load_policy", "training_arguments", "build_trainer", "TrainOutcome", "run_training",
            "release_process_group", "check_finite_weights", "RunTerminated", "StopRequest", "non_finite_stop",
-           "NonFiniteTrainingError", "accumulation_steps"]
+           "CollapseStopError", "NonFiniteTrainingError", "accumulation_steps", "intervals_from_args"]
 
 def accumulation_steps(t: Any, world_size: int) -> int:
     """``gradient_accumulation_steps``, or ``effective_batch_size / (per_device_train_batch_size * world_size)``
@@ -163,7 +163,8 @@ class RunTerminated(KeyboardInterrupt):
 class StopRequest:
     """A stop asked for while training (SIGTERM under ``training.save_on_interrupt: sigterm``): the step in progress
     finishes, its checkpoint is saved, and :func:`run_training` raises :class:`RunTerminated` without writing a
-    final model. ``training`` says whether the loop runs (outside it a stop cannot wait for a step)."""
+    final model, unless that step was the last (then the run is finished: its final model is written and the run
+    ends as a success). ``training`` says whether a stop can wait: the loop runs, or the final save does."""
 
     def __init__(self) -> None:
         self.asked = False
@@ -183,10 +184,20 @@ class StopRequest:
                     control.should_save = True
                     control.should_training_stop = True
 
-            def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-                request.training = False
+        return _StopAtStepEnd()  # ``training`` stays set through the final save; run_training clears it
 
-        return _StopAtStepEnd()
+
+def intervals_from_args() -> Any:
+    """A callback giving a resumed run this launch's ``logging_steps``, ``eval_steps`` and ``save_steps``: HF takes
+    them from the checkpoint's ``trainer_state.json`` on resume (a ``--set training.save_steps=100`` would be recorded
+    and ignored); for a fresh run they are the same values."""
+    from transformers import TrainerCallback
+
+    class _IntervalsFromArgs(TrainerCallback):
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            state.compute_steps(args, state.max_steps)
+
+    return _IntervalsFromArgs()
 
 
 class NonFiniteTrainingError(LaunchError):
@@ -211,6 +222,24 @@ def non_finite_stop() -> Any:
                         hint="lower training.learning_rate or raise warmup, then resume from an earlier checkpoint")
 
     return _NonFiniteStop()
+
+
+class CollapseStopError(LaunchError):
+    """``collapse_alarm.action: stop`` ended the run: a stop, not a success (exit 2, the step and its checkpoint
+    named); the collapsed weights are never written as the final model."""
+
+
+def _refuse_collapse_stop(trainer: Any) -> None:
+    from coordexp.runtime.train.collapse import CollapseCallback
+
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, CollapseCallback) and callback.stopped_at is not None:
+            step = callback.stopped_at
+            raise CollapseStopError(
+                f"the collapse alarm stopped the run at step {step} ({callback.stop_reasons}); its checkpoint is "
+                f"{Path(trainer.args.output_dir) / f'checkpoint-{step}'} and no final model was written",
+                hint="see docs/figures.md (collapse alarm); resume from an earlier checkpoint with other settings, "
+                     "or set rollout_matching.collapse_alarm.action: warn")
 
 
 @dataclass(frozen=True)
@@ -239,7 +268,8 @@ def run_training(
     from coordexp.runtime.train.deepspeed import process_state_restored
 
     with process_state_restored():  # also TENSORBOARD_LOGGING_DIR (training.logging_dir): this run's only
-        callbacks = [*callbacks, non_finite_stop(), *([stop.callback()] if stop is not None else [])]
+        callbacks = [*callbacks, non_finite_stop(), intervals_from_args(),
+                     *([stop.callback()] if stop is not None else [])]
         trainer = build_trainer(run, callbacks=callbacks, rollout_log_every=rollout_log_every)
         if not print_logs:
             trainer.remove_callback(PrinterCallback)  # raw log dicts on stdout; the CLI shows its own progress
@@ -247,11 +277,15 @@ def run_training(
             if before_train is not None:
                 before_train()
             trainer.train(resume_from_checkpoint=resume_from)
-            if stop is not None and stop.asked:
+            _refuse_collapse_stop(trainer)
+            finished = trainer.state.global_step >= trainer.state.max_steps > 0
+            if stop is not None and stop.asked and not finished:
                 raise RunTerminated()  # stopped at a step boundary, its checkpoint saved: no final model
-            trainer.save_model()
+            trainer.save_model()  # a SIGTERM now waits for the final save (``stop.training`` is still set)
             trainer.save_state()  # OUTPUT_DIR/trainer_state.json: the whole run's log history (coordexp plot-run)
         finally:
+            if stop is not None:
+                stop.training = False
             if trainer.backend is not None:
                 trainer.backend.close()
     return TrainOutcome(Path(run.training.output_dir), trainer.state.global_step, tuple(trainer.state.log_history))

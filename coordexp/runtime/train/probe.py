@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
+from coordexp.runtime.train.run_folder import save_image, write_result_file
 from coordexp.runtime.core.matching import aabb_iou_matrix
 from coordexp.runtime.core.objects import DetObject
 from coordexp.runtime.core.parsing import parse_rollout
@@ -250,7 +251,7 @@ def plot_recall_by_rank(figures: dict[str, Any], path: str | Path) -> Path:
     draw.text((width // 2 - 20, height - 16), "rank", fill=(0, 0, 0), font=font)
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    image.save(out)
+    save_image(image, out)
     return out
 
 
@@ -296,8 +297,7 @@ def run_probe(run: "RunContract", *, limit: int | None = None, oracle_k: int = 4
     figures["seconds"] = time.perf_counter() - started
     if out_dir is not None:
         out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "probe.json").write_text(json.dumps(figures, indent=2) + "\n", encoding="utf-8")
+        write_result_file(out / "probe.json", (json.dumps(figures, indent=2) + "\n").encode("utf-8"))
         figures["files"] = {"probe": str(out / "probe.json"),
                             "recall_by_rank": str(plot_recall_by_rank(figures, out / "recall_by_rank.png"))}
     return figures

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from coordexp.runtime.train.run_folder import save_image
 from coordexp.runtime.core.objects import DetObject
 
 __all__ = ["RolloutLogEntry", "bounded_text", "RAW_TEXT_CHARS", "append_rollout_log", "read_rollout_log", "render_rollout", "render_rollout_log", "COLOURS",
@@ -221,7 +222,7 @@ def render_rollout(entry: RolloutLogEntry, out_path: str | Path, *, scale: int |
     draw.text((3 - left, canvas.height - bar + 3 - top), legend, fill=(255, 255, 255), font=font)
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    canvas.save(out)
+    save_image(canvas, out)
     return out
 
 
