@@ -330,3 +330,59 @@ def test_resume_from_another_folder_refuses_a_recorded_relative_path_that_now_na
     result = _run("train", str(config), "--resume", "auto")
     assert result.exit_code == 2, result.output
     assert "data.train_jsonl" in _text(result)
+
+
+# -- item 19: every loader refuses NaN or Inf weights ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["eval", "probe"])
+@pytest.mark.parametrize("bad", ["all_nan", "one_inf"])
+def test_eval_and_probe_of_non_finite_weights_exit_2_writing_nothing(tmp_path, tiny_model_dir, command, bad):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, model)
+    weights = load_file(str(model / "model.safetensors"))
+    name = next(k for k, v in weights.items() if v.is_floating_point())
+    if bad == "all_nan":
+        weights = {k: torch.full_like(v, float("nan")) if v.is_floating_point() else v for k, v in weights.items()}
+    else:
+        weights[name] = weights[name].clone()
+        weights[name].view(-1)[0] = float("inf")
+    save_file(weights, str(model / "model.safetensors"), metadata={"format": "pt"})
+    config = _config(tmp_path, tiny_model_dir)
+    out = tmp_path / "results"
+    result = _run(command, str(config), "--checkpoint", str(model), "--out", str(out), "--limit", "1")
+    assert result.exit_code == 2, result.output
+    assert "non-finite" in _text(result)
+    assert not out.exists() or not any(out.rglob("*.json"))
+
+
+# -- item 10: a NaN loss stops the run before its backward, whatever is logged ----------------------------------------
+
+
+@pytest.mark.slow  # trains a step
+def test_a_nan_loss_stops_before_its_backward_and_no_checkpoint_of_it_is_written(tmp_path, tiny_model_dir,
+                                                                                monkeypatch):
+    import dataclasses
+
+    from coordexp.cli.frame import load_run
+    from coordexp.runtime.train.launch import NonFiniteTrainingError, run_training
+    from coordexp.runtime.train.trainer import CoordExpTrainer
+
+    real = CoordExpTrainer._objective
+
+    def nan_from_the_second_step(self, *args, **kwargs):
+        logits, result = real(self, *args, **kwargs)
+        if self.state.global_step >= 1:
+            result = dataclasses.replace(result, total=result.total * float("nan"))
+        return logits, result
+
+    monkeypatch.setattr(CoordExpTrainer, "_objective", nan_from_the_second_step)
+    config = _config(tmp_path, tiny_model_dir, val=False, save_steps=1, logging_steps=1000)  # nothing logged
+    with pytest.raises(NonFiniteTrainingError, match="at step 2, before its backward"):
+        run_training(load_run(config), print_logs=False)
+    run = tmp_path / "run"
+    assert (run / "checkpoint-1").is_dir() and not (run / "checkpoint-2").exists()
+    assert not (run / "model.safetensors").exists()

@@ -108,11 +108,23 @@ def load_policy(run: "RunContract", *, adapter: str | Path | None = None) -> tup
         if adapter is not None:  # full fine-tuning from an adapter run: start from the merged weights
             model = attach_adapter(model, adapter).merge_and_unload()
         model = apply_tuner(model, run.tuner, coord_ids)
+    _refuse_non_finite(model, adapter if adapter is not None else base)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         if hasattr(model, "peft_config"):  # frozen embeddings: checkpointed blocks need an input that wants grad
             model.enable_input_require_grads()
     return model, processor
+
+
+def _refuse_non_finite(model: Any, source: Any) -> None:
+    """Every loader refuses NaN or Inf weights (train, eval, probe, serve-rollout): evaluating or serving them would
+    report figures of a broken model as a result; a :class:`LaunchError` (exit 2) naming the tensor."""
+    from coordexp.runtime.model.merge_export import first_non_finite
+
+    bad = first_non_finite(model.state_dict())
+    if bad is not None:
+        raise LaunchError(f"{source}: tensor {bad[0]} holds {bad[1]} non-finite value(s) (NaN or Inf); nothing was "
+                          "trained, evaluated or written", hint="use an intact checkpoint (model.path or --checkpoint)")
 
 
 def make_processor(family: str, tokenizer: Any, image_processor: Any):

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from coordexp.schema.contract import RunContract
 
 __all__ = ["LaunchError", "load_policy", "training_arguments", "build_trainer", "TrainOutcome", "run_training",
-           "release_process_group", "check_finite_weights", "RunTerminated", "StopRequest", "non_finite_stop",
+           "release_process_group", "RunTerminated", "StopRequest", "non_finite_stop",
            "CollapseStopError", "NonFiniteTrainingError", "accumulation_steps", "intervals_from_args"]
 
 def accumulation_steps(t: Any, world_size: int) -> int:
@@ -117,8 +117,7 @@ def build_trainer(
     from coordexp.runtime.train.trainer import CoordExpTrainer
 
     if model is None or processor is None:
-        model, processor = load_policy(run)
-        check_finite_weights(model, run.model.path)
+        model, processor = load_policy(run)  # refuses NaN or Inf weights
     data = run.data
     train_records = load_records(data.train_jsonl, data.image_root, max_samples=data.max_train_samples,
                                  object_order=data.object_order)
@@ -143,17 +142,6 @@ def build_trainer(
         backend=backend,
         rollout_log_every=rollout_log_every,
     )
-
-
-def check_finite_weights(model: Any, source: Any) -> None:
-    """Refuse a model with a NaN or Inf weight before it trains (the loss guard would hide it and the saved model
-    would carry it on): the check ``export-merged`` makes, a :class:`LaunchError` (exit 2) naming the tensor."""
-    from coordexp.runtime.model.merge_export import first_non_finite
-
-    bad = first_non_finite(model.state_dict())
-    if bad is not None:
-        raise LaunchError(f"{source}: tensor {bad[0]} holds {bad[1]} non-finite value(s) (NaN or Inf); nothing was "
-                          "trained or written", hint="start from an intact checkpoint (model.path)")
 
 
 class RunTerminated(KeyboardInterrupt):

@@ -276,9 +276,11 @@ class CoordExpTrainer(Trainer):
                     row_backward += self._padding_row(model, unwrapped, layouts)
                 self.padding_rows_run += padding
                 logits, result = self._objective(model, unwrapped, layout, denominators)
+                self._require_finite_loss(result.total, step)
             else:
                 with self.accelerator.no_sync(model):
                     logits, result = self._objective(model, unwrapped, layout, denominators)
+                    self._require_finite_loss(result.total, step)
                     backward_start = time.perf_counter()
                     backward_row(self.accelerator, result.total / self.current_gradient_accumulation_steps)
                     row_backward += time.perf_counter() - backward_start  # training_step books it as backward
@@ -296,6 +298,17 @@ class CoordExpTrainer(Trainer):
         )
         total = result.total + earlier if earlier else result.total
         return (total, logits) if return_outputs else total
+
+    def _require_finite_loss(self, loss: torch.Tensor, step: int) -> None:
+        """A NaN or Inf loss stops the run before its backward: logged values alone miss it (transformers'
+        ``logging_nan_inf_filter`` drops them), and one step later a checkpoint of non-finite weights is written."""
+        if not bool(torch.isfinite(loss.detach()).all()):
+            from coordexp.runtime.train.launch import NonFiniteTrainingError
+
+            raise NonFiniteTrainingError(
+                f"training diverged: the loss is {float(loss.detach())} at step {step + 1}, before its backward; the "
+                f"run was stopped (the last checkpoint before it is in {self.args.output_dir})",
+                hint="lower training.learning_rate or raise warmup, then resume from an earlier checkpoint")
 
     def _padding_row(self, model, unwrapped, layouts: Sequence[RowLayout]) -> float:
         """A forward and backward of this rank's shortest row with loss ``0 * sum(logits)``: the gradient is
