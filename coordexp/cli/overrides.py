@@ -121,10 +121,13 @@ def apply_overrides(merged: Any, overrides: Sequence[str]) -> Any:
 def resolved_text(text: str) -> str:
     """An override as the run record keeps it: a relative path value (a key the schema marks as a path) made
     absolute against the folder it was given in, so a resume from another folder replays the same file."""
-    from coordexp.schema.loader import _PATH_FIELDS
+    from coordexp.schema.loader import PATH_FIELDS
 
-    override = parse_override(text)
-    kind = dict(_PATH_FIELDS).get(override.path)
+    try:
+        override = parse_override(text)
+    except UserInputError:  # kept as given (a record header escapes any text)
+        return text
+    kind = dict(PATH_FIELDS).get(override.path)
     value = override.value
     if kind is None or not isinstance(value, str) or not value or "\x00" in value:
         return text

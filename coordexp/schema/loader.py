@@ -31,6 +31,7 @@ __all__ = [
     "validate_config_file",
     "validate_mapping",
     "validate_merged",
+    "PATH_FIELDS",
 ]
 
 EXTENDS_KEY = "extends"
@@ -308,6 +309,8 @@ def _path_fields(model: type, prefix: PathTuple = ()) -> list[tuple[PathTuple, s
 
 
 _PATH_FIELDS = _path_fields(CoordExpConfig)
+PATH_FIELDS: tuple[tuple[PathTuple, str], ...] = tuple(_PATH_FIELDS)
+"""``(dotted key path, kind)`` of every config key the schema marks as a path (kind ``path`` or ``hub-or-path``)."""
 
 
 def _resolve_paths(data: dict, merged: MergedConfig) -> dict:

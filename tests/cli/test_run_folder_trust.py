@@ -439,13 +439,13 @@ def test_resume_refuses_a_config_edited_since_the_record_unless_the_key_is_passe
     shutil.copytree(tiny_model_dir, run / "checkpoint-3")
     (run / "checkpoint-3" / "trainer_state.json").write_text('{"global_step": 3}')
     data = yaml.safe_load(config.read_text())
-    data["training"]["learning_rate"] = 0.5
+    data["data"]["max_train_samples"] = 3
     config.write_text(yaml.safe_dump(data))
     refused = _run("train", str(config), "--resume", "auto")
     assert refused.exit_code == 2, refused.output
     text = " ".join(refused.output.split())
-    assert "change training: training.learning_rate;" in text  # max_steps is the record's own (replayed)
-    passed = _run("train", str(config), "--resume", "auto", "--set", "training.learning_rate=0.5")
+    assert "change training: data.max_train_samples;" in text  # max_steps is the record's own (replayed)
+    passed = _run("train", str(config), "--resume", "auto", "--set", "data.max_train_samples=3")
     assert passed.exit_code == 0, passed.output  # checkpoint-3 reached the recorded max_steps: nothing to train
     assert "already reached training.max_steps (3)" in " ".join(passed.output.split())
     assert (run / "config.json").is_file()  # the final model the run never saved, written from checkpoint-3

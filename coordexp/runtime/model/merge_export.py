@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from coordexp.runtime.model.policy import first_non_finite
 from coordexp.errors import UserInputError
 from coordexp.runtime.model.adapters import (ADAPTER_CONFIG, AdapterDirError, hub_offline, load_adapter_weights,
                                              read_adapter_config)
@@ -166,16 +167,6 @@ def plan_export(adapter_dir: str | Path, out_dir: str | Path, *, base: str | Pat
         own = any(os.path.lexists(adapter_dir / name) for name in ("tokenizer.json", "tokenizer_config.json"))
         processor = load_checked_processor(adapter_dir if own else chosen)
     return ExportPlan(adapter_dir, chosen, processor, target, notes)
-
-
-def first_non_finite(state: dict[str, Any]) -> tuple[str, int] | None:
-    """(name, count) of the first floating tensor holding NaN or Inf, else None (also `train`'s start check)."""
-    import torch
-
-    for name, tensor in state.items():
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            return name, int((~torch.isfinite(tensor)).sum())
-    return None
 
 
 def _load_local(folder: Path, *, dtype: Any) -> Any:

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("coordexp.tuner")
 
 __all__ = ["LaunchError", "PROCESSOR_CLASS_NAMES", "SUPPORTED_FAMILIES", "checkpoint_family", "load_policy",
-           "make_processor", "save_processor"]
+           "make_processor", "save_processor", "first_non_finite"]
 
 PROCESSOR_CLASS_NAMES = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor",
                          "qwen3_vl": "Qwen3VLProcessor"}
@@ -116,11 +116,19 @@ def load_policy(run: "RunContract", *, adapter: str | Path | None = None) -> tup
     return model, processor
 
 
+def first_non_finite(state: dict[str, Any]) -> tuple[str, int] | None:
+    """(name, count) of the first floating tensor holding NaN or Inf, else None (every loader's check)."""
+    import torch
+
+    for name, tensor in state.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            return name, int((~torch.isfinite(tensor)).sum())
+    return None
+
+
 def _refuse_non_finite(model: Any, source: Any) -> None:
     """Every loader refuses NaN or Inf weights (train, eval, probe, serve-rollout): evaluating or serving them would
     report figures of a broken model as a result; a :class:`LaunchError` (exit 2) naming the tensor."""
-    from coordexp.runtime.model.merge_export import first_non_finite
-
     bad = first_non_finite(model.state_dict())
     if bad is not None:
         raise LaunchError(f"{source}: tensor {bad[0]} holds {bad[1]} non-finite value(s) (NaN or Inf); nothing was "

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from coordexp.runtime.train.divergence import NonFiniteTrainingError, diverged
 from coordexp.runtime.rollout.registry import create_backend
 from coordexp.runtime.model.data import load_records
 from coordexp.runtime.model.policy import LaunchError, load_policy
@@ -188,10 +189,6 @@ def intervals_from_args() -> Any:
     return _IntervalsFromArgs()
 
 
-class NonFiniteTrainingError(LaunchError):
-    """The loss or the gradient norm logged at a step is NaN or Inf: training diverged (exit 2, the step named)."""
-
-
 def non_finite_stop() -> Any:
     """A callback that ends the run when a logged ``loss`` or ``grad_norm`` is NaN or Inf, naming the step: a
     diverged run must not go on writing checkpoints of non-finite weights under normal-looking progress."""
@@ -204,10 +201,7 @@ def non_finite_stop() -> Any:
             for key in ("loss", "grad_norm"):
                 value = (logs or {}).get(key)
                 if isinstance(value, (int, float)) and not math.isfinite(value):
-                    raise NonFiniteTrainingError(
-                        f"training diverged: {key} is {value} at step {state.global_step}; the run was stopped "
-                        f"(the last checkpoint before it is in {args.output_dir})",
-                        hint="lower training.learning_rate or raise warmup, then resume from an earlier checkpoint")
+                    raise diverged(key, value, state.global_step, args.output_dir)
 
     return _NonFiniteStop()
 

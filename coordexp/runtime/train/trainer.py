@@ -21,6 +21,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 from transformers.integrations import TensorBoardCallback
 
+from coordexp.runtime.train.divergence import diverged
 from coordexp.runtime.model.data import with_object_permutation
 from coordexp.runtime.model.encoding import encode_prompt
 from coordexp.runtime.model.losses import LossDenominators, SupervisionBatch, SupervisionSegment, compute_objective
@@ -303,12 +304,7 @@ class CoordExpTrainer(Trainer):
         """A NaN or Inf loss stops the run before its backward: logged values alone miss it (transformers'
         ``logging_nan_inf_filter`` drops them), and one step later a checkpoint of non-finite weights is written."""
         if not bool(torch.isfinite(loss.detach()).all()):
-            from coordexp.runtime.train.launch import NonFiniteTrainingError
-
-            raise NonFiniteTrainingError(
-                f"training diverged: the loss is {float(loss.detach())} at step {step + 1}, before its backward; the "
-                f"run was stopped (the last checkpoint before it is in {self.args.output_dir})",
-                hint="lower training.learning_rate or raise warmup, then resume from an earlier checkpoint")
+            raise diverged("the loss", float(loss.detach()), step + 1, self.args.output_dir, ", before its backward")
 
     def _padding_row(self, model, unwrapped, layouts: Sequence[RowLayout]) -> float:
         """A forward and backward of this rank's shortest row with loss ``0 * sum(logits)``: the gradient is
