@@ -5,8 +5,9 @@ Every surface reads this table (standard library only, so the schema, the CLI an
 - ``coordexp validate`` warns about each package the config needs that is not installed here;
 - ``coordexp preflight`` fails (exit 3) on it, and ``coordexp train`` refuses (exit 3) before any model loads
   (:func:`require_installed`);
-- an ``ImportError`` of a listed package escaping any command becomes exit 3 with the install line
-  (:func:`as_missing_dependency`, used by the CLI's error handler), never "a bug in coordexp".
+- an ``ImportError`` of a listed package that is not installed here, escaping any command, becomes exit 3 with the
+  install line (:func:`as_missing_dependency`, used by the CLI's error handler), never "a bug in coordexp"; an
+  installed package that fails to import, or coordexp's own import error, stays what it is.
 
 ``installed`` asks ``importlib.util.find_spec``: nothing is imported, and a package hidden with
 ``sys.modules[name] = None`` counts as missing (the tests hide packages that way).
@@ -172,12 +173,13 @@ def as_missing_dependency(exc: BaseException) -> Optional[MissingDependencyError
     for link in _chain(exc):
         if not isinstance(link, ImportError):
             continue
-        name = (getattr(link, "name", None) or "").split(".")[0]
-        dep = _BY_MODULE.get(name)
-        if dep is None:  # transformers' own ImportError texts name the package ("flash_attn seems to be not installed")
+        dep = None
+        if isinstance(link, ModuleNotFoundError):
+            dep = _BY_MODULE.get((getattr(link, "name", None) or "").split(".")[0])
+        elif type(link) is ImportError:  # transformers' own text: "flash_attn seems to be not installed"
             text = str(link)
             dep = next((d for d in DEPENDENCIES if d.module in text or d.package in text), None)
-        if dep is not None:
+        if dep is not None and not dep.installed():  # an installed package that fails to import is no missing one
             error = MissingDependencyError(f"the {dep.package} package is not installed (needed for "
                                            f"{dep.needed_for})", hint=f"Install it: {dep.install_line}")
             error.__cause__ = exc

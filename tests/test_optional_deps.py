@@ -71,7 +71,9 @@ def test_a_hidden_package_is_missing_and_require_names_every_install_line(monkey
     (ImportError("FlashAttention2 has been toggled on, but the package flash_attn seems to be not installed."),
      "pip install 'flash-attn'"),
 ])
-def test_an_import_error_of_a_listed_package_is_exit_3_with_its_line(error, line):
+def test_an_import_error_of_a_listed_package_is_exit_3_with_its_line(error, line, monkeypatch):
+    for module in ("peft", "fastapi", "deepspeed", "flash_attn"):  # not installed here, as on a user's machine
+        monkeypatch.setitem(sys.modules, module, None)
     wrapped = RuntimeError("loading failed")
     wrapped.__cause__ = error  # found through the chain too
     for exc in (error, wrapped):
@@ -85,6 +87,20 @@ def test_other_errors_are_left_alone():
     assert deps.as_missing_dependency(MissingDependencyError("x")) is None
 
 
+def test_an_installed_package_that_fails_to_import_or_coordexps_own_import_error_is_no_missing_package(
+        monkeypatch):
+    """Regression (issue 56, item 12): any ImportError whose text named a listed package became "not installed"
+    (exit 3): an installed-but-broken package and coordexp's own import errors included."""
+    pytest.importorskip("peft")
+    broken = ImportError("cannot import name 'LoraConfig' from partially initialized module 'peft'")
+    own = ImportError("cannot import name 'attach_adapter' from 'coordexp.runtime.model.adapters' (peft helpers)")
+    installed_but_failing = ModuleNotFoundError("No module named 'peft'", name="peft")  # raised by a broken install
+    for error in (broken, own, installed_but_failing):
+        assert deps.as_missing_dependency(error) is None
+    monkeypatch.setitem(sys.modules, "peft", None)  # the same texts where peft really is missing
+    assert deps.as_missing_dependency(installed_but_failing) is not None
+
+
 def test_an_unreachable_hub_is_exit_3_naming_hf_download():
     """Regression (issue 44): a hub model.path while offline ended as 'internal error: OSError ... bug in coordexp'."""
     offline = OSError("We couldn't connect to 'https://huggingface.co' to load the files, and couldn't find them in "
@@ -93,13 +109,14 @@ def test_an_unreachable_hub_is_exit_3_naming_hf_download():
     assert found is not None and exit_code_for(found) == EXIT_EXTERNAL
     assert "hf download ORG/NAME --local-dir NAME" in found.hint and "huggingface-cli" not in found.hint
     assert deps.as_external_error(OSError("disk full")) is None
-    assert deps.as_external_error(ModuleNotFoundError("x", name="peft")) is not None
 
 
-def test_the_cli_turns_a_listed_import_error_into_exit_3(capsys):
+def test_the_cli_turns_a_listed_import_error_into_exit_3(capsys, monkeypatch):
     """Regression (issue 44): LoRA without peft, serve-rollout without fastapi ended as 'internal error ...
     ModuleNotFoundError ... This is a bug in coordexp' (exit 1)."""
     from coordexp.cli.frame import guarded
+
+    monkeypatch.setitem(sys.modules, "peft", None)
 
     app = typer.Typer()
 

@@ -24,7 +24,7 @@ from coordexp.cli.frame import EXIT_OK, err, guarded, load_run, out, safe, write
 from coordexp.errors import UserInputError
 
 __all__ = ["register", "evaluate", "resolve_checkpoint", "run_with_checkpoint", "default_out_dir", "input_files",
-           "check_checkpoint_files", "check_out_dir", "print_set_figures"]
+           "check_checkpoint_files", "check_out_dir", "print_set_figures", "require_packages"]
 
 SCORES = ("logprob", "mean_logprob", "constant")
 
@@ -77,6 +77,17 @@ def default_out_dir(run: Any, checkpoint: Optional[Path], split: str, kind: str 
     from coordexp.runtime.train.run_folder import RunFolder
 
     return RunFolder(run.training.output_dir).result_dir(kind, checkpoint, split)
+
+
+def require_packages(run: Any, adapter: Optional[Path]) -> None:
+    """The optional packages evaluating this model needs (vLLM, flash-attn, peft for an adapter): exit 3 naming
+    every missing one before any weight loads."""
+    from coordexp.optional_deps import dependency, require_installed
+
+    require_installed(run, "eval")
+    peft = dependency("peft")
+    if adapter is not None and not peft.installed():
+        raise peft.problem(f"the LoRA adapter {adapter}")
 
 
 def check_checkpoint_files(model_dir: Path, adapter: Optional[Path]) -> None:
@@ -176,6 +187,7 @@ def evaluate(
         raise UserInputError(f"--score must be one of {', '.join(SCORES)}, got {score!r}")
     run = load_run(config, as_json=as_json)
     run, model_dir, adapter = run_with_checkpoint(run, checkpoint)
+    require_packages(run, adapter)
     target = out_dir if out_dir is not None else default_out_dir(run, checkpoint, split)
     check_checkpoint_files(model_dir, adapter)
     check_out_dir(target, input_files(run, config, model_dir, adapter), pngs)

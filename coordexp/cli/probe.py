@@ -11,7 +11,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from coordexp.cli.evaluate import (check_checkpoint_files, check_out_dir, default_out_dir, input_files,
-                                   print_set_figures, run_with_checkpoint)
+                                   print_set_figures, require_packages, run_with_checkpoint)
 from coordexp.cli.frame import EXIT_OK, err, guarded, load_run, out, safe, write_result
 
 __all__ = ["register", "probe"]
@@ -43,6 +43,7 @@ def probe(
 
     run = load_run(config, as_json=as_json)
     run, model_dir, adapter = run_with_checkpoint(run, checkpoint)
+    require_packages(run, adapter)
     target = out_dir if out_dir is not None else default_out_dir(run, checkpoint, "val", kind="probe")
     check_checkpoint_files(model_dir, adapter)
     check_out_dir(target, input_files(run, config, model_dir, adapter), 0, result_files=PROBE_RESULT_FILES)

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -386,3 +387,22 @@ def test_a_nan_loss_stops_before_its_backward_and_no_checkpoint_of_it_is_written
     run = tmp_path / "run"
     assert (run / "checkpoint-1").is_dir() and not (run / "checkpoint-2").exists()
     assert not (run / "model.safetensors").exists()
+
+
+# -- item 13: eval and probe refuse a missing optional package before any weight loads ---------------------------------
+
+
+@pytest.mark.parametrize("command", ["eval", "probe"])
+def test_eval_and_probe_name_a_missing_optional_package_before_loading_the_model(tmp_path, tiny_model_dir,
+                                                                                   command, monkeypatch):
+    import coordexp.runtime.model.policy as policy
+
+    config = _config(tmp_path, tiny_model_dir)
+    data = yaml.safe_load(config.read_text())
+    data["model"]["attn_implementation"] = "flash_attention_2"
+    config.write_text(yaml.safe_dump(data))
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    monkeypatch.setattr(policy, "load_policy", lambda *a, **k: pytest.fail("the model was loaded"))
+    result = _run(command, str(config), "--limit", "1")
+    assert result.exit_code == 3, result.output
+    assert "flash-attn" in _text(result)
