@@ -311,10 +311,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         app(args=argv, prog_name="coordexp")
     except SystemExit as exc:
         # Ctrl-C in training: a thread blocked on a hung server must not hold the exit (docs/design.md, decision 14)
-        from coordexp.cli import train as train_command
+        from coordexp.cli import signals
 
-        if exc.code == EXIT_INTERRUPTED and train_command.training_interrupted:
-            train_command.exit_interrupted()
+        if exc.code == EXIT_INTERRUPTED and signals.training_interrupted:
+            signals.exit_interrupted()
         raise
     except KeyboardInterrupt:
         err.print("interrupted")

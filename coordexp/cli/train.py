@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
-from contextlib import contextmanager
-from typing import Annotated, Any, Iterator, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
-from coordexp.cli.frame import (EXIT_EXTERNAL, EXIT_INTERRUPTED, EXIT_OK, err, fail, guarded, is_rank_zero,
-                                 load_run_and_config, out, safe, write_result)
+from coordexp.cli import signals
+from coordexp.cli.frame import (EXIT_EXTERNAL, EXIT_OK, err, fail, guarded, is_rank_zero, load_run_and_config, out,
+                                 safe, write_result)
+from coordexp.cli.signals import EXIT_TERMINATED, terminate_as_interrupt, watching_for_interrupt
 
 __all__ = ["register", "train", "show_rollouts", "resolve_resume", "check_output_place", "EXIT_TERMINATED"]
 
@@ -56,77 +56,6 @@ def _finished(resume_from: Optional[str], max_steps: Optional[int]) -> Optional[
 
     step = finished_step(resume_from)
     return step if step >= max_steps else None
-
-
-INTERRUPT_GRACE_S = 20.0
-
-
-@contextmanager
-def watching_for_interrupt(grace_s: float = INTERRUPT_GRACE_S) -> Iterator[None]:
-    """Ctrl-C ends the run within ``grace_s`` even when the main thread sits in a native call that does not return
-    to Python (where the KeyboardInterrupt would be raised): the signal's byte reaches a watcher thread through
-    ``signal.set_wakeup_fd`` at once; the normal path gets ``grace_s`` first, then the watcher dumps every thread's
-    stack to stderr (where it was stuck) and exits 130. Leaving the block (the interrupt was handled, or the run
-    ended) restores the previous wakeup fd and ends the watcher, so an in-process caller keeps its process. A
-    disposition the parent set (SIG_IGN) is left alone."""
-    import faulthandler
-    import signal
-    import threading
-
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        yield
-        return
-    read_fd, write_fd = os.pipe()
-    os.set_blocking(write_fd, False)
-    try:
-        previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
-    except ValueError:  # not the main thread: the normal path alone
-        os.close(read_fd)
-        os.close(write_fd)
-        yield
-        return
-    left = threading.Event()
-
-    def watch() -> None:
-        while True:
-            data = os.read(read_fd, 64)
-            if not data:  # the block was left: its pipe is closed
-                return
-            if signal.SIGINT in data:
-                break
-        if left.wait(grace_s):  # the main thread handled the interrupt in time
-            return
-        err.print(f"interrupted (the main thread did not stop within {grace_s:.0f} s; its stack follows)")
-        faulthandler.dump_traceback(all_threads=True)
-        exit_interrupted()
-
-    watcher = threading.Thread(target=watch, name="interrupt-watch", daemon=True)
-    watcher.start()
-    try:
-        yield
-    finally:
-        left.set()
-        signal.set_wakeup_fd(previous_fd)
-        os.close(write_fd)  # end of file for the watcher's read
-        watcher.join(timeout=5.0)
-        os.close(read_fd)
-
-
-training_interrupted = False
-"""Set when Ctrl-C stopped a training run in this process: rollout threads may still block on a server."""
-
-
-def exit_interrupted() -> None:
-    """Ctrl-C in the ``coordexp`` process itself: end it now with 130. A rollout thread blocked on a hung server
-    (HTTP, up to its timeout) would otherwise hold interpreter exit, which joins worker threads; checkpoints are
-    atomic and the run log is flushed per line, so nothing written is lost (docs/design.md, decision 14). Called by
-    the console script's entry and the watcher only: an in-process caller gets ``typer.Exit(130)`` instead."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(EXIT_INTERRUPTED)
 
 
 def _summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
@@ -364,41 +293,6 @@ def _finish_from(checkpoint: str, output_dir: str) -> list[str]:
              "Free space or fix the folder's permissions, then run the same command again", code=EXIT_EXTERNAL)
 
 
-EXIT_TERMINATED = 143
-"""SIGTERM (SLURM, Kubernetes preemption): 128 + 15, as a shell reports it."""
-
-
-@contextmanager
-def terminate_as_interrupt(stop: Any = None) -> Iterator[None]:
-    """While the block runs, SIGTERM asks ``stop`` (a :class:`~coordexp.runtime.train.launch.StopRequest`) to end
-    the run after the step in progress, with its checkpoint, once the training loop runs; otherwise (no ``stop``,
-    not training yet, or a second SIGTERM) it raises ``RunTerminated`` in the main thread at once. Only when the
-    disposition is the default (a handler or SIG_IGN the parent set is left alone); the previous one is restored."""
-    import signal
-    import threading
-
-    from coordexp.runtime.train.launch import RunTerminated
-
-    if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
-        yield
-        return
-
-    def on_sigterm(signum: int, frame: Any) -> None:
-        if stop is not None and stop.training and not stop.asked:
-            stop.asked = True
-            if is_rank_zero():
-                err.print("SIGTERM: stopping after this step with its checkpoint (SIGTERM again stops at once)")
-            return
-        raise RunTerminated()
-
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def resume_advice(config: Path, output_dir: str, overrides: list[str]) -> list[str]:
     """What an interrupted run kept and the exact command that continues it (secrets left for the user to add)."""
     import shlex
@@ -452,7 +346,6 @@ def _train(run: Any, *, config: Path, given: list[str], effective: list[str], re
         check_training_arguments(run)  # what transformers would refuse after the model loads: exit 2 now
 
     progress = ProgressCallback(err if as_json else None, title=f"{run.trainer_variant}: {safe(config.name)}")
-    global training_interrupted
     single = int(os.environ.get("WORLD_SIZE", "1") or "1") == 1
     stop = StopRequest() if single and run.training.save_on_interrupt == "sigterm" else None
     with watching_for_interrupt(), terminate_as_interrupt(stop):  # Ctrl-C: guarded() says "interrupted", exit 130
@@ -474,7 +367,7 @@ def _train(run: Any, *, config: Path, given: list[str], effective: list[str], re
             if isinstance(exc, RunTerminated):
                 err.print("terminated (SIGTERM)")
                 raise typer.Exit(EXIT_TERMINATED) from None
-            training_interrupted = True  # the console script then ends the process at once (exit_interrupted)
+            signals.training_interrupted = True  # the console script then ends the process at once
             raise
     release_process_group()
     if not is_rank_zero():

@@ -16,7 +16,7 @@ import pytest
 STUCK = textwrap.dedent("""
     import signal, sys, time
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as at a terminal, whatever the test runner ignores
-    from coordexp.cli.train import watching_for_interrupt
+    from coordexp.cli.signals import watching_for_interrupt
     watch = watching_for_interrupt(grace_s=1.0)  # kept: a collected context manager would leave its block
     watch.__enter__()
     def swallowing_everything():
@@ -57,7 +57,7 @@ def test_a_main_thread_that_never_stops_still_exits_130_with_its_stack():
 HANDLED = textwrap.dedent("""
     import signal, sys, threading, time
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as at a terminal
-    from coordexp.cli.train import watching_for_interrupt
+    from coordexp.cli.signals import watching_for_interrupt
     try:
         with watching_for_interrupt(grace_s=0.5):
             print("ready", flush=True)

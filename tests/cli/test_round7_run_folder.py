@@ -99,7 +99,7 @@ def test_sigterm_in_the_last_step_or_the_final_save_still_writes_the_final_model
     from transformers import TrainerCallback
 
     from coordexp.cli.frame import load_run
-    from coordexp.cli.train import terminate_as_interrupt
+    from coordexp.cli.signals import terminate_as_interrupt
     from coordexp.runtime.train.launch import StopRequest, run_training
 
     class SigtermAt(TrainerCallback):
