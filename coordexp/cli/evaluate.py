@@ -175,8 +175,9 @@ def evaluate(
                       "OUTPUT_DIR/eval_DIRNAME).")] = None,
     pngs: Annotated[int, typer.Option("--pngs", min=0, help="How many rollout PNGs to draw.")] = 4,
     dedup: Annotated[bool, typer.Option(
-        "--dedup", help="Also report the figures with certified repeats removed (same desc, IoU >= 0.9 with an "
-                        "earlier kept prediction: no labels needed), beside the raw ones.")] = False,
+        "--dedup", help="Also report the figures with near repeats removed (same desc, IoU >= 0.9 with an earlier "
+                        "kept prediction: no labels needed, a heuristic that can remove a true positive), beside the "
+                        "raw ones.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
 ) -> None:
     """Roll out a split through the configured backend, parse and match as training does, and report COCO AP
@@ -223,7 +224,7 @@ def print_report(report: Any) -> None:
     print_set_figures(report.figures)
     if report.dedup:
         raw, free = report.dedup["raw"], report.dedup["label_free"]
-        out.print(f"with certified repeats removed (--dedup, {free['removed']} predictions): AP50 {_pct(free['AP50'])} "
+        out.print(f"with near repeats removed (--dedup, a heuristic; {free['removed']} predictions): AP50 {_pct(free['AP50'])} "
                   f"(raw {_pct(raw['AP50'])}), precision {_pct(free['precision'])} (raw {_pct(raw['precision'])}), "
                   f"recall {_pct(free['recall'])} (raw {_pct(raw['recall'])}), F1 {_pct(free['f1'])} "
                   f"(raw {_pct(raw['f1'])})")

@@ -31,3 +31,20 @@ def test_repeats_removed_or_ranked_last():
     assert (g["label_free"]["removed"], g["oracle"]["removed"]) == (0, 1)
     with pytest.raises(ValueError, match="unknown dedup modes"):
         dedup_figures([one], ("nope",))
+
+
+def test_the_ground_truth_rule_is_no_bound_on_ap_under_score_order_matching():
+    """Regression (issue 56, item 9): the 'oracle' column was read as a bound on any duplicate fix; COCO matches in
+    score order, so a certified duplicate (written after the true positive, scored above it) takes the object in AP,
+    and removing it leaves the true positive ranked below another image's false positive."""
+    gt = DetObject("box", "bbox_2d", (100, 100, 200, 200))
+    first = DetObject("box", "bbox_2d", (100, 100, 200, 200))  # the true positive, written first, scored low
+    repeat = DetObject("box", "bbox_2d", (100, 100, 200, 260))  # IoU 0.625 with the object the first one took
+    one = ScoredImage(1000, 1000, (gt,), (first, repeat), (0.5, 0.9))
+    two = ScoredImage(1000, 1000, (), (DetObject("box", "bbox_2d", (0, 0, 50, 50)),), (0.7,))
+    f = dedup_figures([one, two], ("raw", "oracle"))
+    assert f["oracle"]["removed"] == 1
+    assert f["raw"]["AP50"] == pytest.approx(1.0) and f["oracle"]["AP50"] < 0.6  # removal cost AP50
+    from coordexp.runtime.core import dedup
+
+    assert "no bound on AP" in " ".join(dedup.__doc__.split())  # the docs say so instead of calling it a bound

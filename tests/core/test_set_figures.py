@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from coordexp.runtime.core.objects import DetObject
 from coordexp.runtime.core.set_figures import (FIGURE_NAMES, aggregate_figures, certified_duplicates, greedy_match,
-                                               image_figures)
+                                               image_figures, near_repeats)
 
 
 def box(x1, y1, x2, y2, desc="cat"):
@@ -33,7 +33,7 @@ def test_certified_duplicates_by_hand():
     near = box(12, 11, 199, 201)  # IoU with CAT > 0.9, same desc
     assert certified_duplicates([CAT, near, CAT], [CAT, DOG]) == [False, True, True]
     # without labels only the prediction rule: same desc and IoU >= 0.9 with an earlier kept prediction
-    assert certified_duplicates([CAT, near, box(12, 11, 199, 201, "dog")]) == [False, True, False]
+    assert near_repeats([CAT, near, box(12, 11, 199, 201, "dog")]) == [False, True, False]
     # a second cat right on a second ground-truth cat is a true positive, never a duplicate
     twin = box(11, 10, 201, 200)
     assert certified_duplicates([CAT, twin], [CAT, twin]) == [False, False]
@@ -85,8 +85,37 @@ def test_removing_certified_duplicates_never_costs_a_true_positive(preds, gts, r
 def test_without_labels_a_duplicate_repeats_an_earlier_kept_prediction(preds):
     from coordexp.runtime.core.set_figures import iou_matrix
 
-    flags = certified_duplicates(preds)
+    flags = near_repeats(preds)
     ious = iou_matrix(preds, preds)
     for k, dup in enumerate(flags):
         earlier = [j for j in range(k) if not flags[j] and preds[j].desc == preds[k].desc and ious[k, j] >= 0.9]
         assert dup == bool(earlier)
+
+
+def test_the_label_free_rule_is_a_heuristic_that_can_remove_the_only_true_positive():
+    """Regression (issue 56, item 7): docs/figures.md said the label-free removal never costs a true positive; that
+    holds for the ground-truth rule only. A written first at IoU 0.48 with the object, B at 0.52, IoU(A, B) 0.92."""
+    from coordexp.runtime.core.set_figures import iou_matrix
+
+    gt = box(100, 100, 200, 200, "cat")
+    a = box(100, 100, 200, 308, "cat")  # IoU with gt 100/208 = 0.48
+    b = box(100, 100, 200, 292, "cat")  # IoU with gt 100/192 = 0.52; IoU(a, b) = 192/208 = 0.92
+    ious = iou_matrix([a, b], [gt])
+    assert ious[0, 0] < 0.5 <= ious[1, 0] and iou_matrix([a], [b])[0, 0] >= 0.9
+    assert near_repeats([a, b]) == [False, True]  # the heuristic removes B, the only match
+    assert _matches([a], [gt], True) == 0 and _matches([a, b], [gt], True) == 1
+    assert certified_duplicates([a, b], [gt]) == [False, False]  # the ground-truth rule keeps it
+
+
+def test_the_figures_table_of_docs_figures_is_one_table_naming_every_figure():
+    """Regression (issue 56, item 15): the EOS paragraph cut the table in two (a reader saw half the figures)."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "figures.md").read_text(encoding="utf-8")
+    lines = text.splitlines()
+    start = lines.index("| figure | meaning |")
+    end = next(k for k in range(start, len(lines)) if not lines[k].startswith("|"))
+    table = "\n".join(lines[start:end])
+    documented = [name for name in FIGURE_NAMES if f"`{name}`" in table]
+    assert len(documented) >= len(FIGURE_NAMES) - 1  # rollout_tokens_per_image is described with the counters
+    assert "`count_error`" in table and "`backtracks_per_image`" in table

@@ -4,10 +4,12 @@ A repeat written by greedy decoding scores about as high as a true positive unde
 each one costs AP. These functions evaluate the same predictions several ways, beside each other:
 
 - ``raw``: as written;
-- ``label_free``: certified repeats that need no labels removed (same desc and IoU >= 0.9 with an earlier kept
-  prediction): what ``coordexp eval --dedup`` and ``/detect/``'s ``dedup`` option do at decoding;
-- ``oracle``: every certified duplicate removed, the ground-truth rule included (IoU >= 0.5 with an object an
-  earlier prediction took): the bound on what any duplicate fix can buy;
+- ``label_free``: near repeats removed (same desc and IoU >= 0.9 with an earlier kept prediction; a heuristic that
+  can remove a true positive): what ``coordexp eval --dedup`` and ``/detect/``'s ``dedup`` option do at decoding;
+- ``oracle`` (the key kept for the committed results; read it as "the ground-truth rule"): every certified
+  duplicate removed (IoU >= 0.5 with an object an earlier prediction took included). It is no bound on AP: COCO
+  matches in score order, not written order, so removing a certified duplicate can drop AP50 (1.000 -> 0.505 when
+  the duplicate outscored the true positive it repeats, which then takes the object);
 - ``oracle_lowest``: the same duplicates kept but moved below every other prediction of the set (is it their
   presence or their rank that costs AP?).
 """
@@ -20,7 +22,7 @@ from typing import Any, Sequence
 from coordexp.runtime.core.coco import CocoImage, ScoredObject, build_coco_gt, coco_results
 from coordexp.runtime.core.coco_metrics import evaluate_coco
 from coordexp.runtime.core.objects import DetObject
-from coordexp.runtime.core.set_figures import aggregate_figures, certified_duplicates, image_figures
+from coordexp.runtime.core.set_figures import aggregate_figures, certified_duplicates, image_figures, near_repeats
 
 __all__ = ["ScoredImage", "DEDUP_MODES", "dedup_figures"]
 
@@ -65,7 +67,7 @@ def dedup_figures(images: Sequence[ScoredImage], modes: Sequence[str] = DEDUP_MO
         raise ValueError(f"unknown dedup modes {unknown}; choose from {list(DEDUP_MODES)}")
     everything = [[True] * len(im.predictions) for im in images]
     nothing = [[False] * len(im.predictions) for im in images]
-    free = [[not d for d in certified_duplicates(list(im.predictions))] for im in images]
+    free = [[not d for d in near_repeats(list(im.predictions))] for im in images]
     oracle = [[not d for d in certified_duplicates(list(im.predictions), list(im.gt))] for im in images]
     plans = {"raw": (everything, nothing), "label_free": (free, nothing), "oracle": (oracle, nothing),
              "oracle_lowest": (everything, [[not k for k in keep] for keep in oracle])}

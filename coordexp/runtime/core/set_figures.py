@@ -9,10 +9,12 @@ also require the same ``desc``; the ``*_any_class`` figures do not (the stage-2 
 spec says, so its match rate is class-agnostic).
 
 A **certified duplicate** is a prediction whose removal can never cost a true positive under those rules (label
-safe): one that matches no object (with or without its class) and either has the same desc and IoU >= 0.9 with an earlier prediction that is not
-itself a certified duplicate, or overlaps (IoU >= 0.5) an object an earlier prediction took. Without ground truth
-(at decoding) only the first rule can be checked. Rank
-``r`` is an object's position in the ground truth's reading order (0-based).
+safe): one that matches no object (with or without its class) and either has the same desc and IoU >= 0.9 with an
+earlier prediction that is not itself a certified duplicate, or overlaps (IoU >= 0.5) an object an earlier
+prediction took. It needs the ground truth. Without it (at decoding) only the first rule can be checked, and then
+it is a heuristic, a **near repeat** (:func:`near_repeats`): removing one can cost a true positive (A written first
+at IoU 0.48 with an object, B at 0.52, IoU(A, B) 0.92: B is removed and the object is lost). Rank ``r`` is an
+object's position in the ground truth's reading order (0-based).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import numpy as np
 from coordexp.runtime.core.matching import aabb_iou_matrix
 from coordexp.runtime.core.objects import DetObject
 
-__all__ = ["IOU", "DUPLICATE_IOU", "ImageFigures", "iou_matrix", "greedy_match", "certified_duplicates",
+__all__ = ["IOU", "DUPLICATE_IOU", "ImageFigures", "iou_matrix", "greedy_match", "certified_duplicates", "near_repeats",
            "backtracks", "image_figures", "aggregate_figures", "FIGURE_NAMES"]
 
 IOU = 0.5
@@ -86,12 +88,16 @@ def _certified(preds: Sequence[DetObject], self_ious: np.ndarray, repeats_gt: Se
     return out
 
 
-def certified_duplicates(preds: Sequence[DetObject], gts: Sequence[DetObject] | None = None) -> list[bool]:
-    """Per prediction: is it a certified duplicate (module doc)? With ``gts``, a prediction that matches an object
-    is never one (removing it would cost a true positive); without, only the prediction-to-prediction rule applies
-    (what a decoder can check without labels)."""
-    if gts is None:
-        return _certified(preds, iou_matrix(preds, preds), [False] * len(preds), [False] * len(preds))
+def near_repeats(preds: Sequence[DetObject]) -> list[bool]:
+    """Per prediction: is it a near repeat (same desc, IoU >= 0.9 with an earlier kept prediction)? The label-free
+    heuristic ``eval --dedup`` and ``/detect/``'s ``dedup`` apply; unlike a certified duplicate it can be the only
+    true positive of its object (module doc)."""
+    return _certified(preds, iou_matrix(preds, preds), [False] * len(preds), [False] * len(preds))
+
+
+def certified_duplicates(preds: Sequence[DetObject], gts: Sequence[DetObject]) -> list[bool]:
+    """Per prediction: is it a certified duplicate (module doc)? A prediction that matches an object is never one
+    (removing it would cost a true positive); without labels use :func:`near_repeats`, a heuristic."""
     ious = iou_matrix(preds, gts)
     taken, repeats_gt = _match(ious, IOU)
     taken_class, _ = _match(np.where(_same_class(preds, gts), ious, 0.0), IOU)

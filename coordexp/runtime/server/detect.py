@@ -9,7 +9,7 @@ and the answer is parsed exactly as training parses a rollout:
 
 ``{"objects": [{"desc", "bbox_2d": [x1, y1, x2, y2], "poly": [[x, y], ...] (polygons only), "score"}], "text": RAW,
 "parse": {"image_size", "objects_written", "valid", "dropped", "truncated", "finish_reason", "score"}}``; with
-``"dedup": true`` certified repeats move from ``objects`` to ``"repeats"`` (the same form)
+``"dedup": true`` near repeats (a label-free heuristic) move from ``objects`` to ``"repeats"`` (the same form)
 
 Coordinates are pixels of the image as sent (norm1000 bin ``b`` of a side of ``size`` pixels is ``b * size / 1000``,
 :func:`~coordexp.runtime.core.coco.bin_to_pixel`); a polygon's ``bbox_2d`` is its enclosing box. ``score`` is the
@@ -34,7 +34,7 @@ from coordexp.schema.base import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
 from coordexp.runtime.core.coco import object_pixel_polygon
 from coordexp.runtime.core.parsing import RolloutParse, parse_rollout
 from coordexp.runtime.core.pieces import PieceTable
-from coordexp.runtime.core.set_figures import certified_duplicates
+from coordexp.runtime.core.set_figures import near_repeats
 from coordexp.runtime.core.tokens import CoordVocab
 from coordexp.runtime.rollout import protocol as p
 from coordexp.runtime.server.inputs import IMAGE_TAG, InferInputError, resolve_image
@@ -66,8 +66,9 @@ class DetectRequest(BaseModel):
     image: str = Field(min_length=1, description="A path under the server's --image-root, or base64 image data.")
     prompt: Optional[str] = Field(None, description="User text after the image (default: template.user_prompt).")
     decoding: DetectDecoding = Field(default_factory=DetectDecoding)
-    dedup: bool = Field(False, description="Move certified repeats (same desc, IoU >= 0.9 with an earlier kept "
-                                           "object) from objects to repeats (docs/figures.md).")
+    dedup: bool = Field(False, description="Move near repeats (same desc, IoU >= 0.9 with an earlier kept object; a "
+                                           "heuristic that can move a true positive) from objects to repeats "
+                                           "(docs/figures.md).")
 
     @field_validator("prompt")
     @classmethod
@@ -118,7 +119,7 @@ class Detector:
             request_config=p.RequestConfig(**config, return_details=True, logprobs=self.logprobs))
 
     def answer(self, item: dict[str, Any], size: tuple[int, int], dedup: bool = False) -> dict[str, Any]:
-        """The ``/detect/`` reply of one ``/infer/`` item (see the module docstring); with ``dedup`` the certified
+        """The ``/detect/`` reply of one ``/infer/`` item (see the module docstring); with ``dedup`` the near
         repeats move from ``objects`` to ``repeats`` (nothing is lost: ``text`` holds what the model wrote)."""
         choice = item["response"]["choices"][0]
         reasons = (item.get("coordexp") or {}).get("finish_reasons") or []
@@ -130,7 +131,7 @@ class Detector:
         out = {"objects": objects, "text": choice["message"]["content"], "parse": parse_summary(
             parse, size, finish_reason, scored=logprobs is not None)}
         if dedup:
-            repeats = certified_duplicates([o.to_det_object() for o in parse.valid_objects])
+            repeats = near_repeats([o.to_det_object() for o in parse.valid_objects])
             out["objects"] = [o for o, r in zip(objects, repeats) if not r]
             out["repeats"] = [o for o, r in zip(objects, repeats) if r]
         return out

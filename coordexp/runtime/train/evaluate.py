@@ -295,7 +295,8 @@ def evaluate_detection(
     dedup: bool = False,
 ) -> DetectionEval:
     """Roll out, score and evaluate ``records``; with ``out_dir`` also write the results files and PNGs; with
-    ``dedup`` also the figures with label-free certified repeats removed, beside the raw ones (never instead)."""
+    ``dedup`` also the figures with near repeats (the label-free heuristic) removed, beside the raw ones (never
+    instead)."""
     started = time.perf_counter()
     rollouts = roll_out_and_score(model, host, backend, records, decode_batch_size=decode_batch_size, seed=seed,
                                   step=step, score=score)
