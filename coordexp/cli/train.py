@@ -224,7 +224,7 @@ def train(
     if resume_from is not None:
         from coordexp.runtime.train.checkpoints import resume_files_problem
 
-        problem = resume_files_problem(resume_from)
+        problem = resume_files_problem(resume_from, run.tuner.train_type)
         if problem is not None:
             fail(f"--resume {resume_from}: {problem}", "Resume from an earlier checkpoint-N (--resume PATH), or "
                  "train afresh with --overwrite")

@@ -406,3 +406,49 @@ def test_eval_and_probe_name_a_missing_optional_package_before_loading_the_model
     result = _run(command, str(config), "--limit", "1")
     assert result.exit_code == 3, result.output
     assert "flash-attn" in _text(result)
+
+
+# -- item 21: a checkpoint HF could not resume from is refused before the model loads ---------------------------------
+
+
+class _Code:
+    """Pickled as a class reference: ``weights_only`` loading refuses it (code, not data)."""
+
+
+@pytest.mark.parametrize("case", ["state_not_a_trainer_state", "state_log_history_not_a_list", "truncated_weights",
+                                  "garbage_weights", "rng_state_with_code", "rng_state_truncated",
+                                  "lora_checkpoint_into_a_full_run"])
+def test_resume_refuses_a_checkpoint_hf_could_not_resume_from_before_the_model_loads(tmp_path, tiny_model_dir,
+                                                                                      case, monkeypatch):
+    import torch
+
+    import coordexp.runtime.model.policy as policy
+
+    config, run = _unfinished_run(tmp_path, tiny_model_dir, step=1)
+    checkpoint = run / "checkpoint-1"
+    weights = checkpoint / "model.safetensors"
+    named = {"state_not_a_trainer_state": "trainer_state.json", "state_log_history_not_a_list": "trainer_state.json",
+             "truncated_weights": "model.safetensors", "garbage_weights": "model.safetensors",
+             "rng_state_with_code": "rng_state.pth", "rng_state_truncated": "rng_state.pth",
+             "lora_checkpoint_into_a_full_run": "LoRA adapter"}[case]
+    if case == "state_not_a_trainer_state":
+        (checkpoint / "trainer_state.json").write_text('{"global_step": 1, "no_such_field": 2}')
+    elif case == "state_log_history_not_a_list":
+        (checkpoint / "trainer_state.json").write_text('{"global_step": 1, "log_history": 7}')
+    elif case == "truncated_weights":
+        weights.write_bytes(weights.read_bytes()[:1000])
+    elif case == "garbage_weights":
+        weights.write_bytes(b"\x00garbage" * 64)
+    elif case == "rng_state_with_code":
+        torch.save({"python": _Code()}, checkpoint / "rng_state.pth")
+    elif case == "rng_state_truncated":
+        torch.save({"cpu": torch.zeros(1000)}, checkpoint / "rng_state.pth")
+        (checkpoint / "rng_state.pth").write_bytes((checkpoint / "rng_state.pth").read_bytes()[:300])
+    else:
+        (checkpoint / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
+        weights.rename(checkpoint / "adapter_model.safetensors")  # a LoRA run's checkpoint: no config.json
+        (checkpoint / "config.json").unlink()
+    monkeypatch.setattr(policy, "load_policy", lambda *a, **k: pytest.fail("the model was loaded"))
+    result = _run("train", str(config), "--resume", "auto")
+    assert result.exit_code == 2, result.output
+    assert named in _text(result) and "Traceback" not in result.output

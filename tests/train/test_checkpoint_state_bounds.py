@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -51,11 +52,13 @@ def test_a_broken_or_foreign_optimizer_state_is_exit_2_naming_the_file(tmp_path,
     from coordexp.schema.loader import load_merged
 
     checkpoint = tmp_path / "run" / "checkpoint-1"
-    checkpoint.mkdir(parents=True)
-    (checkpoint / "model.safetensors").write_bytes(b"x")
+    shutil.copytree(tiny_model_dir, checkpoint)
     (checkpoint / "trainer_state.json").write_text('{"global_step": 1}')
     torch.save({"state": {}, "param_groups": []}, checkpoint / "scheduler.pt")
     optimizer = checkpoint / "optimizer.pt"
+    torch.save({"state": {}, "param_groups": []}, optimizer)
+    assert resume_files_problem(checkpoint) is None  # intact
+    optimizer.unlink()
     if content == "pickled_code":
         torch.save({"state": _Code()}, optimizer)
     elif content == "truncated":
@@ -65,7 +68,6 @@ def test_a_broken_or_foreign_optimizer_state_is_exit_2_naming_the_file(tmp_path,
         os.mkfifo(optimizer)
     problem = resume_files_problem(checkpoint)
     assert problem is not None and "optimizer.pt" in problem
-    assert resume_files_problem(tmp_path / "nothing-here") is None
 
     data = {"extends": str(Path(__file__).resolve().parents[2] / "examples" / "demo_stage2.yaml"),
             "global_max_length": 2048, "custom": {"trainer_variant": "stage1_sft"},

@@ -139,32 +139,69 @@ _RESUME_STATE_FILES = ("optimizer.pt", "scheduler.pt", "scaler.pt")
 """What HF loads with ``weights_only`` on resume (its RNG states go through its own allowlist instead)."""
 
 
-def resume_files_problem(path: str | Path) -> str | None:
-    """Why HF could not resume from the checkpoint's optimizer, scheduler or adapter files (named), else None:
-    each state file must load as plain tensors (``weights_only``: a pickle with code, a truncated or foreign-format
-    file is refused here, before the model loads, instead of failing inside HF); an adapter's files are checked as
-    ``eval`` checks them. The files are memory-mapped, not read whole."""
+def resume_files_problem(path: str | Path, train_type: str | None = None) -> str | None:
+    """Why HF could not resume from the checkpoint's files (named), else None, checked before the model loads: the
+    trainer state must build a ``TrainerState``; each optimizer, scheduler and RNG state file must load as plain
+    data (``weights_only``, the RNG files with the numpy types HF allows: a pickle with code, a truncated or
+    foreign-format file is refused here instead of failing inside HF); the weights (or adapter) must be intact; and
+    a LoRA checkpoint resumes only a LoRA run (``train_type``), a full one only a full run. Files are
+    memory-mapped, not read whole."""
     import torch
 
     from coordexp.runtime.model.adapters import is_adapter_dir
-    from coordexp.runtime.model.checkpoint_files import check_adapter_dir
+    from coordexp.runtime.model.checkpoint_files import check_adapter_dir, check_model_dir
 
     root = Path(path)
-    for name in _RESUME_STATE_FILES:
+    adapter = is_adapter_dir(root)
+    if train_type is not None and adapter != (train_type == "lora"):
+        saved = "a LoRA adapter" if adapter else "a full model"
+        return (f"it holds {saved}, and this run trains with tuner.train_type: {train_type}; a resume continues the "
+                "same kind of run")
+    try:
+        check_adapter_dir(root) if adapter else check_model_dir(root, model_check=False)
+    except CheckpointFileError as exc:
+        return exc.message
+    state_problem = _trainer_state_problem(root / _STATE)
+    if state_problem is not None:
+        return state_problem
+    rng_files = sorted(p.name for p in root.glob("rng_state*.pth"))
+    for name in (*_RESUME_STATE_FILES, *rng_files):
         file = root / name
         if not os.path.lexists(file):
             continue
         if not file.is_file():
             return f"{file} is not a regular file"
         try:
-            torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            with _numpy_allowed(name):
+                torch.load(file, map_location="cpu", weights_only=True, mmap=not name.startswith("rng_state"))
         except Exception as exc:  # noqa: BLE001 - torch raises many kinds for an unloadable file
             return f"{file} cannot be loaded ({type(exc).__name__}: {' '.join(str(exc).split())[:160]})"
-    if is_adapter_dir(root):
-        try:
-            check_adapter_dir(root)
-        except CheckpointFileError as exc:
-            return exc.message
+    return None
+
+
+def _numpy_allowed(name: str):
+    """HF's allowlist of numpy types for RNG state files (``trainer_pt_utils.safe_globals``); nothing else."""
+    import contextlib
+
+    if not name.startswith("rng_state"):
+        return contextlib.nullcontext()
+    from transformers.trainer_pt_utils import safe_globals
+
+    return safe_globals()
+
+
+def _trainer_state_problem(path: Path) -> str | None:
+    """Why HF's ``TrainerState.load_from_json`` would fail on ``path`` (unknown keys, wrong types), else None."""
+    from transformers import TrainerState
+
+    try:
+        state = TrainerState(**read_json_object(path))
+        if not isinstance(state.log_history, list):
+            raise TypeError("log_history is not a list")
+    except CheckpointFileError as exc:
+        return exc.message
+    except (TypeError, ValueError) as exc:
+        return f"{path} is no trainer state ({' '.join(str(exc).split())[:160]})"
     return None
 
 
