@@ -32,6 +32,7 @@ from coordexp.runtime.model.packed_forward import (
     padded_forward,
 )
 from coordexp.runtime.model.policy import LaunchError, save_processor
+from coordexp.runtime.model.policy_gradient import reward_objective
 from coordexp.runtime.model.token_types import TokenTypeSums, TokenTypeWindow, token_type_totals
 from coordexp.runtime.model.weight_version import note_optimizer_step
 from coordexp.runtime.rollout.weight_export import full_parameters, zero3_partitioned
@@ -248,6 +249,9 @@ class CoordExpTrainer(Trainer):
             self.stats.token_types += token_type_totals(logits.detach(), supervision, coord_ids)  # stays on device
         rm = self.run.rollout_matching
         repeat_ul = rm.repeat_unlikelihood if rm.repeats == "unlikelihood" else None
+        if self.stage2 and rm.objective == "reward":
+            return logits, reward_objective(logits, supervision, coord_ids, pipeline, denominators,
+                                            rm.reward.sft_weight, repeat_ul)
         return logits, compute_objective(logits, supervision, coord_ids, pipeline, denominators, repeat_ul)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -347,7 +351,8 @@ class CoordExpTrainer(Trainer):
                 packing_length=self.buffer.packing_length if self.buffer is not None else packing.packing_length,
                 min_fill_ratio=packing.min_fill_ratio,
                 fallback_events=None if fallbacks is None else len(fallbacks),
-                is_main=self.is_world_process_zero(), token_type_metrics=self.run.training.token_type_metrics)))
+                is_main=self.is_world_process_zero(), token_type_metrics=self.run.training.token_type_metrics,
+                reward=self.stage2 and self.run.rollout_matching.objective == "reward")))
             self.stats.reset()
         super().log(logs, start_time)
 
