@@ -129,7 +129,8 @@ def leave_one_out_advantages(values: Sequence[float], scale_by_std: bool = False
     n = v.size
     if n < 2:
         return np.zeros(n)
-    adv = v - (v.sum() - v) / (n - 1)
+    d = v - v[0]  # the advantage ignores a shift; this one makes a group of equal values exactly 0
+    adv = d - (d.sum() - d) / (n - 1)
     if scale_by_std:
         std = float(v.std())
         adv = adv / std if std > _MIN_STD else np.zeros(n)
