@@ -372,8 +372,8 @@ def init_config(
 
     write_new_file(check_output_file(output, [train_jsonl, *(p for p in [val_jsonl] if p)], "-o"), text.encode(),
                    "-o")
-    out.print(f"[green]✓[/green] wrote {safe(output)}: stage {stage}{', reward objective' * (objective == 'reward')}, "
-              f"{family}, {device}, run folder "
+    objective_note = ", reward objective" if objective == "reward" else ""
+    out.print(f"[green]✓[/green] wrote {safe(output)}: stage {stage}{objective_note}, {family}, {device}, run folder "
               f"{safe(folder / 'runs' / output.stem)}")
     if not _has_coord_tokens(model):
         out.print(f"  [yellow]! warning[/yellow] {safe(model)}'s tokenizer has no coord tokens: run `coordexp "

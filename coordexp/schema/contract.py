@@ -160,7 +160,7 @@ class RolloutMatchingContract:
     repeats: Literal["neutral", "drop", "unlikelihood"] = "neutral"  # certified repeats: context, left out, pushed down
     repeat_unlikelihood: RepeatUnlikelihoodConfig = field(default_factory=RepeatUnlikelihoodConfig)
     gt_prefix_mix: GtPrefixMix = field(default_factory=GtPrefixMix)  # data.gt_prefix_mix: gap-augmented GT samples
-    objective: Literal["sft", "reward"] = "sft"  # rollout-matching SFT or the reward objective (docs/design.md, decision 19)
+    objective: Literal["sft", "reward"] = "sft"  # SFT or the reward objective (docs/design.md, decision 19)
     reward: RewardConfig = field(default_factory=RewardConfig)  # the reward objective's settings
 
     @property
