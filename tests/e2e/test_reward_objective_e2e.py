@@ -8,6 +8,8 @@ import math
 
 import pytest
 
+from coordexp.runtime.core.serialize import serialize_objects
+from coordexp.runtime.rollout.base import RolloutBackend, RolloutOutput
 from coordexp.runtime.train.launch import run_training
 from coordexp.schema.contract import load_contract
 
@@ -46,3 +48,49 @@ def test_reward_objective_trains_and_logs_its_figures(tmp_path, write_config, cr
         assert log["loss/policy_gradient/entropy"] > 0
         if credit == "object":
             assert "loss/sft" in log  # sft_weight > 0 adds the rollout-matching target of the same rollouts
+
+
+class _ScriptedBackend(RolloutBackend):
+    """Rollouts that differ within a group (an odd seed writes the first object only, an even seed every object),
+    so the trainer's reward path has non-zero advantages to train on (the random tiny model writes no JSON)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def from_run(cls, run, model, processor):
+        return cls(processor.tokenizer)
+
+    def generate(self, requests):
+        outputs = []
+        for request in requests:
+            objects = request.record.objects[:1] if request.seed % 2 else request.record.objects
+            text = serialize_objects(objects)
+            ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+            outputs.append(RolloutOutput(tuple(request.prompt.input_ids.tolist()), ids, text, "stop"))
+        return outputs
+
+
+def test_rollouts_that_differ_train_the_policy_through_the_trainer(tmp_path, write_config, monkeypatch):
+    import coordexp.runtime.train.launch as launch
+
+    monkeypatch.setattr(launch, "create_backend", lambda run, model, processor: _ScriptedBackend.from_run(
+        run, model, processor))
+    run = load_contract(write_config({
+        "training": {"output_dir": str(tmp_path / "run"), "per_device_train_batch_size": 2,
+                     "gradient_accumulation_steps": 1, "max_steps": STEPS, "logging_steps": 1, "save_steps": 1000,
+                     "packing": False, "learning_rate": 1e-3},
+        "global_max_length": 1024,
+        "rollout_matching": {"rollout_backend": "hf", "decode_batch_size": 8, "objective": "reward",
+                             "decoding": {"temperature": 1.0}, "gt_step_share": 0.0,
+                             "reward": {"group_size": 4, "credit": "object"}},
+    }))
+    outcome = run_training(run)
+    assert outcome.global_step == STEPS
+    state = json.loads((outcome.output_dir / "trainer_state.json").read_text())
+    steps = [h for h in state["log_history"] if "loss" in h and "reward/mean" in h]
+    assert len(steps) == STEPS
+    for log in steps:
+        assert log["reward/zero_advantage_group_share"] < 1.0 and log["reward/group_std"] > 0
+        assert log["loss/policy_gradient"] != 0.0 and log["grad_norm"] > 0
+        assert log["reward/closing_advantage"] is not None and log["rollout/eos_stopped"] == 8
