@@ -175,7 +175,7 @@ def _reward_plan(rollout: dict[str, Any]) -> None:
     rollout["decoding"] = {"temperature": (1.0, "the reward objective samples the policy's own distribution"),
                            "top_p": DEFAULT, "top_k": DEFAULT,
                            "coord_group_greedy": (False, "greedy decoding only; the reward objective samples")}
-    rollout["gt_step_share"] = (0.5, "the ground-truth steps anchor the policy to the SFT target (no KL term yet)")
+    rollout["gt_step_share"] = (0.5, "the ground-truth steps anchor the policy to the SFT target")
     rollout["reward"] = {key: DEFAULT for key in ("group_size", "include_greedy", "credit", "iou_threshold",
                                                   "class_aware", "duplicate_penalty", "spurious_penalty",
                                                   "stop_penalty", "close_bonus", "scale_by_std", "sft_weight",

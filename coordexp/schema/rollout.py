@@ -373,18 +373,10 @@ class RewardConfig(StrictModel):
     sft_weight: float_in(ge=0.0, le=100.0) = Field(
         0.0, description="Weight of the rollout-matching SFT target of the same rollouts added to the policy "
         "gradient (0 = policy gradient alone), in [0, 100].")
-    kl_weight: float_in(ge=0.0, le=100.0) = Field(0.0, description="KL to the starting checkpoint; only 0 is "
-                                                  "accepted (the reference-model path is not built yet).")
-
-    @field_validator("kl_weight")
-    @classmethod
-    def _kl_not_built(cls, value: float) -> float:
-        if value != 0.0:
-            raise ValueError(
-                f"kl_weight {value}: the KL penalty to the starting checkpoint needs a reference model, which "
-                "coordexp does not load yet; set kl_weight: 0 (the policy gradient alone, or with sft_weight > 0 to "
-                "keep the rollouts close to the SFT target)")
-        return value
+    kl_weight: float_in(ge=0.0, le=100.0) = Field(
+        0.0, description="Weight of the KL penalty to the starting checkpoint (k3 estimator on the rollout tokens, "
+        "the reference's log-probabilities without gradients; 0 = off, no reference model loaded), in [0, 100]; "
+        "a frozen copy of the model is kept for it (its memory again); not with training.deepspeed.")
 
 
 class RolloutMatchingConfig(StrictModel):

@@ -71,26 +71,33 @@ class _ScriptedBackend(RolloutBackend):
         return outputs
 
 
-def test_rollouts_that_differ_train_the_policy_through_the_trainer(tmp_path, write_config, monkeypatch):
+@pytest.mark.parametrize("kl_weight", [0.0, 0.5])
+def test_rollouts_that_differ_train_the_policy_through_the_trainer(tmp_path, write_config, monkeypatch, kl_weight):
+    """With ``kl_weight > 0`` the frozen starting model is the reference: the first step's policy is that model
+    (k3 = 0), the last step's has moved (k3 > 0; the example's first step runs at learning rate 0)."""
     import coordexp.runtime.train.launch as launch
 
     monkeypatch.setattr(launch, "create_backend", lambda run, model, processor: _ScriptedBackend.from_run(
         run, model, processor))
     run = load_contract(write_config({
         "training": {"output_dir": str(tmp_path / "run"), "per_device_train_batch_size": 2,
-                     "gradient_accumulation_steps": 1, "max_steps": STEPS, "logging_steps": 1, "save_steps": 1000,
-                     "packing": False, "learning_rate": 1e-3},
+                     "gradient_accumulation_steps": 1, "max_steps": STEPS + 1, "logging_steps": 1,
+                     "save_steps": 1000, "packing": False, "learning_rate": 1e-3},
         "global_max_length": 1024,
         "rollout_matching": {"rollout_backend": "hf", "decode_batch_size": 8, "objective": "reward",
                              "decoding": {"temperature": 1.0}, "gt_step_share": 0.0,
-                             "reward": {"group_size": 4, "credit": "object"}},
+                             "reward": {"group_size": 4, "credit": "object", "kl_weight": kl_weight}},
     }))
     outcome = run_training(run)
-    assert outcome.global_step == STEPS
+    assert outcome.global_step == STEPS + 1
     state = json.loads((outcome.output_dir / "trainer_state.json").read_text())
     steps = [h for h in state["log_history"] if "loss" in h and "reward/mean" in h]
-    assert len(steps) == STEPS
+    assert len(steps) == STEPS + 1
     for log in steps:
         assert log["reward/zero_advantage_group_share"] < 1.0 and log["reward/group_std"] > 0
         assert log["loss/policy_gradient"] != 0.0 and log["grad_norm"] > 0
         assert log["reward/closing_advantage"] is not None and log["rollout/eos_stopped"] == 8
+    if kl_weight:
+        assert abs(steps[0]["loss/kl"]) < 1e-6 < steps[-1]["loss/kl"]
+    else:
+        assert "loss/kl" not in steps[0]

@@ -78,6 +78,36 @@ def test_the_gradient_on_two_images_of_three_rollouts_is_the_closed_form():
     assert float(loss.detach()) == pytest.approx(value, rel=1e-6)  # the loss is reported in float32
 
 
+def test_the_k3_term_adds_its_closed_form_and_vanishes_at_the_reference():
+    """``kl_weight * sum(exp(d) - d - 1) / N`` with ``d = log p_ref - log p``: its gradient on a logit row is
+    ``kl_weight / N * (1 - exp(d)) * (onehot(y) - softmax(z))``; at ``p_ref = p`` the loss is the policy gradient's."""
+    advantages = _production_advantages()
+    batch = SupervisionBatch.from_segments(_segments(advantages), SEQ_LEN)
+    reference = _logits(7)
+    ref_log_p = torch.log_softmax(reference, dim=-1)
+    logits = _logits(8).requires_grad_(True)
+    loss, figures = policy_gradient_loss(logits, batch, COORD_IDS, compute_dtype=torch.float64, kl_weight=0.3,
+                                         reference_log_p=ref_log_p.reshape(-1, VOCAB)[batch.pg_logit_index,
+                                                                                       batch.pg_labels])
+    loss.backward()
+    log_p = torch.log_softmax(logits.detach(), dim=-1)
+    expected = _closed_form_gradient(logits.detach(), EXPECTED_ADVANTAGES)
+    for image, member, row, start, ids in LAYOUT:
+        for k, token in enumerate(ids):
+            gap = ref_log_p[row, start + k - 1, token] - log_p[row, start + k - 1, token]
+            onehot = torch.zeros(VOCAB, dtype=torch.float64)
+            onehot[token] = 1.0
+            z = logits.detach()[row, start + k - 1]
+            expected[row, start + k - 1] += 0.3 / 18 * (1 - torch.exp(gap)) * (onehot - torch.softmax(z, dim=-1))
+    torch.testing.assert_close(logits.grad, expected, rtol=1e-6, atol=1e-9)
+    assert figures["kl"] > 0
+    same = _logits(9)
+    at_reference = torch.log_softmax(same, dim=-1).reshape(-1, VOCAB)[batch.pg_logit_index, batch.pg_labels]
+    with_kl, figures = policy_gradient_loss(same, batch, COORD_IDS, reference_log_p=at_reference, kl_weight=0.3)
+    without, _ = policy_gradient_loss(same, batch, COORD_IDS)
+    assert abs(figures["kl"]) < 1e-6 and float(with_kl) == pytest.approx(float(without), abs=1e-6)
+
+
 def test_a_group_of_equal_rewards_adds_no_update():
     advantages = _production_advantages()
     logits = _logits(1).requires_grad_(True)

@@ -21,7 +21,7 @@ SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
 # every numeric key: (lowest accepted, highest accepted)
 BOUNDS = {"group_size": (2, 64), "iou_threshold": (0.05, 1.0), "duplicate_penalty": (0.0, 10.0),
           "spurious_penalty": (0.0, 10.0), "stop_penalty": (0.0, 10.0), "close_bonus": (0.0, 10.0),
-          "sft_weight": (0.0, 100.0), "kl_weight": (0.0, 0.0)}
+          "sft_weight": (0.0, 100.0), "kl_weight": (0.0, 100.0)}
 runner = CliRunner()
 
 
@@ -79,9 +79,12 @@ def test_an_unknown_reward_key_and_an_unknown_objective_fail_at_their_paths(stag
     assert "rollout_matching.objective" in _error_paths(stage2_config)
 
 
-def test_the_kl_term_is_refused_until_the_reference_model_exists(stage2_config):
+def test_the_kl_term_is_refused_under_deepspeed_only(stage2_config):
+    assert validate_mapping(_reward_config(stage2_config, kl_weight=0.05)).ok
+    stage2_config["training"]["deepspeed"] = "zero2"
     errors = _error_paths(_reward_config(stage2_config, kl_weight=0.05))
-    assert "reference model" in errors[f"{_RW}.kl_weight"] and "kl_weight: 0" in errors[f"{_RW}.kl_weight"]
+    assert "frozen copy" in errors[f"{_RW}.kl_weight"] and "kl_weight: 0" in errors[f"{_RW}.kl_weight"]
+    assert f"{_RW}.kl_weight" not in _error_paths(_reward_config(stage2_config, kl_weight=0.0))
 
 
 @pytest.mark.parametrize("decoding", [{"temperature": 0.0}, {"temperature": 0.7}, {"top_p": 0.9}, {"top_k": 50},
