@@ -173,6 +173,12 @@ class RolloutMatchingContract:
         return self.decoding.num_beams > 1
 
     @property
+    def greedy_evaluation(self) -> bool:
+        """Evaluation rollouts decode greedily while training samples: the reward objective with the HF backend,
+        which takes the greedy flag per request (docs/design.md, decision 19)."""
+        return self.objective == "reward" and isinstance(self.backend, HfBackendContract)
+
+    @property
     def is_greedy(self) -> bool:
         return self.decoding.temperature == 0.0 and self.decoding.num_beams == 1
 

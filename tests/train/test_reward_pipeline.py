@@ -93,3 +93,18 @@ def test_each_image_is_a_group_of_seeded_requests_in_one_call_per_step(host, rec
 def test_sft_keeps_one_request_per_record(host, records):
     assert PipelineSettings(seed=0).expand(records[:2]) == records[:2]
     assert PipelineSettings(seed=0, reward_group=2).expand(records[:2]) == [records[0]] * 2 + [records[1]] * 2
+
+
+def test_evaluation_decodes_greedily_with_the_hf_backend(host, records, tmp_path):
+    """Training samples, evaluation does not: the HF backend takes the greedy flag on every evaluation request
+    (``coordexp eval`` reads the same contract property)."""
+    assert host.rollout.greedy_evaluation
+    assert PipelineSettings.reward_shape(host.rollout, True)["greedy_eval"] is True  # as the trainer builds it
+    pipe = MicroStepPipeline(host, HalfWhenGreedyBackend(host.tokenizer),
+                             PipelineSettings(seed=3, decode_batch_size=4, reward_group=GROUP, greedy_eval=True),
+                             stats=StepStats(), run_log=RunLog(tmp_path, 0), policy=lambda: "policy")
+    chunks = list(pipe.eval_chunks(records[:3], 0))
+    assert [len(c.records) for c in chunks] == [3]  # one request per record: evaluation is not grouped
+    assert all(r.greedy for r in pipe.backend.calls[0])
+    sft = replace(host.rollout, objective="sft")
+    assert not sft.greedy_evaluation and PipelineSettings.reward_shape(sft, True) == {}

@@ -39,7 +39,6 @@ from coordexp.runtime.train.reward_step import build_reward_samples
 from coordexp.runtime.train.rollout_step import HostContext, SampleTarget, build_gt_sample, build_rollout_sample
 from coordexp.runtime.train.run_log import step_records_hash
 from coordexp.runtime.train.visualize import append_rollout_log
-from coordexp.schema.contract import HfBackendContract
 
 if TYPE_CHECKING:
     from coordexp.runtime.model.data import DetectionRecord
@@ -88,16 +87,17 @@ class PipelineSettings:
             packing_buffer=int(rm.packing.buffer), min_fill_ratio=float(rm.packing.min_fill_ratio),
             max_steps=int(args.max_steps), rollout_log_dir=str(args.output_dir) if args.process_index == 0 else None,
             rollout_log_every=int(rollout_log_every), gt_step_share=float(rm.gt_step_share) if stage2 else 0.0,
-            **cls._reward_shape(rm, stage2),
+            **cls.reward_shape(rm, stage2),
         )
 
     @staticmethod
-    def _reward_shape(rm: Any, stage2: bool) -> dict[str, Any]:
+    def reward_shape(rm: Any, stage2: bool) -> dict[str, Any]:
+        """The reward objective's fields (none for rollout-matching SFT or stage 1)."""
         if not stage2 or rm.objective != "reward":
             return {}
         greedy = bool(rm.reward.include_greedy)
         return {"reward_group": int(rm.reward.group_size) + int(greedy), "greedy_member": greedy,
-                "greedy_eval": isinstance(rm.backend, HfBackendContract)}
+                "greedy_eval": rm.greedy_evaluation}
 
     def expand(self, records: Sequence[Any]) -> list[Any]:
         """The rollout requests of ``records``: each record ``reward_group`` times in a row under the reward
