@@ -157,3 +157,28 @@ def test_group_figures_count_zero_advantage_groups_and_closings():
     assert figures.zero_advantage and figures.reward_mean == 0.5 and figures.reward_std == 0.0
     assert (figures.closings, figures.closing_sum, figures.advantage_tokens) == (1, pytest.approx(-0.1), 5)
     assert not group_figures(credits, [np.array([0.0, 0.2]), np.zeros(1)]).zero_advantage
+
+
+@st.composite
+def _placements(draw):
+    """Non-overlapping object spans in a rollout of ``n`` tokens, an advantage each, and a closing suffix."""
+    n = draw(st.integers(1, 60))
+    cuts = sorted(draw(st.lists(st.integers(0, n), min_size=0, max_size=12)))
+    spans = [(a, b) for a, b in zip(cuts[::2], cuts[1::2])]
+    advantages = draw(st.lists(st.floats(-2, 2, allow_nan=False), min_size=len(spans), max_size=len(spans)))
+    closing_from = draw(st.one_of(st.none(), st.integers(0, n - 1)))
+    closing = () if closing_from is None else tuple(range(closing_from, n))
+    close = draw(st.floats(-1, 1, allow_nan=False))
+    return n, spans, advantages, closing, close
+
+
+@settings(max_examples=300, deadline=None)
+@given(_placements())
+def test_every_token_carries_its_objects_advantage_the_close_or_nothing(placement):
+    n, spans, advantages, closing, close = placement
+    credit = RolloutCredit(0.0, tuple(advantages), close if closing else None)
+    placed = token_advantages(spans, credit, n, closing)
+    for t in range(n):
+        owner = [a for (start, end), a in zip(spans, advantages) if start <= t < end]
+        expected = close if t in closing else (owner[0] if owner else 0.0)
+        assert placed[t] == pytest.approx(expected)

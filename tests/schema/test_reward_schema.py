@@ -3,6 +3,7 @@ bounded, every refusal names its dotted path and says what to do, and the defaul
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 
@@ -75,6 +76,8 @@ def test_the_validate_command_exits_2_naming_each_refused_key(stage2_config, tmp
 def test_an_unknown_reward_key_and_an_unknown_objective_fail_at_their_paths(stage2_config):
     errors = _error_paths(_reward_config(stage2_config, grup_size=4))
     assert f"{_RW}.grup_size" in errors
+    assert f"{_RW}.credit" in _error_paths(_reward_config(copy.deepcopy(stage2_config), credit="tokens"))
+    assert f"{_RW}.include_greedy" in _error_paths(_reward_config(copy.deepcopy(stage2_config), include_greedy="x"))
     stage2_config["rollout_matching"]["objective"] = "rl"
     assert "rollout_matching.objective" in _error_paths(stage2_config)
 
