@@ -178,8 +178,8 @@ def _reward_plan(rollout: dict[str, Any]) -> None:
     rollout["gt_step_share"] = (0.5, "the ground-truth steps anchor the policy to the SFT target")
     rollout["reward"] = {key: DEFAULT for key in ("group_size", "include_greedy", "credit", "iou_threshold",
                                                   "class_aware", "duplicate_penalty", "spurious_penalty",
-                                                  "stop_penalty", "close_bonus", "scale_by_std", "sft_weight",
-                                                  "kl_weight")}
+                                                  "stop_penalty", "close_bonus", "cutoff_penalty",
+                                                  "scale_by_std", "sft_weight", "kl_weight")}
 
 
 SECTION_NOTES = {

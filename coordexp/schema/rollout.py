@@ -368,6 +368,10 @@ class RewardConfig(StrictModel):
         "missing when the list closed, in [0, 10].")
     close_bonus: Penalty = Field(0.1, description="Object credit: the closing tokens' advantage when the list "
                                  "closed with nothing missing, in [0, 10].")
+    cutoff_penalty: Penalty = Field(
+        0.1, description="Object credit: a rollout cut off before it closed (length limit, repeat guard) carries "
+        "-stop_penalty per missing object minus this on its last token, so never closing never beats closing early; "
+        "in [0, 10].")
     scale_by_std: bool = Field(
         False, description="Divide baselined advantages by their group's standard deviation (GRPO's scaling).")
     sft_weight: float_in(ge=0.0, le=100.0) = Field(

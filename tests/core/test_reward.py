@@ -85,13 +85,15 @@ def test_outcomes_follow_the_matchers_pairs_the_threshold_and_the_class():
 
 
 def test_sequence_reward_and_closing_reward_by_hand():
-    cfg = RewardConfig(duplicate_penalty=0.3, spurious_penalty=0.2, stop_penalty=0.1, close_bonus=0.05)
+    cfg = RewardConfig(duplicate_penalty=0.3, spurious_penalty=0.2, stop_penalty=0.1, close_bonus=0.05,
+                       cutoff_penalty=0.25)
     outcome = RolloutOutcome((ObjectOutcome("found", 0, 0.9), ObjectOutcome("repeat"), ObjectOutcome("spurious")),
                              gt_count=4, closed=True)
     assert sequence_reward(outcome, cfg) == pytest.approx(1 / 4 - 0.3 - 0.2)
     credit = group_credit([outcome, RolloutOutcome((), 4, closed=False)], cfg)
     assert credit[0].closing_advantage == pytest.approx(-0.3)  # 3 objects still missing x 0.1
-    assert credit[1].closing_advantage is None  # a length cut is no closing decision
+    # a length cut closed nothing: all 4 missing and the cut-off penalty, worse than closing at the same point
+    assert credit[1].closing_advantage == pytest.approx(-0.4 - 0.25)
     done = RolloutOutcome((ObjectOutcome("found", 0, 0.8),), gt_count=1, closed=True)
     assert group_credit([done, done], cfg)[0].closing_advantage == pytest.approx(0.05)
     assert sequence_reward(RolloutOutcome((), 0, True), cfg) == 0.0  # no ground truth: max(#GT, 1)
@@ -146,7 +148,8 @@ def test_closing_positions_are_the_lists_brace_onwards_and_the_eos(tiny_tokenize
     first = closing[0]
     assert b"}" in piece_table.text_of([ids[first]]) and piece_table.text_of(ids[first:]).strip().endswith(b"}")
     assert not piece_table.text_of(ids[first + 1:]).strip()  # nothing but the close after that token
-    assert closing_positions(ids, piece_table, closed=False) == ()
+    assert closing_positions(ids, piece_table, closed=False) == (len(ids) - 1,)  # cut off: its last token
+    assert closing_positions([], piece_table, closed=False) == ()
     open_ids = tiny_tokenizer.encode(text[:-1] + ",", add_special_tokens=False)  # the list left open
     assert closing_positions(open_ids, piece_table, closed=True) == (len(open_ids),)
 

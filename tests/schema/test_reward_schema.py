@@ -22,6 +22,7 @@ SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
 # every numeric key: (lowest accepted, highest accepted)
 BOUNDS = {"group_size": (2, 64), "iou_threshold": (0.05, 1.0), "duplicate_penalty": (0.0, 10.0),
           "spurious_penalty": (0.0, 10.0), "stop_penalty": (0.0, 10.0), "close_bonus": (0.0, 10.0),
+          "cutoff_penalty": (0.0, 10.0),
           "sft_weight": (0.0, 100.0), "kl_weight": (0.0, 100.0)}
 runner = CliRunner()
 

@@ -146,7 +146,9 @@ def test_a_cut_rollout_gets_no_eos_and_no_closing_credit_and_sft_copies_follow(t
     cut = replace(outputs[0], finish_reason="length")
     samples, figures = build_reward_group(record, prompt, [cut, outputs[1]], ctx)
     assert len(samples) == 4  # two policy samples, then the two rollouts' SFT targets
-    assert samples[0].target.ids == cut.response_token_ids and figures.closings == 1
+    assert samples[0].target.ids == cut.response_token_ids and figures.closings == 2
+    g = len(record.objects)  # the cut rollout wrote 2 objects: g - 2 missing, then the cut-off penalty
+    assert samples[0].supervision.pg_advantages[-1] == pytest.approx(-0.1 * (g - 2) - REWARD.cutoff_penalty)
     assert [s.counters is None for s in samples] == [False, False, True, True]  # each rollout counted once
     assert samples[2].supervision.ce_positions.size and not samples[2].supervision.pg_positions.size
     with pytest.raises(ValueError, match="groups of 3"):

@@ -12,7 +12,9 @@ Two credit forms, both over a group of rollouts of one image:
   other rollouts reached on ``g`` (0 where they missed it): credit for finding or placing ``g`` better than the peers.
   A certified repeat gets ``-duplicate_penalty``, any other unmatched object ``-spurious_penalty`` (default 0:
   labels are incomplete), the closing tokens ``-stop_penalty`` per ground-truth object still missing when the list
-  closed, or ``+close_bonus`` when nothing was missing. Repeats, spurious objects and closings are not baselined:
+  closed, or ``+close_bonus`` when nothing was missing. A rollout cut off before it closed (length limit, repeat
+  guard) carries ``-stop_penalty * missing - cutoff_penalty`` on its last token: never closing must never beat
+  closing early. Repeats, spurious objects and closings are not baselined:
   a mistake every rollout of the group makes (all stop early) is exactly what a baseline would cancel.
 
 A group whose rollouts are equally good (equal sequence rewards; equal IoU on every ground-truth object) carries
@@ -51,6 +53,7 @@ class RewardSettings(Protocol):
     spurious_penalty: float
     stop_penalty: float
     close_bonus: float
+    cutoff_penalty: float
     scale_by_std: bool
 
 
@@ -114,11 +117,12 @@ def sequence_reward(outcome: RolloutOutcome, cfg: RewardSettings) -> float:
             - cfg.spurious_penalty * outcome.count("spurious"))
 
 
-def closing_reward(outcome: RolloutOutcome, cfg: RewardSettings) -> float | None:
+def closing_reward(outcome: RolloutOutcome, cfg: RewardSettings) -> float:
     """The closing tokens' advantage: ``-stop_penalty * missing`` when the list closed with ground truth missing,
-    ``+close_bonus`` when it closed with nothing missing, None when the model did not close it."""
+    ``+close_bonus`` when it closed with nothing missing; ``-stop_penalty * missing - cutoff_penalty`` on the last
+    token of a rollout the model did not close (cut off: worse than closing at the same point)."""
     if not outcome.closed:
-        return None
+        return -cfg.stop_penalty * outcome.missing - cfg.cutoff_penalty
     return -cfg.stop_penalty * outcome.missing if outcome.missing > 0 else cfg.close_bonus
 
 
@@ -140,7 +144,8 @@ def leave_one_out_advantages(values: Sequence[float], scale_by_std: bool = False
 @dataclass(frozen=True)
 class RolloutCredit:
     """One rollout's credit: its reward, an advantage per valid object (appearance order), the closing tokens'
-    advantage (None: not closed) and, for sequence credit, the one advantage every token carries."""
+    advantage (sequence credit: None when not closed) and, for sequence credit, the one advantage every token
+    carries."""
 
     reward: float
     object_advantages: tuple[float, ...]
@@ -205,11 +210,11 @@ def group_figures(credits: Sequence[RolloutCredit], token_advantages: Sequence[n
 def closing_positions(response_ids: Sequence[int], pieces: "PieceTable", closed: bool) -> tuple[int, ...]:
     """The positions of ``response_ids + (EOS,)`` that close the list: when the model ended its turn, the EOS
     (last) position and, when the text before it ends in the list's ``}``, the token holding that brace and any
-    after it (the model decides to stop at the structural close, upstream measured, not only at EOS). Empty when
-    the model did not close the list."""
-    if not closed:
-        return ()
+    after it (the model decides to stop at the structural close, upstream measured, not only at EOS). When the
+    model did not close the list (no EOS follows), the last token, where it was cut off."""
     n = len(response_ids)
+    if not closed:
+        return (n - 1,) if n else ()
     text = pieces.text_of(list(response_ids)) if n else b""
     body = text.rstrip()
     if not body.endswith(b"}"):
