@@ -30,6 +30,7 @@ processor fits those images). Everything is written under ``--workdir``.
     python benchmarks/bench_learning.py                       # the documented recipe (CPU, about 25 minutes)
     python benchmarks/bench_learning.py --seed 10             # seeds 10, 11, 12
     python benchmarks/bench_learning.py --variant sampled=rollout_matching.decoding.temperature:0.7
+    python benchmarks/bench_learning.py --variant reward=rollout_matching.objective:reward  # decision 19's objective
     python benchmarks/bench_learning.py --stage1-steps 4 --k 2 --n-train 16 --n-val 4 --max-new-tokens 48  # smoke
     python benchmarks/bench_learning.py --task grid --seed 100 --n-seeds 1      # one grid seed (~16 min, 2 cores)
     python benchmarks/bench_learning.py --report WORKDIR/summary.json            # re-summarize a finished run
@@ -249,7 +250,7 @@ def _config(args: argparse.Namespace, work: Path, name: str, base: str, model: P
         config["data"]["object_order"] = args.object_order
     if args.decode_batch is not None:
         config["rollout_matching"]["decode_batch_size"] = args.decode_batch
-    overrides = [*getattr(args, "sized", []), *args.settings, *overrides]
+    overrides = [*getattr(args, "sized", []), *args.settings, *_reward_decoding(overrides), *overrides]
     if overrides:
         from coordexp.schema.loader import load_merged
 
@@ -259,6 +260,19 @@ def _config(args: argparse.Namespace, work: Path, name: str, base: str, model: P
     path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
     return path
+
+
+# what the reward objective samples with (docs/design.md, decision 19): the policy's own distribution
+REWARD_DECODING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "num_beams": 1, "repetition_penalty": 1.0,
+                   "coord_group_greedy": False}
+
+
+def _reward_decoding(overrides: Any) -> list[tuple[list[str], Any]]:
+    """An arm that sets ``rollout_matching.objective: reward`` trains with sampling decoding (its own overrides of
+    ``rollout_matching.decoding.*`` win, coming after); evaluation keeps the one evaluation config's decoding."""
+    if ["rollout_matching", "objective"] not in [keys for keys, value in overrides if value == "reward"]:
+        return []
+    return [(["rollout_matching", "decoding", key], value) for key, value in REWARD_DECODING.items()]
 
 
 def _progress(every: int = 50) -> Any:
@@ -285,9 +299,11 @@ def _train(config: Path) -> dict[str, Any]:
     started = time.perf_counter()
     outcome = run_training(run, callbacks=[_progress()], print_logs=False)
     history = outcome.log_history
+    rewards = [h["reward/mean"] for h in history if "reward/mean" in h]  # the reward objective's arms only
     return {"steps": outcome.global_step, "wall_s": time.perf_counter() - started,
             "trained_tokens": int(sum(h.get("tokens/trained", 0) for h in history)),
-            "final_loss": next((h["loss"] for h in reversed(history) if "loss" in h), None)}
+            "final_loss": next((h["loss"] for h in reversed(history) if "loss" in h), None),
+            "reward_mean": sum(rewards) / len(rewards) if rewards else None}
 
 
 def _evaluate(args: argparse.Namespace, work: Path, eval_config: Path, name: str) -> dict[str, Any]:

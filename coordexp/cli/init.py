@@ -60,6 +60,7 @@ class InitChoices:
     family: str
     attn_implementation: str = "sdpa"
     pretrained: bool = False  # a real (pretrained-size) model: its learning rate whatever the device
+    objective: str = "sft"  # stage 2: rollout-matching SFT, or the reward objective (docs/design.md, decision 19)
 
 
 def weight_bytes(model: Path) -> int:
@@ -116,6 +117,8 @@ def _plan(c: InitChoices) -> dict[str, Any]:
                 "sleep_level": DEFAULT,
                 "sync": {"mode": DEFAULT, "fallback_to_full": DEFAULT},
             }
+    if stage2 and c.objective == "reward":
+        _reward_plan(rollout)
     rollout["pipeline"] = ({"objective": _pipeline(stage2), "diagnostics": []}, "docs/design.md, decision 5")
     training = {
         "output_dir": (c.output_dir, "the run folder: checkpoints, logs, the final model (stage 2's model.path)"),
@@ -162,6 +165,21 @@ def _plan(c: InitChoices) -> dict[str, Any]:
         "training": training,
         "rollout_matching": rollout,
     }
+
+
+def _reward_plan(rollout: dict[str, Any]) -> None:
+    """The reward objective's keys (docs/design.md, decision 19): the policy's own distribution is sampled, every
+    reward setting is written out at its default, and the SFT keys above stay for the ground-truth steps and
+    reward.sft_weight."""
+    rollout["objective"] = ("reward", "")
+    rollout["decoding"] = {"temperature": (1.0, "the reward objective samples the policy's own distribution"),
+                           "top_p": DEFAULT, "top_k": DEFAULT,
+                           "coord_group_greedy": (False, "greedy decoding only; the reward objective samples")}
+    rollout["gt_step_share"] = (0.5, "the ground-truth steps anchor the policy to the SFT target")
+    rollout["reward"] = {key: DEFAULT for key in ("group_size", "include_greedy", "credit", "iou_threshold",
+                                                  "class_aware", "duplicate_penalty", "spurious_penalty",
+                                                  "stop_penalty", "close_bonus", "cutoff_penalty",
+                                                  "scale_by_std", "sft_weight", "kl_weight")}
 
 
 SECTION_NOTES = {
@@ -220,7 +238,8 @@ def _render(model: type[BaseModel], plan: dict[str, Any], depth: int, lines: lis
 
 def render_config(choices: InitChoices) -> str:
     """The commented YAML of ``choices`` (self-contained: no ``extends``)."""
-    stage = "stage 2 (rollout-matching SFT)" if choices.stage == 2 else "stage 1 (SFT on the ground truth)"
+    objective = "the reward objective" if choices.objective == "reward" else "rollout-matching SFT"
+    stage = f"stage 2 ({objective})" if choices.stage == 2 else "stage 1 (SFT on the ground truth)"
     lines = [f"# coordexp {stage} for a {choices.family} model on {choices.device.upper()}; written by `coordexp "
              "init`.", "# Check it with `coordexp validate` and `coordexp preflight`, train it with `coordexp train`. "
              "Every key is", "# documented by `coordexp schema`; keys left out take the schema's defaults."]
@@ -303,11 +322,19 @@ def init_config(
                                        "rollout-matching SFT from a stage-1 model.")] = 1,
     device: Annotated[str, typer.Option("--device", help="cpu (float32, HF rollouts) or gpu (bfloat16, vLLM "
                                         "colocate rollouts in stage 2).")] = "gpu",
+    objective: Annotated[str, typer.Option("--objective", help="Stage 2's objective: sft (rollout-matching SFT) or "
+                                           "reward (a policy gradient with rewards from the matching; "
+                                           "docs/design.md, decision 19).")] = "sft",
 ) -> None:
     """Write a complete, commented config for this model family, stage and hardware; it validates and trains as
     written. Exit 2 when OUT exists, the model is not a supported checkpoint or a data file is missing."""
     if device not in ("cpu", "gpu"):
         fail(f"--device {device!r} is not cpu or gpu", "Pass --device cpu or --device gpu")
+    if objective not in ("sft", "reward"):
+        fail(f"--objective {objective!r} is not sft or reward", "Pass --objective sft or --objective reward")
+    if objective == "reward" and stage != 2:
+        fail("--objective reward trains on rollouts: it is a stage-2 objective", "Add --stage 2 (from a stage-1 "
+             "model), or leave --objective out for stage 1")
     from coordexp.cli.file_guard import check_path_names
 
     check_path_names(output, f"-o {output}")  # a name over 255 bytes or a NUL byte: exit 2 before any stat
@@ -338,14 +365,15 @@ def init_config(
         model=_written_path(model, folder), train_jsonl=_written_path(train_jsonl, folder),
         val_jsonl=None if val_jsonl is None else _written_path(val_jsonl, folder),
         output_dir=f".{os.sep}{Path('runs') / output.stem}", stage=stage, device=device, family=family,
-        attn_implementation=attn, pretrained=weight_bytes(model) >= PRETRAINED_BYTES)
+        attn_implementation=attn, pretrained=weight_bytes(model) >= PRETRAINED_BYTES, objective=objective)
     text = render_config(choices)
     _check_renders_valid(text)
     from coordexp.cli.file_guard import check_output_file, write_new_file
 
     write_new_file(check_output_file(output, [train_jsonl, *(p for p in [val_jsonl] if p)], "-o"), text.encode(),
                    "-o")
-    out.print(f"[green]✓[/green] wrote {safe(output)}: stage {stage}, {family}, {device}, run folder "
+    objective_note = ", reward objective" if objective == "reward" else ""
+    out.print(f"[green]✓[/green] wrote {safe(output)}: stage {stage}{objective_note}, {family}, {device}, run folder "
               f"{safe(folder / 'runs' / output.stem)}")
     if not _has_coord_tokens(model):
         out.print(f"  [yellow]! warning[/yellow] {safe(model)}'s tokenizer has no coord tokens: run `coordexp "

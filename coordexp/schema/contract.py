@@ -20,7 +20,8 @@ from coordexp.schema.matching import MatchingConfig, OtConfig
 from coordexp.schema.model import ModelConfig
 from coordexp.schema.pipeline import PipelineConfig
 from coordexp.schema.rollout import (CollapseAlarmConfig, DecodingConfig, HfGenerateConfig, OffloadConfig,
-                                      OverlapConfig, RepeatTerminateConfig, RepeatUnlikelihoodConfig)
+                                      OverlapConfig, RepeatTerminateConfig, RepeatUnlikelihoodConfig,
+                                      RewardConfig)
 from coordexp.schema.root import CoordExpConfig
 from coordexp.schema.template import TemplateConfig
 from coordexp.schema.training import TrainingConfig
@@ -159,6 +160,8 @@ class RolloutMatchingContract:
     repeats: Literal["neutral", "drop", "unlikelihood"] = "neutral"  # certified repeats: context, left out, pushed down
     repeat_unlikelihood: RepeatUnlikelihoodConfig = field(default_factory=RepeatUnlikelihoodConfig)
     gt_prefix_mix: GtPrefixMix = field(default_factory=GtPrefixMix)  # data.gt_prefix_mix: gap-augmented GT samples
+    objective: Literal["sft", "reward"] = "sft"  # SFT or the reward objective (docs/design.md, decision 19)
+    reward: RewardConfig = field(default_factory=RewardConfig)  # the reward objective's settings
 
     @property
     def offload_active(self) -> bool:
@@ -168,6 +171,12 @@ class RolloutMatchingContract:
     @property
     def is_beam_search(self) -> bool:
         return self.decoding.num_beams > 1
+
+    @property
+    def greedy_evaluation(self) -> bool:
+        """Evaluation rollouts decode greedily while training samples: the reward objective with the HF backend,
+        which takes the greedy flag per request (docs/design.md, decision 19)."""
+        return self.objective == "reward" and isinstance(self.backend, HfBackendContract)
 
     @property
     def is_greedy(self) -> bool:
@@ -313,6 +322,8 @@ def build_contract(cfg: CoordExpConfig) -> RunContract:
         repeats=rm.repeats,
         repeat_unlikelihood=rm.repeat_unlikelihood,
         gt_prefix_mix=cfg.data.gt_prefix_mix,
+        objective=rm.objective,
+        reward=rm.reward,
     )
     data = cfg.data
     if data.image_root is None:

@@ -38,6 +38,7 @@ __all__ = [
     "OverlapConfig",
     "HfGenerateConfig",
     "CollapseAlarmConfig",
+    "RewardConfig",
     "RolloutMatchingConfig",
 ]
 
@@ -338,6 +339,53 @@ class RepeatUnlikelihoodConfig(StrictModel):
         2, description="Half-width in bins of the coordinate band pushed down (0: the repeat's bin alone).")
 
 
+# a reward term's size: rewards of found objects are at most 1 each, so 10 is far past any useful penalty
+Penalty = float_in(ge=0.0, le=10.0)
+
+
+class RewardConfig(StrictModel):
+    """``objective: reward``: the policy-gradient objective whose rewards come from the matching (docs/design.md,
+    decision 19). Each image is rolled out ``group_size`` times at temperature 1 (no top-k, no top-p), every
+    rollout scored from its one-to-one match to the ground truth, and each token weighted by its advantage over
+    the group's leave-one-out mean."""
+
+    group_size: int_in(2, 64) = Field(
+        4, description="Rollouts sampled per image (at least 2: the leave-one-out baseline needs a peer; at most 64).")
+    include_greedy: bool = Field(
+        False, description="Also roll each image out greedily and train that rollout as one more group member "
+        "(rollout_backend: hf only).")
+    credit: Literal["sequence", "object"] = Field(
+        "object", description="sequence = one reward for the whole rollout on every token (the peers' form); "
+        "object = each object's tokens get that object's advantage and the closing tokens the stop advantage.")
+    iou_threshold: float_in(ge=0.05, le=1.0) = Field(
+        0.5, description="Box IoU a matched pair needs to count as found (tau), in [0.05, 1].")
+    class_aware: bool = Field(
+        True, description="A matched pair counts as found only with the ground truth's desc as well.")
+    duplicate_penalty: Penalty = Field(
+        0.3, description="Subtracted per certified repeat (object credit: the repeat's advantage), in [0, 10]; "
+        "Pinto et al.'s duplicate weight.")
+    spurious_penalty: Penalty = Field(0.0, description="Subtracted per unmatched object that is no repeat, in "
+                                      "[0, 10]; 0 because labels are incomplete (an unlabelled object is no error).")
+    stop_penalty: Penalty = Field(
+        0.1, description="Object credit: taken off the closing tokens' advantage per ground-truth object still "
+        "missing when the list closed, in [0, 10].")
+    close_bonus: Penalty = Field(0.1, description="Object credit: the closing tokens' advantage when the list "
+                                 "closed with nothing missing, in [0, 10].")
+    cutoff_penalty: Penalty = Field(
+        0.1, description="Object credit: a rollout cut off before it closed (length limit, repeat guard) carries "
+        "-stop_penalty per missing object minus this on its last token, so never closing never beats closing early; "
+        "in [0, 10].")
+    scale_by_std: bool = Field(
+        False, description="Divide baselined advantages by their group's standard deviation (GRPO's scaling).")
+    sft_weight: float_in(ge=0.0, le=100.0) = Field(
+        0.0, description="Weight of the rollout-matching SFT target of the same rollouts added to the policy "
+        "gradient (0 = policy gradient alone), in [0, 100].")
+    kl_weight: float_in(ge=0.0, le=100.0) = Field(
+        0.0, description="Weight of the KL penalty to the starting checkpoint (k3 estimator on the rollout tokens, "
+        "the reference's log-probabilities without gradients; 0 = off, no reference model loaded), in [0, 100]; "
+        "a frozen copy of the model is kept for it (its memory again); not with training.deepspeed.")
+
+
 class RolloutMatchingConfig(StrictModel):
     """``rollout_matching``: every stage-2 rollout, matching and loss-pipeline key (docs/design.md)."""
 
@@ -375,6 +423,11 @@ class RolloutMatchingConfig(StrictModel):
         "spec (the prefix ends after the last complete object; FN append or EOS follows them); drop = the prefix ends "
         "after the last matched object ('{' when none matched), so Y_train never teaches going on past objects that "
         "matched nothing (docs/design.md, decision 15).")
+    objective: Literal["sft", "reward"] = Field(
+        "sft", description="What stage 2 trains on its rollouts: sft = rollout-matching SFT (the teacher-forced "
+        "target: rollout prefix + missed objects + EOS); reward = a policy gradient with rewards from the matching "
+        "(rollout_matching.reward; docs/design.md, decision 19).")
+    reward: RewardConfig = Field(default_factory=RewardConfig)
 
     @model_validator(mode="after")
     def _backend_rules(self) -> "RolloutMatchingConfig":
@@ -417,5 +470,35 @@ class RolloutMatchingConfig(StrictModel):
                     "Lower rollout_matching.max_new_tokens or raise rollout_matching.vllm.max_model_len.",
                 )
             )
+        violations.extend(self._reward_rules())
         raise_violations(violations)
         return self
+
+    def _reward_rules(self) -> list[RuleViolation]:
+        """``objective: reward`` samples from the policy itself: the policy gradient is unbiased only for tokens
+        drawn from the distribution it differentiates (temperature 1, nothing truncated, one beam)."""
+        if self.objective != "reward":
+            return []
+        d = self.decoding
+        violations = []
+        if (d.temperature, d.top_p, d.top_k, d.num_beams, d.repetition_penalty) != (1.0, 1.0, -1, 1, 1.0):
+            violations.append(RuleViolation(
+                "decoding",
+                f"objective: reward samples the policy's own distribution, but decoding is temperature "
+                f"{d.temperature}, top_p {d.top_p}, top_k {d.top_k}, num_beams {d.num_beams}, repetition_penalty "
+                f"{d.repetition_penalty}",
+                "Set rollout_matching.decoding to temperature: 1.0, top_p: 1.0, top_k: -1, num_beams: 1, "
+                "repetition_penalty: 1.0 (the greedy rollout comes from reward.include_greedy)."))
+        if self.reward.include_greedy and self.rollout_backend != "hf":
+            violations.append(RuleViolation(
+                "reward.include_greedy",
+                f"include_greedy: true needs a backend that decodes one request greedily among sampled ones; "
+                f"rollout_backend {self.rollout_backend} decodes a call with one setting",
+                "Use rollout_backend: hf, or set reward.include_greedy: false."))
+        if self.overlap.enabled:
+            violations.append(RuleViolation(
+                "overlap.enabled",
+                "objective: reward trains each rollout's own tokens against the policy that drew them; overlap "
+                "trains rollouts one step old",
+                "Set overlap.enabled: false."))
+        return violations

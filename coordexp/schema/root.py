@@ -74,6 +74,13 @@ class CoordExpConfig(StrictModel):
                     "Use data.object_order: keep or sorted, or fn_placement: append.",
                 )
             )
+        if rm.objective == "reward" and rm.reward.kl_weight > 0 and self.training.deepspeed is not None:
+            violations.append(RuleViolation(
+                "rollout_matching.reward.kl_weight",
+                f"kl_weight: {rm.reward.kl_weight} keeps a frozen copy of the starting model, which coordexp does "
+                "not build under DeepSpeed (its parameters are partitioned or offloaded)",
+                "Set rollout_matching.reward.kl_weight: 0 (reward.sft_weight or gt_step_share keep the policy near "
+                "the SFT target), or train without training.deepspeed."))
         violations += evaluation_data_violations(self.training, self.data.val_jsonl)
         violations += deepspeed_violations(
             self.training, adapter=self.tuner.train_type == "lora", colocate_offload=rm.offload.enabled and (

@@ -212,3 +212,31 @@ def test_the_runnable_examples_are_what_init_writes(name):
     assert generated == rendered
     assert head and all(line.startswith("#") for line in head.splitlines())
     assert "make-tiny-model" in head
+
+
+@pytest.mark.parametrize("device", ["cpu", "gpu"])
+def test_the_reward_objective_config_is_complete_commented_and_validates(project, device):
+    """``--objective reward`` (issue 52): the reward objective with every rollout_matching.reward key written out at
+    the schema's default, each with its description, and decoding that samples the policy's own distribution."""
+    from coordexp.schema.rollout import RewardConfig
+
+    result = _init(project, "rw.yaml", "--stage", "2", "--device", device, "--objective", "reward")
+    assert result.exit_code == 0, result.output
+    path = project / "rw.yaml"
+    report = validate_config_file(path)
+    assert report.ok and report.warnings == (), [i.render() for i in (*report.errors, *report.warnings)]
+    text = path.read_text(encoding="utf-8")
+    data = yaml.safe_load(text)
+    rm = data["rollout_matching"]
+    assert rm["objective"] == "reward" and rm["decoding"]["temperature"] == 1.0
+    assert rm["reward"] == RewardConfig().model_dump(mode="json")  # complete: every key, at its default
+    for field in RewardConfig.model_fields.values():
+        assert field.description.split(";")[0].split(",")[0][:30] in " ".join(text.split()), field.description
+    assert text.startswith("# coordexp stage 2 (the reward objective)")
+    assert report.config.rollout_matching.objective == "reward"
+
+
+def test_the_reward_objective_is_refused_for_stage_1_and_an_unknown_objective_is_exit_2(project):
+    assert _init(project, "a.yaml", "--objective", "reward").exit_code == 2
+    assert _init(project, "b.yaml", "--stage", "2", "--objective", "rl").exit_code == 2
+    assert not (project / "a.yaml").exists() and not (project / "b.yaml").exists()

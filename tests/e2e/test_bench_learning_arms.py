@@ -182,3 +182,29 @@ def test_the_report_recomputes_the_zero_training_bound_from_the_committed_seeds(
         statistics.fmean(d["label_free"]["precision"] - d["raw"]["precision"] for d in saved))
     assert gain["mean"] > 0  # removing certified repeats raised the spec arm's mean precision
     assert set(bound) == set(seeds[0]["runs"])  # every arm saved its dedup figures
+
+
+def test_a_reward_arm_trains_with_sampling_and_its_own_decoding_overrides_win(bench, tmp_path):
+    """``--variant NAME=rollout_matching.objective:reward`` (issue 52) validates as it stands: the arm trains with
+    the policy's own distribution (temperature 1, no coordinate-group greedy), the control arm keeps the recipe's
+    decoding, and a decoding key the variant sets itself wins."""
+    from coordexp.schema.contract import load_contract
+
+    args = _args(bench, tmp_path, "--variant", "reward=rollout_matching.objective:reward",
+                 "--variant", "reward_hot=rollout_matching.objective:reward;rollout_matching.decoding.top_k:50")
+    for name in ("train.jsonl", "val.jsonl"):
+        (tmp_path / name).write_text("")
+    model, train, val = tmp_path / "model", tmp_path / "train.jsonl", tmp_path / "val.jsonl"
+    plan = dict(bench.continuation_plan(args))
+
+    def contract(name):
+        return load_contract(bench._config(args, tmp_path, name, "demo_stage2.yaml", model, train, val, 3,
+                                           {"max_steps": 2}, plan[name]))
+
+    reward, control = contract("reward"), contract("stage2_recipe")
+    assert reward.rollout_matching.objective == "reward" and control.rollout_matching.objective == "sft"
+    assert (reward.rollout_matching.decoding.temperature, reward.rollout_matching.decoding.coord_group_greedy) == (1.0,
+                                                                                                                  False)
+    assert control.rollout_matching.decoding.coord_group_greedy is True
+    with pytest.raises(Exception, match="top_k"):  # the variant's own top_k comes after the sampling defaults
+        contract("reward_hot")

@@ -51,3 +51,34 @@ def test_two_process_stage2_trains_in_lockstep(tmp_path, write_config):
 
     assert reduced(ranks[0]["logs"]) == reduced(ranks[1]["logs"])
     assert all(log["rollout/samples"] == 4 for log in ranks[0]["logs"])  # 2 ranks x batch 2
+
+
+def test_two_process_reward_objective_trains_in_lockstep_with_reduced_reward_figures(tmp_path, write_config):
+    """The reward objective under two learner processes (issue 52): its figures are collectives every rank calls
+    in the same order (no deadlock), both ranks log the same reduced numbers and hold the same weights, and a
+    rank's groups are its own images' (2 ranks x 2 images)."""
+    config = write_config({
+        "training": {"output_dir": str(tmp_path / "run"), "per_device_train_batch_size": 2,
+                     "gradient_accumulation_steps": 1, "max_steps": 2, "logging_steps": 1, "save_steps": 1000,
+                     "packing": False},
+        "global_max_length": 1024,
+        "rollout_matching": {"rollout_backend": "hf", "decode_batch_size": 4, "max_new_tokens": 16,
+                             "objective": "reward", "decoding": {"temperature": 1.0}, "gt_step_share": 0.0,
+                             "reward": {"group_size": 2}},
+    })
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(ENTRY),
+           str(config), str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=420)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["global_step"] for r in ranks] == [2, 2]
+    assert ranks[0]["params_sha256"] == ranks[1]["params_sha256"]
+
+    def reduced(logs):
+        return [{k: v for k, v in log.items() if not k.startswith("time/") and k != "tokens/trained_per_s"}
+                for log in logs]
+
+    assert reduced(ranks[0]["logs"]) == reduced(ranks[1]["logs"])
+    for log in ranks[0]["logs"]:
+        assert log["reward/groups"] == 4 and log["reward/samples"] == log["rollout/samples"] == 8

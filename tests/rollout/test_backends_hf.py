@@ -489,3 +489,17 @@ def test_hf_generate_reaches_the_backend_from_the_config(model, tokenizer, tmp_p
         model.train(was_training)
         model.requires_grad_(True)
     assert served.hf_generate == STATIC
+
+
+def test_a_request_flagged_greedy_decodes_greedily_among_sampled_ones(model, tokenizer, requests_):
+    """The reward objective's greedy group member (``reward.include_greedy``): in a sampling run, the flagged rows
+    equal a greedy run's and the others are the sampled rows they would be without the flag."""
+    sampling = DecodingConfig(temperature=1.0)
+    flagged = [dataclasses.replace(r, greedy=k % 2 == 1) for k, r in enumerate(requests_)]
+    mixed = backend(model, tokenizer, batch=5, decoding=sampling).generate(flagged)
+    sampled = backend(model, tokenizer, batch=5, decoding=sampling).generate(requests_)
+    greedy = backend(model, tokenizer, batch=5).generate(requests_)
+    for k, out in enumerate(mixed):
+        expected = greedy[k] if k % 2 == 1 else sampled[k]
+        assert out.response_token_ids == expected.response_token_ids, k
+    assert any(s.response_token_ids != g.response_token_ids for s, g in zip(sampled, greedy))

@@ -50,3 +50,7 @@ class TokenSupervision:
     ul_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     ul_bins: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     ul_exclude: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    # Policy-gradient tokens of the reward objective (docs/design.md, decision 19): the loss is
+    # ``-pg_advantages[i] * log p(token at pg_positions[i])``; empty for rollout-matching SFT.
+    pg_positions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    pg_advantages: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))

@@ -122,6 +122,17 @@ def _checked_negatives(sup: TokenSupervision, n_assistant: int, where: str) -> t
     return positions, tokens, bins, exclude
 
 
+def _checked_policy_tokens(sup: TokenSupervision, n_assistant: int, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """(positions, advantages) of the policy-gradient tokens: distinct positions in the span, finite advantages."""
+    positions = _as_index_array(sup.pg_positions, "pg_positions", where).reshape(-1)
+    _check_positions(positions, "pg_positions", n_assistant, where)
+    advantages = np.asarray(sup.pg_advantages, dtype=np.float32).reshape(-1)
+    if advantages.size != positions.size or not np.all(np.isfinite(advantages)):
+        raise ValueError(f"{where}: pg_advantages must be finite, one per pg position ({advantages.size} vs "
+                         f"{positions.size})")
+    return positions, advantages
+
+
 def _segment_arrays(segment: SupervisionSegment, seq_len: int, where: str) -> dict[str, np.ndarray]:
     """Validate one segment and return its absolute label positions, labels, weights, targets and slots."""
     sup, row, start = segment.supervision, int(segment.row), int(segment.assistant_start)
@@ -146,8 +157,9 @@ def _segment_arrays(segment: SupervisionSegment, seq_len: int, where: str) -> di
         )
     ce_w, targets, slots = _checked_values(sup, ce_pos.size, coord_pos.size, where)
     ul = _checked_negatives(sup, n, where)
+    pg_pos, pg_adv = _checked_policy_tokens(sup, n, where)
     abs_ce, abs_coord = start + ce_pos, start + coord_pos
-    if any(a.size and a.min() == 0 for a in (abs_ce, abs_coord, start + ul[0])):
+    if any(a.size and a.min() == 0 for a in (abs_ce, abs_coord, start + ul[0], start + pg_pos)):
         raise ValueError(
             f"{where}: a label sits at absolute position 0 of row {row}, where no logit predicts it; the assistant "
             "span must start after the prompt (assistant_start >= 1)"
@@ -165,6 +177,9 @@ def _segment_arrays(segment: SupervisionSegment, seq_len: int, where: str) -> di
         "ul_tokens": ul[1],
         "ul_bins": ul[2],
         "ul_exclude": ul[3],
+        "pg_index": base + start + pg_pos,
+        "pg_labels": ids[pg_pos] if pg_pos.size else np.zeros(0, dtype=np.int64),
+        "pg_advantages": pg_adv,
     }
 
 
@@ -189,6 +204,10 @@ class SupervisionBatch:
     ul_tokens: torch.Tensor = torch.zeros(0, dtype=torch.long)
     ul_bins: torch.Tensor = torch.zeros(0, dtype=torch.long)
     ul_exclude: torch.Tensor = torch.zeros(0, dtype=torch.long)
+    # policy-gradient tokens of the reward objective (TokenSupervision.pg_*): their logit rows, ids and advantages
+    pg_logit_index: torch.Tensor = torch.zeros(0, dtype=torch.long)
+    pg_labels: torch.Tensor = torch.zeros(0, dtype=torch.long)
+    pg_advantages: torch.Tensor = torch.zeros(0, dtype=torch.float32)
 
     @classmethod
     def from_segments(cls, segments: Sequence[SupervisionSegment], seq_len: int) -> "SupervisionBatch":
@@ -229,6 +248,9 @@ class SupervisionBatch:
             **{f"ul_{name}": torch.from_numpy(cat(f"ul_{name}", np.int64))
                for name in ("tokens", "bins", "exclude")},
             ul_logit_index=torch.from_numpy(cat("ul_index", np.int64)),
+            pg_logit_index=torch.from_numpy(cat("pg_index", np.int64)),
+            pg_labels=torch.from_numpy(cat("pg_labels", np.int64)),
+            pg_advantages=torch.from_numpy(cat("pg_advantages", np.float32)),
         )
 
     def to(self, device: torch.device | str) -> "SupervisionBatch":
@@ -246,6 +268,9 @@ class SupervisionBatch:
                 "ul_tokens",
                 "ul_bins",
                 "ul_exclude",
+                "pg_logit_index",
+                "pg_labels",
+                "pg_advantages",
             )
         }
         return SupervisionBatch(**moved, seq_len=self.seq_len, num_rows=self.num_rows)
@@ -255,7 +280,7 @@ class SupervisionBatch:
         least one), and this batch re-indexed for logits computed at those positions only (``model(...,
         logits_to_keep=positions)``). Prompt and padding logits are never read, so the LM head then runs on K
         instead of T positions, and the logits and their gradient shrink by K / T."""
-        flat = torch.cat([self.ce_logit_index, self.coord_logit_index, self.ul_logit_index])
+        flat = torch.cat([self.ce_logit_index, self.coord_logit_index, self.ul_logit_index, self.pg_logit_index])
         if flat.numel():
             positions = torch.unique(flat % self.seq_len)  # sorted
         else:
@@ -270,6 +295,7 @@ class SupervisionBatch:
             ce_logit_index=remap(self.ce_logit_index),
             coord_logit_index=remap(self.coord_logit_index),
             ul_logit_index=remap(self.ul_logit_index),
+            pg_logit_index=remap(self.pg_logit_index),
             seq_len=kept,
         )
 
@@ -284,6 +310,7 @@ class LossDenominators:
     coord: int  # coord_ce, soft_ce, w1, gate: coord slots
     boxes: int  # smoothl1, ciou: bbox slots
     negatives: int = 0  # repeat_ul: unlikelihood negatives
+    policy_tokens: int = 0  # policy_gradient: rollout tokens trained by the reward objective
 
     @classmethod
     def of(cls, batch: "SupervisionBatch") -> "LossDenominators":
@@ -293,12 +320,13 @@ class LossDenominators:
             int(batch.coord_logit_index.numel()),
             int(batch.bbox_slots.shape[0]),
             int(batch.ul_logit_index.numel()),
+            int(batch.pg_logit_index.numel()),
         )
 
     def __add__(self, other: "LossDenominators") -> "LossDenominators":
         return LossDenominators(
             self.ce_weight + other.ce_weight, self.ce + other.ce, self.coord + other.coord, self.boxes + other.boxes,
-            self.negatives + other.negatives,
+            self.negatives + other.negatives, self.policy_tokens + other.policy_tokens,
         )
 
     def scales(self, whole: "LossDenominators") -> dict[str, float]:

@@ -36,12 +36,15 @@ FinishReason = Literal["stop", "length", "repeat"]
 @dataclass(frozen=True)
 class RolloutRequest:
     """One sample to roll out: its encoded prompt (which defines ``prompt_token_ids``), its position in the
-    trainer's batch, and its sampling seed. ``record`` is for backends that must send image paths (vLLM server)."""
+    trainer's batch, and its sampling seed. ``record`` is for backends that must send image paths (vLLM server).
+    ``greedy``: decode this request greedily although the run samples (the reward objective's greedy group member;
+    the HF backend honours it, and validation refuses it for the others)."""
 
     prompt: "EncodedPrompt"
     index: int
     seed: int = 0
     record: "DetectionRecord | None" = None
+    greedy: bool = False
 
 
 @dataclass(frozen=True)

@@ -128,10 +128,12 @@ class PaddingAwareRepetitionPenalty(LogitsProcessor):
 
 class SeededSampler(LogitsProcessor):
     """Samples each row's next token with that row's own generator and leaves only it finite (so the greedy step
-    of ``generate`` picks it). Temperature, top-k and top-p are HF's warpers, applied in that order."""
+    of ``generate`` picks it). Temperature, top-k and top-p are HF's warpers, applied in that order. Rows flagged
+    ``greedy`` are left alone (the greedy step takes their likeliest token)."""
 
-    def __init__(self, seeds: Sequence[int], decoding: DecodingConfig):
+    def __init__(self, seeds: Sequence[int], decoding: DecodingConfig, greedy: Sequence[bool] = ()):
         self.seeds = [int(s) for s in seeds]
+        self.greedy = [bool(g) for g in greedy] or [False] * len(self.seeds)
         self.warpers: list[LogitsProcessor] = [TemperatureLogitsWarper(max(decoding.temperature, 1e-4))]
         if decoding.top_k > 0:
             self.warpers.append(TopKLogitsWarper(decoding.top_k))
@@ -149,8 +151,11 @@ class SeededSampler(LogitsProcessor):
             warped = warper(input_ids, warped)
         probs = torch.softmax(warped, dim=-1)
         choices = torch.cat([torch.multinomial(row, 1, generator=g) for row, g in zip(probs, self._generators)])
-        chosen = torch.full_like(scores, float("-inf"))
-        return chosen.scatter(1, choices[:, None], 0.0)
+        chosen = torch.full_like(scores, float("-inf")).scatter(1, choices[:, None], 0.0)
+        if any(self.greedy):
+            keep = torch.tensor(self.greedy, device=scores.device)[:, None]
+            chosen = torch.where(keep, scores, chosen)
+        return chosen
 
 
 def _unwrap(model: Any) -> Any:
@@ -371,5 +376,6 @@ class HfRolloutBackend(RolloutBackend):
             processors.append(RepeatGuardProcessor(self.guard, prompt_width=width, eos_token_id=self.end_of_turn_id,
                                                    pieces=self._pieces, rows_reorder=beams > 1))
         if self.decoding.temperature > 0:
-            processors.append(SeededSampler([request.seed for request in chunk], self.decoding))
+            processors.append(SeededSampler([request.seed for request in chunk], self.decoding,
+                                            [request.greedy for request in chunk]))
         return processors

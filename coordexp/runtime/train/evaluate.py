@@ -201,7 +201,8 @@ def roll_out_and_score(
     backend.sync_weights(model)
     seeds = [eval_rollout_seed(seed, step, i) for i in range(len(records))]
     chunk = max(1, int(decode_batch_size))
-    for part in iter_rollout_samples(backend, host, records, seeds, chunk=chunk, policy_version=step):
+    for part in iter_rollout_samples(backend, host, records, seeds, chunk=chunk, policy_version=step,
+                                     greedy=host.rollout.greedy_evaluation):
         out += score_samples(model, host, part.records, part.samples, score=score, step=step, batch_size=chunk)
     return out
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from coordexp.runtime.core.reward import GroupFigures
 from coordexp.runtime.core.telemetry import RolloutCounters, sum_counters
 from coordexp.runtime.model.token_types import TokenTypeSums, TokenTypeWindow
 
@@ -41,6 +42,7 @@ class StepStats:
         self.stale_dropped = 0  # carried samples dropped for being older than the staleness bound
         self.gt_micro_steps = 0  # stage 2: micro-steps that trained the GT serialization (rollout_matching.gt_step_share)
         self.token_types = TokenTypeWindow()  # trained positions per token type (training.token_type_metrics)
+        self.reward_groups: list[GroupFigures] = []  # objective: reward: one per image group rolled out
 
     def timed(self, stage: str, seconds: float) -> None:
         self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
@@ -79,6 +81,7 @@ class WindowContext:
     fallback_events: int | None  # weight-sync fallbacks so far (server mode), None when the backend has none
     is_main: bool
     token_type_metrics: bool = False  # training.token_type_metrics: every rank reduces the per-type sums
+    reward: bool = False  # rollout_matching.objective: reward: every rank reduces the reward figures
 
 
 def step_log_values(stats: StepStats, ctx: WindowContext) -> dict[str, float]:
@@ -137,4 +140,27 @@ def step_log_values(stats: StepStats, ctx: WindowContext) -> dict[str, float]:
         logs["rollout/seed_first"], logs["rollout/seed_last"] = first, last
     if ctx.fallback_events is not None:
         logs["rollout/sync_fallbacks"] = float(ctx.fallback_events)
+    if ctx.reward:
+        logs.update(reward_log_values(stats, reduced))
+    return logs
+
+
+def reward_log_values(stats: StepStats, reduced: Any) -> dict[str, float]:
+    """The reward objective's window (all ranks): per image group, the mean reward and its spread, averaged over
+    groups; the share of groups whose every advantage is 0 (they teach nothing); the token-mean advantage; the
+    mean closing-token advantage; samples per second of this window's step time (rollout, host, forward,
+    backward) summed over ranks."""
+    groups = stats.reward_groups
+    seconds = sum(stats.seconds.get(k, 0.0) for k in ("rollout", "host", "forward", "backward"))
+    sums = reduced([float(len(groups)), sum(g.reward_mean for g in groups), sum(g.reward_std for g in groups),
+                    float(sum(g.zero_advantage for g in groups)), float(sum(g.samples for g in groups)),
+                    sum(g.advantage_sum for g in groups), float(sum(g.advantage_tokens for g in groups)),
+                    sum(g.closing_sum for g in groups), float(sum(g.closings for g in groups)),
+                    float(sum(g.samples for g in groups) / seconds) if seconds > 0 else 0.0])
+    n, samples, tokens, closings = max(sums[0], 1.0), sums[4], max(sums[6], 1.0), sums[8]
+    logs = {"reward/groups": sums[0], "reward/mean": sums[1] / n, "reward/group_std": sums[2] / n,
+            "reward/zero_advantage_group_share": sums[3] / n, "reward/samples": samples,
+            "reward/advantage_mean": sums[5] / tokens, "reward/samples_per_s": sums[9]}
+    if closings:
+        logs["reward/closing_advantage"] = sums[7] / closings
     return logs

@@ -35,6 +35,7 @@ from coordexp.runtime.rollout.base import RolloutRequest
 from coordexp.runtime.rollout.weight_export import full_parameters
 from coordexp.runtime.train.metrics import StepStats
 from coordexp.runtime.train.overlap import PlannedMicroStep, RolloutPrefetcher, generate_with_metadata
+from coordexp.runtime.train.reward_step import build_reward_samples
 from coordexp.runtime.train.rollout_step import HostContext, SampleTarget, build_gt_sample, build_rollout_sample
 from coordexp.runtime.train.run_log import step_records_hash
 from coordexp.runtime.train.visualize import append_rollout_log
@@ -70,6 +71,9 @@ class PipelineSettings:
     rollout_log_dir: str | None = None  # where rank 0 appends rollouts.jsonl; None: not this rank
     rollout_log_every: int = 0
     gt_step_share: float = 0.0  # stage 2: share of optimizer steps trained on the GT serialization (no rollout)
+    reward_group: int = 0  # objective: reward: rollouts per image (group_size, + 1 greedy); 0: rollout-matching SFT
+    greedy_member: bool = False  # the last rollout of each reward group is decoded greedily (reward.include_greedy)
+    greedy_eval: bool = False  # evaluation rollouts are decoded greedily although training samples (reward, hf)
 
     @classmethod
     def of(cls, run: "RunContract", args: Any, *, rollout_log_every: int = 0) -> "PipelineSettings":
@@ -83,7 +87,22 @@ class PipelineSettings:
             packing_buffer=int(rm.packing.buffer), min_fill_ratio=float(rm.packing.min_fill_ratio),
             max_steps=int(args.max_steps), rollout_log_dir=str(args.output_dir) if args.process_index == 0 else None,
             rollout_log_every=int(rollout_log_every), gt_step_share=float(rm.gt_step_share) if stage2 else 0.0,
+            **cls.reward_shape(rm, stage2),
         )
+
+    @staticmethod
+    def reward_shape(rm: Any, stage2: bool) -> dict[str, Any]:
+        """The reward objective's fields (none for rollout-matching SFT or stage 1)."""
+        if not stage2 or rm.objective != "reward":
+            return {}
+        greedy = bool(rm.reward.include_greedy)
+        return {"reward_group": int(rm.reward.group_size) + int(greedy), "greedy_member": greedy,
+                "greedy_eval": rm.greedy_evaluation}
+
+    def expand(self, records: Sequence[Any]) -> list[Any]:
+        """The rollout requests of ``records``: each record ``reward_group`` times in a row under the reward
+        objective (one image's group), else once."""
+        return [r for r in records for _ in range(self.reward_group)] if self.reward_group else list(records)
 
     def rolls_out(self, step: int) -> bool:
         """Whether optimizer step ``step`` trains rollouts (stage 2 and not one of the ground-truth steps)."""
@@ -124,16 +143,19 @@ def encode_prompts(host: HostContext, records: Sequence["DetectionRecord"]) -> l
     return [encode_prompt(host.processor, r, host.template) for r in records]
 
 
-def _requests(records: Sequence["DetectionRecord"], prompts: Sequence["EncodedPrompt"], seeds: Sequence[int]
-              ) -> list[RolloutRequest]:
-    return [RolloutRequest(prompt=p, index=i, seed=int(s), record=r)
+def _requests(records: Sequence["DetectionRecord"], prompts: Sequence["EncodedPrompt"], seeds: Sequence[int],
+              greedy_every: int = 0, greedy: bool = False) -> list[RolloutRequest]:
+    """With ``greedy_every = n``, every n-th request (the last of each reward group) is decoded greedily; with
+    ``greedy``, all of them."""
+    return [RolloutRequest(prompt=p, index=i, seed=int(s), record=r,
+                           greedy=greedy or (greedy_every > 0 and i % greedy_every == greedy_every - 1))
             for i, (r, p, s) in enumerate(zip(records, prompts, seeds, strict=True))]
 
 
-def _group_requests(group: Sequence[RolledOut]) -> list[RolloutRequest]:
+def _group_requests(group: Sequence[RolledOut], greedy_every: int = 0) -> list[RolloutRequest]:
     """One backend call's requests for several micro-steps, in micro-step order."""
     return _requests([r for part in group for r in part.records], [p for part in group for p in part.prompts],
-                     [s for part in group for s in part.seeds])
+                     [s for part in group for s in part.seeds], greedy_every)
 
 
 def _split(group: Sequence[RolledOut], outputs: Sequence["RolloutOutput"], metadata: dict[str, Any],
@@ -155,17 +177,19 @@ def _samples(records, prompts, outputs, host: HostContext, version: int | None) 
 
 
 def iter_rollout_samples(backend: "RolloutBackend", host: HostContext, records: Sequence["DetectionRecord"],
-                         seeds: Sequence[int], *, chunk: int, policy_version: int | None = None
+                         seeds: Sequence[int], *, chunk: int, policy_version: int | None = None, greedy: bool = False
                          ) -> Iterator[RolloutChunk]:
     """Roll ``records`` out ``chunk`` at a time with one seed each (the weights are whatever the backend holds) and
-    build every sample as training does; chunks are yielded so a caller can score and drop them (bounded memory)."""
+    build every sample as rollout-matching SFT does; chunks are yielded so a caller can score and drop them (bounded
+    memory). ``greedy``: every request decoded greedily (the reward objective's evaluation, which trains sampling)."""
     if len(seeds) != len(records):
         raise ValueError(f"{len(records)} records but {len(seeds)} seeds")
     step = max(1, int(chunk))
     for start in range(0, len(records), step):
         part, part_seeds = list(records[start:start + step]), [int(s) for s in seeds[start:start + step]]
         prompts = encode_prompts(host, part)
-        outputs, metadata, seconds = generate_with_metadata(backend, _requests(part, prompts, part_seeds))
+        outputs, metadata, seconds = generate_with_metadata(backend, _requests(part, prompts, part_seeds,
+                                                                               greedy=greedy))
         outputs = [replace(o, policy_version=policy_version) for o in outputs]
         yield RolloutChunk(part, part_seeds, outputs, _samples(part, prompts, outputs, host, policy_version),
                            metadata, seconds)
@@ -213,12 +237,12 @@ class MicroStepPipeline:
 
     def plan(self, step: int, batches: Sequence[Sequence[Any]], following: Sequence[Any] | None) -> None:
         """The micro-steps of optimizer step ``step`` (and the next step's first, when looked ahead)."""
-        self._planned = [PlannedMicroStep((step, i), tuple(b)) for i, b in enumerate(batches)]
+        self._planned = [PlannedMicroStep((step, i), tuple(self.settings.expand(b))) for i, b in enumerate(batches)]
         # which records this step trains, so two runs' data order can be compared step for step (bench_learning)
         self.run_log.write("step_records", global_step=int(step), records=sum(len(b) for b in batches),
                            hash=step_records_hash(batches))
         if following is not None:
-            self._planned.append(PlannedMicroStep((step + 1, 0), tuple(following)))
+            self._planned.append(PlannedMicroStep((step + 1, 0), tuple(self.settings.expand(following))))
 
     # -- seeds -------------------------------------------------------------------------------------------------
     def request_seeds(self, step: int, micro: int, count: int) -> list[int]:
@@ -226,6 +250,11 @@ class MicroStepPipeline:
         s = self.settings
         stride = max(s.per_device_batch, count)
         return train_request_seeds(s.seed, step, micro, s.rank, s.world_size, stride, count)
+
+    @property
+    def _greedy_every(self) -> int:
+        """Every how many requests one is decoded greedily (the last of each reward group), 0: none."""
+        return self.settings.reward_group if self.settings.greedy_member else 0
 
     def next_micro_step(self, step: int) -> int:
         owner, drawn = self.micro_step
@@ -258,6 +287,7 @@ class MicroStepPipeline:
             return [build_gt_sample(r, p, self.host, random.Random(f"coordexp-gt-prefix:{seed}:{step}:{r.source}"))
                     for r, p in zip(records, prompts, strict=True)]
         micro = self.next_micro_step(step)
+        records = self.settings.expand(records)  # reward objective: each image's group of rollouts
         seeds = self.request_seeds(step, micro, len(records))
         key = (step, micro)
         start = time.perf_counter()
@@ -269,7 +299,12 @@ class MicroStepPipeline:
         generated = time.perf_counter()
         version = got.version
         outputs = [replace(o, policy_version=version) for o in got.outputs]
-        samples = _samples(records, got.prompts, outputs, self.host, version)
+        if self.settings.reward_group:
+            samples, groups = build_reward_samples(records, got.prompts, outputs, self.host, self.settings.reward_group,
+                                                   version)
+            self.stats.reward_groups.extend(groups)
+        else:
+            samples = _samples(records, got.prompts, outputs, self.host, version)
         self.stats.timed("rollout", generated - start)
         self.stats.seeds.extend(seeds)
         self._log_rollouts("train", step, micro, records, seeds, outputs, samples, got.metadata or {})
@@ -310,7 +345,7 @@ class MicroStepPipeline:
         group = [own] + [self._planned_share(plan) for plan in self._planned
                          if plan.key[0] == step and plan.key > key and plan.key not in ahead]
         self._advise_call_size_once(sum(len(part.records) for part in group))
-        outputs, metadata, _ = generate_with_metadata(self.backend, _group_requests(group))
+        outputs, metadata, _ = generate_with_metadata(self.backend, _group_requests(group, self._greedy_every))
         first, *rest = _split(group, outputs, metadata, step)
         self._rolled.update((part.key, part) for part in rest)
         return first
@@ -343,7 +378,7 @@ class MicroStepPipeline:
             return
         group = [self._planned_share(plan) for plan in pending if plan.key[0] == pending[0].key[0]]
         self._in_flight = group
-        self.prefetcher.request(group[0].key, _group_requests(group), policy_version=step)
+        self.prefetcher.request(group[0].key, _group_requests(group, self._greedy_every), policy_version=step)
 
     def rows(self, samples: list[SampleTarget], step: int) -> list[list[SampleTarget]]:
         """Unpacked: one padded row of all samples. Packed: carried segments older than the staleness bound are
@@ -410,7 +445,8 @@ class MicroStepPipeline:
         self.sync_point(step)
         seeds = [eval_rollout_seed(self.settings.seed, step, i) for i in positions]
         for chunk in iter_rollout_samples(self.backend, self.host, records, seeds,
-                                          chunk=self.settings.decode_batch_size, policy_version=step):
+                                          chunk=self.settings.decode_batch_size, policy_version=step,
+                                          greedy=self.settings.greedy_eval):
             self._log_rollouts("eval", step, None, chunk.records, chunk.seeds, chunk.outputs, chunk.samples,
                                chunk.metadata)
             yield chunk

@@ -33,6 +33,7 @@ from coordexp.runtime.model.packed_forward import (
     padded_forward,
 )
 from coordexp.runtime.model.policy import LaunchError, save_processor
+from coordexp.runtime.model.policy_gradient import frozen_reference, reference_log_probs, reward_objective
 from coordexp.runtime.model.token_types import TokenTypeSums, TokenTypeWindow, token_type_totals
 from coordexp.runtime.model.weight_version import note_optimizer_step
 from coordexp.runtime.rollout.weight_export import full_parameters, zero3_partitioned
@@ -118,6 +119,10 @@ class CoordExpTrainer(Trainer):
         self._coord_ids = torch.tensor(host.vocab.ids, dtype=torch.long)
         self._lookahead: tuple[Any, Any] | None = None  # (epoch iterator, next step's first micro-batch)
         self._record_index: dict[str, int] | None = None  # training record source -> index (object_order: random)
+        reward = run.rollout_matching.reward
+        # the reward objective's KL term reads a frozen copy of the starting checkpoint (docs/design.md, decision 19)
+        self._reference = (frozen_reference(self.model) if self.stage2 and run.rollout_matching.objective == "reward"
+                           and reward.kl_weight > 0 else None)
         if self.stage2 and run.rollout_matching.collapse_alarm.enabled:
             self.add_callback(CollapseCallback(run.rollout_matching.collapse_alarm, say=_warn_line,
                                                record=self.run_log.write))
@@ -249,6 +254,18 @@ class CoordExpTrainer(Trainer):
             self.stats.token_types += token_type_totals(logits.detach(), supervision, coord_ids)  # stays on device
         rm = self.run.rollout_matching
         repeat_ul = rm.repeat_unlikelihood if rm.repeats == "unlikelihood" else None
+        if self.stage2 and rm.objective == "reward":
+            reference = None
+            if self._reference is not None and supervision.pg_logit_index.numel():
+                with torch.no_grad():
+                    ref = self._reference
+                    ref_logits = (packed_forward(ref, batch, logits_to_keep=keep, inputs_from=ref) if packed
+                                  else padded_forward(ref, batch, logits_to_keep=keep))
+                    reference = reference_log_probs(ref_logits, supervision, coord_ids)
+                    del ref_logits
+            return logits, reward_objective(logits, supervision, coord_ids, pipeline, denominators,
+                                            rm.reward.sft_weight, repeat_ul, reference_log_p=reference,
+                                            kl_weight=rm.reward.kl_weight)
         return logits, compute_objective(logits, supervision, coord_ids, pipeline, denominators, repeat_ul)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -356,7 +373,8 @@ class CoordExpTrainer(Trainer):
                 packing_length=self.buffer.packing_length if self.buffer is not None else packing.packing_length,
                 min_fill_ratio=packing.min_fill_ratio,
                 fallback_events=None if fallbacks is None else len(fallbacks),
-                is_main=self.is_world_process_zero(), token_type_metrics=self.run.training.token_type_metrics)))
+                is_main=self.is_world_process_zero(), token_type_metrics=self.run.training.token_type_metrics,
+                reward=self.stage2 and self.run.rollout_matching.objective == "reward")))
             self.stats.reset()
         super().log(logs, start_time)
 
