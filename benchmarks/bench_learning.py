@@ -176,6 +176,10 @@ def _args() -> argparse.Namespace:
                    help="the workdir holds a finished run (summary.json): train and evaluate only the --variant arms "
                    "of each of its seeds from the saved stage-1 checkpoint, add them and re-summarize (the other "
                    "options must equal the run's)")
+    p.add_argument("--grid-arms", default=None, metavar="NAME,NAME",
+                   help="grid task: the default arms to train besides the control (stage1_continued, always), e.g. "
+                   "stage2_recipe; default: stage1_gap, stage2, stage2_drop, stage2_recipe (a screen of --variant "
+                   "arms can leave the others out)")
     p.add_argument("--no-stage1-continued", action="store_true", help="skip the stage-1 continuation")
     p.add_argument("--no-rollout-only", action="store_true",
                    help="skip stage2_rollout_only (the recipe's stage 2 with rollouts at every step, gt_step_share 0)")
@@ -352,6 +356,13 @@ def continuation_plan(args: argparse.Namespace) -> list[tuple[str, list[tuple[li
     if args.task == "grid":
         plan = [(CONTROL, CONTROL_KEYS), ("stage1_gap", GAP_KEYS), ("stage2", SPEC_STAGE2),
                 ("stage2_drop", DROP_STAGE2), ("stage2_recipe", [])]
+        if getattr(args, "grid_arms", None):
+            wanted = {name.strip() for name in args.grid_arms.split(",") if name.strip()}
+            unknown = wanted - {name for name, _ in plan}
+            if unknown:
+                raise SystemExit(f"--grid-arms: no default arm {', '.join(sorted(unknown))}; the grid task's are "
+                                 + ", ".join(name for name, _ in plan[1:]))
+            plan = [(name, keys) for name, keys in plan if name == CONTROL or name in wanted]
     else:
         plan = [("stage2", [])]
         if not args.no_rollout_only:  # the spec's stage 2: every step trains rollouts
