@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import typer
 import yaml
 from typer.testing import CliRunner
 
@@ -90,7 +91,11 @@ def test_a_finished_checkpoint_with_broken_weights_is_not_made_the_final_model(t
     (run / "checkpoint-2" / "model.safetensors").write_bytes(b"x" * 10)
     result = _run("train", str(config), "--resume", "auto")
     assert result.exit_code == 2, result.output
-    assert "cannot be used as the final model" in _text(result) and not (run / "config.json").exists()
+    assert "model.safetensors" in _text(result) and not (run / "config.json").exists()
+    from coordexp.cli.train import _finish_from  # the finishing step's own check, behind the resume check
+    with pytest.raises(typer.Exit):
+        _finish_from(str(run / "checkpoint-2"), str(run))
+    assert not (run / "config.json").exists()
 
 
 @pytest.mark.slow  # trains two steps, twice

@@ -148,7 +148,7 @@ def test_all_errors_are_collected(stage2_config):
         ({"rollout_matching.decoding.top_k": 0}, "rollout_matching.decoding.top_k", "-1 (disabled) or >= 1"),
         ({"rollout_matching.decoding.temperature": -0.1}, "rollout_matching.decoding.temperature", "greater than"),
         ({"rollout_matching.decoding.repetition_penalty": 0.0}, "rollout_matching.decoding.repetition_penalty",
-         "greater than 0"),
+         "greater than or equal to 0.01"),
         ({"rollout_matching.vllm.mode": "server"}, "rollout_matching.vllm.server", "needs vllm.server.servers"),
         ({"rollout_matching.offload.enabled": True}, "rollout_matching.offload.enabled", "nothing moves"),
         ({"template.max_length": 4096}, "template.max_length", "exceeds global_max_length"),
