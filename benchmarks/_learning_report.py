@@ -86,10 +86,15 @@ def summarize(per_seed: Sequence[dict[str, Any]]) -> dict[str, Any]:
     bound = _dedup_bound(per_seed, names)
     if bound:
         summary["dedup_bound"] = bound
-    if all(r in names for r in REFERENCES):
+    gated = [s for s in per_seed if (s.get("gate") or {}).get("passed", True)]
+    if all(r in names for r in REFERENCES) and len(gated) == len(per_seed):
         summary["rule"] = {name: pays(summary, name) for name in names
                            if not name.startswith("stage1") and name != "stage2_drop"}
         summary["ships"] = ships(summary)
+    elif all(r in names for r in REFERENCES) and gated:  # the rule reads gated seeds only, always
+        ruled = summarize(gated)
+        summary["rule"], summary["ships"] = ruled["rule"], ruled["ships"]
+        summary["rule_left_out_seeds"] = [s["seed"] for s in per_seed if s not in gated]
     gates = [s.get("gate") for s in per_seed if s.get("gate") is not None]
     if gates:
         summary["gate"] = {"passed": all(g["passed"] for g in gates), "failed_seeds": [

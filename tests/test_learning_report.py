@@ -115,3 +115,18 @@ def test_variants_are_paired_against_the_recipe_they_change():
     summary = summarize(_seeds(_arms(PAYS, a=tuple(a + 0.003 for a in PAYS))))
     assert summary["a - stage2_recipe"]["AP50"]["mean"] == pytest.approx(0.003)
     assert "stage2 - stage2_recipe" not in summary and "stage1_gap - stage2_recipe" not in summary
+
+
+def test_the_rule_and_what_ships_never_read_a_seed_that_failed_the_gate():
+    """Regression (issue 56, item 14): a seed whose stage 1 failed the gate but ran its arms entered the rule: here
+    its large gain would make the variant beat the recipe, while on the gated seeds it does not."""
+    level = tuple(a + d for a, d in zip(PAYS, (0.003, -0.003, 0.003, -0.003)))
+    seeds = _seeds(_arms(PAYS, recipe_reading_order=level))
+    for seed in seeds:
+        seed["gate"] = {"passed": True}
+    failed = _seeds(_arms(PAYS, recipe_reading_order=tuple(a + 0.2 for a in PAYS)))[0]
+    failed["seed"], failed["gate"] = 299, {"passed": False}
+    gated_only = summarize(seeds)
+    with_failed = summarize([*seeds, failed])
+    assert with_failed["rule"] == gated_only["rule"] and with_failed["ships"] == gated_only["ships"]
+    assert with_failed["ships"]["arm"] == RECIPE and with_failed["rule_left_out_seeds"] == [299]
