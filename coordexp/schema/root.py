@@ -91,6 +91,12 @@ class CoordExpConfig(StrictModel):
         return self
 
 
+STAGE2_ONLY_KEYS = ("gt_step_share", "fn_placement", "repeats", "repeat_unlikelihood", "trailing_unmatched",
+                    "objective", "reward", "collapse_alarm", "overlap")
+"""``rollout_matching`` keys only stage-2 training reads (the decoding, backend, length and matching keys drive
+evaluation too, in any stage: the match rate is the stage-2 matcher's)."""
+
+
 def config_warnings(cfg: CoordExpConfig) -> list[ConfigIssue]:
     """Settings that are legal but have no effect; ``validate`` prints them without failing."""
     warnings: list[ConfigIssue] = []
@@ -106,15 +112,14 @@ def config_warnings(cfg: CoordExpConfig) -> list[ConfigIssue]:
                             "Add 'B' to channels, or set enabled: false to make that explicit.",
                         )
                     )
-    if cfg.custom.trainer_variant != "stage2_rollout_aligned" and "gt_step_share" in rm.model_fields_set:
-        warnings.append(
-            ConfigIssue(
-                "rollout_matching.gt_step_share",
-                f"gt_step_share has no effect in {cfg.custom.trainer_variant}: it splits stage-2 steps between "
-                "ground truth and rollouts, and stage 1 trains on ground truth only",
-                "Remove rollout_matching.gt_step_share, or set custom.trainer_variant: stage2_rollout_aligned.",
-            )
-        )
+    if cfg.custom.trainer_variant != "stage2_rollout_aligned":
+        for key in STAGE2_ONLY_KEYS:
+            if key in rm.model_fields_set:
+                warnings.append(ConfigIssue(
+                    f"rollout_matching.{key}",
+                    f"{key} has no effect in {cfg.custom.trainer_variant}: it shapes stage 2's training on rollouts, "
+                    "and stage 1 trains on ground truth only (evaluation reads only the decoding keys)",
+                    f"Remove rollout_matching.{key}, or set custom.trainer_variant: stage2_rollout_aligned."))
     if rm.rollout_backend == "hf" and "vllm" in rm.model_fields_set:
         warnings.append(
             ConfigIssue(

@@ -115,3 +115,26 @@ def test_greedy_members_need_the_hf_backend_and_overlap_is_refused(stage2_config
                                               "vllm": {"mode": "server", "server": {"servers": [
                                                   {"base_url": "http://127.0.0.1:8000", "group_port": 51216}]}},
                                               "overlap": {"enabled": True}})
+
+
+@pytest.mark.parametrize(("key", "value"), [("fn_placement", "reading_order"), ("repeats", "drop"),
+                                            ("objective", "reward"), ("collapse_alarm", {"action": "stop"}),
+                                            ("gt_step_share", 0.5)])
+def test_a_stage2_only_key_in_a_stage1_config_is_warned_about(key, value, stage2_config):
+    """Regression (issue 56, item 27): stage-2-only keys in a stage-1 config were ignored without a word."""
+    import copy
+
+    from coordexp.schema.loader import validate_mapping
+
+    data = copy.deepcopy(stage2_config)
+    data["rollout_matching"][key] = value
+    if key == "objective":
+        data["rollout_matching"]["decoding"] = {"temperature": 1.0}
+    stage2 = validate_mapping(data)
+    assert stage2.ok, stage2.errors
+    assert not any(w.path == f"rollout_matching.{key}" for w in stage2.warnings)
+    data["custom"] = {**data.get("custom", {}), "trainer_variant": "stage1_sft"}
+    report = validate_mapping(data)
+    assert report.ok, report.errors
+    assert any(w.path == f"rollout_matching.{key}" and "no effect in stage1_sft" in w.message
+               for w in report.warnings)
