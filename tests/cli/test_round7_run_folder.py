@@ -457,3 +457,27 @@ def test_resume_refuses_a_checkpoint_hf_could_not_resume_from_before_the_model_l
     result = _run("train", str(config), "--resume", "auto")
     assert result.exit_code == 2, result.output
     assert named in _text(result) and "Traceback" not in result.output
+
+
+# -- item 26: an adapter whose recorded base is gone is not silently put on model.path --------------------------------
+
+
+def test_an_adapter_whose_recorded_base_is_gone_says_which_base_it_uses_instead(tmp_path, tiny_model_dir, caplog):
+    from coordexp.runtime.model.adapters import adapter_base
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"],
+        "base_model_name_or_path": str(tmp_path / "moved-away-base")}))
+    with caplog.at_level("WARNING", logger="coordexp.adapters"):
+        assert adapter_base(adapter, str(tiny_model_dir)) == str(tiny_model_dir)
+    text = " ".join(caplog.text.split())
+    assert "moved-away-base" in text and "not a local checkpoint" in text and str(tiny_model_dir) in text
+    caplog.clear()
+    (adapter / "adapter_config.json").write_text(json.dumps({  # a hub id as the base: model.path is its local copy
+        "peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"],
+        "base_model_name_or_path": "Qwen/Qwen2.5-VL-3B-Instruct"}))
+    with caplog.at_level("WARNING", logger="coordexp.adapters"):
+        assert adapter_base(adapter, str(tiny_model_dir)) == str(tiny_model_dir)
+    assert caplog.text == ""

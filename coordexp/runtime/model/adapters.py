@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import math
 import os
 from pathlib import Path
 from typing import Any, Iterator
 
 from coordexp.errors import UserInputError
+
+logger = logging.getLogger("coordexp.adapters")
 
 __all__ = ["ADAPTER_CONFIG", "MAX_ADAPTER_RANK", "AdapterDirError", "is_adapter_dir", "read_adapter_config",
            "local_base", "adapter_base", "adapter_peft_config", "load_adapter_weights", "attach_adapter", "hub_offline"]
@@ -170,6 +173,10 @@ def adapter_base(adapter_dir: str | Path, fallback: str | Path | None = None) ->
     recorded = read_adapter_config(adapter_dir).get("base_model_name_or_path")
     for candidate in (recorded, fallback):
         if candidate and local_base(str(candidate), adapter_dir):
+            if candidate is fallback and isinstance(recorded, str) and recorded.startswith(("/", ".", "~")):
+                logger.warning("%s records its base model as %s, which is not a local checkpoint (moved or deleted); "
+                               "using %s (model.path) instead: an adapter on another base than it was trained on "
+                               "gives other figures", adapter_dir, recorded, fallback)
             return str(candidate)
     if fallback is not None and not str(fallback).startswith(("/", ".", "~")) and not is_adapter_dir(fallback):
         return str(fallback)  # a hub id: from_pretrained resolves it
