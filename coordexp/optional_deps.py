@@ -193,8 +193,9 @@ _HUB_ERRORS = ("LocalEntryNotFoundError", "OfflineModeIsEnabled")
 
 def as_external_error(exc: BaseException) -> Optional[ExternalSystemError]:
     """What the CLI reports for an exception that is no coordexp error but an external one: a listed package's
-    ImportError (:func:`as_missing_dependency`), or a hub id that cannot be fetched (offline, no network, not in
-    the cache: exit 3 naming the download command that exists); None for anything else."""
+    ImportError (:func:`as_missing_dependency`), a hub id that cannot be fetched (offline, no network, not in the
+    cache: exit 3 naming the download command that exists), or a full disk (exit 3 saying what was kept); None for
+    anything else."""
     found = as_missing_dependency(exc)
     if found is not None or isinstance(exc, CoordexpError):
         return found
@@ -206,4 +207,24 @@ def as_external_error(exc: BaseException) -> Optional[ExternalSystemError]:
                                         "and set model.path (or --checkpoint) to that local folder")
             error.__cause__ = exc
             return error
+        if _out_of_space(link):
+            where = getattr(link, "filename", None)
+            error = ExternalSystemError(
+                "the disk is full" + (f" writing {where}" if where else "") + "; what was written completely is kept "
+                "(checkpoints appear only once whole, results are renamed into place)",
+                hint="Free space on that file system (or choose another output folder), then run the same command "
+                     "again (a training run: --resume auto continues from its last complete checkpoint)")
+            error.__cause__ = exc
+            return error
     return None
+
+
+def _out_of_space(link: BaseException) -> bool:
+    """ENOSPC or EDQUOT as an OSError, or as the text of a library's own error (safetensors: "No space left on device
+    (os error 28)")."""
+    import errno
+
+    if isinstance(link, OSError) and link.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(link)
+    return "No space left on device" in text or "Disk quota exceeded" in text

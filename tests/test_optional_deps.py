@@ -191,3 +191,25 @@ def test_serve_rollout_without_fastapi_exits_3(write_config):
     assert done.returncode == EXIT_EXTERNAL, done.stderr
     assert "pip install 'coordexp[server]'" in done.stderr and "loading" not in done.stderr
     assert "MODEL_LIBRARY_IMPORTED False" in done.stderr
+
+
+@pytest.mark.parametrize("error", [
+    OSError(28, "No space left on device", "runs/x/checkpoint-4/model.safetensors"),
+    RuntimeError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: \"No space left on "
+                 "device\" })"),
+])
+def test_a_full_disk_is_exit_3_saying_what_was_kept(error, capsys):
+    """Regression (issue 56, item 23): a full disk under output_dir ended as exit 1, 'a bug in coordexp'."""
+    from coordexp.cli.frame import guarded
+
+    app = typer.Typer()
+
+    def command() -> None:
+        raise error
+
+    app.command("x")(guarded(command))
+    app.command("y")(lambda: None)
+    result = CliRunner().invoke(app, ["x"])
+    assert result.exit_code == EXIT_EXTERNAL, result.output
+    text = " ".join(result.output.split())
+    assert "disk is full" in text and "kept" in text and "bug in coordexp" not in text
