@@ -43,7 +43,12 @@ def resolve_checkpoint(run: Any, checkpoint: Optional[Path]) -> Path:
     from coordexp.runtime.train.run_folder import RunFolder
 
     if checkpoint is not None:
-        if not _saved(checkpoint):
+        try:
+            saved = _saved(checkpoint)
+        except OSError as exc:  # a name too long for the file system, a loop of links, no permission
+            raise UserInputError(f"--checkpoint {str(checkpoint)[:200]}: cannot use this path "
+                                 f"({exc.strerror or exc})", hint="pass a model or adapter directory") from None
+        if not saved:
             raise UserInputError(f"--checkpoint {checkpoint} holds no saved model (neither config.json nor "
                                  "adapter_config.json)", hint="pass a training output_dir or a checkpoint-N directory")
         return checkpoint

@@ -190,8 +190,12 @@ def check_output_file(path: Path, inputs: Iterable[Path], what: str = "--output"
 
 
 def check_output_dir(path: Path, what: str = "--out") -> Path:
-    """A directory that can take new files: an existing writable directory, or a new path under one."""
+    """A directory that can take new files: an existing writable directory, or a new path under one (never a link
+    that points nowhere: creating the folder there would fail after the work)."""
     check_path_names(path, f"{what} {path}")
+    if os.path.islink(path) and not os.path.exists(path):
+        raise UserInputError(f"{what} {path} is a link to {os.readlink(path)}, which does not exist",
+                             hint="create the folder it points at, or name a real folder")
     real = Path(os.path.realpath(path))
     try:
         info: Optional[os.stat_result] = os.stat(real)

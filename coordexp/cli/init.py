@@ -361,10 +361,11 @@ def init_config(
     else:
         attn = "sdpa"
     folder = output.parent
+    run_name = _run_name(output)
     choices = InitChoices(
         model=_written_path(model, folder), train_jsonl=_written_path(train_jsonl, folder),
         val_jsonl=None if val_jsonl is None else _written_path(val_jsonl, folder),
-        output_dir=f".{os.sep}{Path('runs') / output.stem}", stage=stage, device=device, family=family,
+        output_dir=f".{os.sep}{Path('runs') / run_name}", stage=stage, device=device, family=family,
         attn_implementation=attn, pretrained=weight_bytes(model) >= PRETRAINED_BYTES, objective=objective)
     text = render_config(choices)
     _check_renders_valid(text)
@@ -374,12 +375,19 @@ def init_config(
                    "-o")
     objective_note = ", reward objective" if objective == "reward" else ""
     out.print(f"[green]✓[/green] wrote {safe(output)}: stage {stage}{objective_note}, {family}, {device}, run folder "
-              f"{safe(folder / 'runs' / output.stem)}")
+              f"{safe(folder / 'runs' / run_name)}")
     if not _has_coord_tokens(model):
         out.print(f"  [yellow]! warning[/yellow] {safe(model)}'s tokenizer has no coord tokens: run `coordexp "
                   f"expand-vocab {safe(model)} NEW_DIR` and point model.path at NEW_DIR")
     out.print(f"  next: coordexp validate {safe(output)} && coordexp preflight {safe(output)} && coordexp train "
               f"{safe(output)}")
+
+
+def _run_name(output: Path) -> str:
+    """The run folder's name under ``runs/``: the config's name without ``.yaml``, or ``run`` when that is no
+    folder name of its own (``...yaml`` and ``..yaml`` would make ``runs/..``, the config's own folder, or
+    ``runs/.``)."""
+    return output.stem if output.stem.strip(".") else "run"
 
 
 def register(app: typer.Typer) -> None:

@@ -74,3 +74,15 @@ def test_a_folder_whose_path_is_not_utf8_is_exit_2(tmp_path, tiny_model_dir):
     result = _init(tmp_path, tiny_model_dir, where / "cfg.yaml")
     assert result.exit_code == 2, result.output
     assert os.listdir(folder) == []
+
+
+@pytest.mark.parametrize("name", ["...yaml", "..yaml"])
+def test_a_config_named_only_by_dots_gets_its_own_run_folder(tmp_path, tiny_model_dir, name):
+    """Regression (issue 56, item 25): ``init -o ...yaml`` wrote ``output_dir: ./runs/..`` (the config's own folder)
+    and ``-o ..yaml`` ``./runs/.``."""
+    import yaml
+
+    result = _init(tmp_path, tiny_model_dir, tmp_path / name)
+    assert result.exit_code == 0, result.output
+    written = yaml.safe_load((tmp_path / name).read_text())["training"]["output_dir"]
+    assert Path(written).parts[-2:] == ("runs", "run")

@@ -481,3 +481,23 @@ def test_an_adapter_whose_recorded_base_is_gone_says_which_base_it_uses_instead(
     with caplog.at_level("WARNING", logger="coordexp.adapters"):
         assert adapter_base(adapter, str(tiny_model_dir)) == str(tiny_model_dir)
     assert caplog.text == ""
+
+
+# -- item 25: a dangling link as output_dir or logging_dir, a --checkpoint name too long -------------------------------
+
+
+@pytest.mark.parametrize("key", ["output_dir", "logging_dir"])
+def test_a_dangling_link_as_the_run_folder_or_log_folder_is_exit_2(tmp_path, tiny_model_dir, key):
+    config = _config(tmp_path, tiny_model_dir)
+    link = tmp_path / "dangling"
+    os.symlink(tmp_path / "nowhere" / "deeper", link)
+    result = _run("train", str(config), "--set", f"training.{key}={link}")
+    assert result.exit_code == 2, result.output
+    assert "does not exist" in _text(result)
+
+
+def test_an_eval_checkpoint_name_too_long_for_the_file_system_is_exit_2(tmp_path, tiny_model_dir):
+    config = _config(tmp_path, tiny_model_dir)
+    result = _run("eval", str(config), "--checkpoint", str(tmp_path / ("x" * 300)))
+    assert result.exit_code == 2, result.output
+    assert "--checkpoint" in _text(result)
