@@ -134,7 +134,8 @@ def validate(
             for key, file in missing[shown]:
                 out.print(f"  [yellow]! not found[/yellow] {key}: {safe(file)}")
             for dep, why in packages[shown]:
-                out.print(f"  [yellow]! not installed[/yellow] {dep.package} ({safe(why)}): {dep.install_line}")
+                out.print(f"  [yellow]! not installed[/yellow] {safe(dep.package)} ({safe(why)}): "
+                          f"{safe(dep.install_line)}")  # unescaped, Rich took coordexp[tensorboard]'s [...] as markup
             if missing[shown]:
                 out.print(f"  [dim]validate checks the file, not the machine; `coordexp preflight {safe(shown)}` "
                           "checks these files[/dim]")

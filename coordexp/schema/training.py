@@ -8,7 +8,6 @@ typed from transformers' own dataclass (``hf_surface.py``) and passed through, o
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Literal, Optional
 
 from pydantic import Field, create_model, field_validator, model_validator
@@ -56,11 +55,6 @@ class SchedulerKwargs(StrictModel):
             raise_violations([RuleViolation("min_lr", "set exactly one of min_lr and min_lr_rate",
                                             "e.g. lr_scheduler_kwargs: {min_lr_rate: 0.1}")])
         return self
-
-
-def _tensorboard_installed() -> bool:
-    """Whether transformers' TensorBoard callback can find a writer (found, not imported: validate stays light)."""
-    return any(importlib.util.find_spec(name) is not None for name in ("tensorboard", "tensorboardX"))
 
 
 class _OwnedTrainingFields(StrictModel):
@@ -165,11 +159,6 @@ class _OwnedTrainingFields(StrictModel):
                 "metric_for_best_model", f"training.metric_for_best_model {metric!r} is not a figure coordexp's "
                 "training evaluation reports, so the first evaluation could not compare it",
                 f"Use one of {', '.join(BEST_MODEL_METRICS)} (an eval_ prefix is optional), or remove it."))
-        if "tensorboard" in self.report_to and not _tensorboard_installed():
-            violations.append(RuleViolation(
-                "report_to", "training.report_to names tensorboard, but the tensorboard package is not installed "
-                "(transformers fails when training starts)",
-                "pip install 'coordexp[tensorboard]', or remove tensorboard from training.report_to."))
         if getattr(self, "bf16", False) and getattr(self, "fp16", False):
             violations.append(RuleViolation("fp16", "bf16 and fp16 are both true", "Choose one mixed precision."))
         raise_violations(violations)

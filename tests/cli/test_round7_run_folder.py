@@ -501,3 +501,29 @@ def test_an_eval_checkpoint_name_too_long_for_the_file_system_is_exit_2(tmp_path
     result = _run("eval", str(config), "--checkpoint", str(tmp_path / ("x" * 300)))
     assert result.exit_code == 2, result.output
     assert "--checkpoint" in _text(result)
+
+
+# -- item 28: every missing optional package is named, with its extra, and exits 3 the same way ------------------------
+
+
+def test_three_missing_packages_are_all_named_with_their_extras_and_train_exits_3_before_loading(
+        tmp_path, tiny_model_dir, monkeypatch):
+    import coordexp.runtime.model.policy as policy
+
+    config = _config(tmp_path, tiny_model_dir)
+    data = yaml.safe_load(config.read_text())
+    data["training"].update({"report_to": ["tensorboard"], "deepspeed": "zero2"})
+    data["tuner"] = {"train_type": "lora", "lora_rank": 4, "lora_alpha": 8}
+    config.write_text(yaml.safe_dump(data))
+    for module in ("tensorboard", "tensorboardX", "deepspeed", "peft"):
+        monkeypatch.setitem(sys.modules, module, None)
+    monkeypatch.setattr(policy, "load_policy", lambda *a, **k: pytest.fail("the model was loaded"))
+    checked = _run("validate", str(config))
+    assert checked.exit_code == 0, checked.output
+    text = _text(checked)
+    for line in ("pip install 'coordexp[tensorboard]'", "pip install 'coordexp[deepspeed]'", "pip install 'peft"):
+        assert line in text, text
+    trained = _run("train", str(config))
+    assert trained.exit_code == 3, trained.output
+    text = _text(trained)
+    assert all(name in text for name in ("tensorboard", "deepspeed", "peft"))

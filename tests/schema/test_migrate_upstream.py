@@ -17,11 +17,6 @@ from coordexp.schema.loader import validate_config_file
 from coordexp.schema.migrate_chain import migrate_chain
 
 
-@pytest.fixture(autouse=True)
-def _tensorboard_found(monkeypatch):
-    """Upstream's configs report to TensorBoard; validate refuses that where the package is missing (issue 37)."""
-    monkeypatch.setattr("coordexp.schema.training._tensorboard_installed", lambda: True)
-
 runner = CliRunner()
 REGEX = (r"^(model\.visual\.merger\.(linear_fc1|linear_fc2)|model\.visual\.deepstack_merger_list\.(0|1|2)\."
          r"(linear_fc1|linear_fc2)|model\.language_model\.layers\.(2[8-9]|3[0-5])\.(self_attn\.(q_proj|k_proj|v_proj|"

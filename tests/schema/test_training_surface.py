@@ -101,7 +101,6 @@ def test_contract_and_schema_show_the_new_keys_and_hide_refused_ones():
 
 
 def test_report_to_takes_a_list_or_one_name(monkeypatch):
-    monkeypatch.setattr("coordexp.schema.training._tensorboard_installed", lambda: True)  # validate asks for it
     assert _training({"report_to": "none"}).training.report_to == []
     assert _training({"report_to": ["none"]}).training.report_to == []  # upstream configs write the list form
     assert _training({"report_to": ["tensorboard", "wandb"]}).training.report_to == ["tensorboard", "wandb"]

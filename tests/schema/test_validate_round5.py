@@ -39,13 +39,13 @@ def test_save_strategy_best_with_an_evaluation_validates():
 
 
 @pytest.mark.parametrize("report_to", [["tensorboard"], "tensorboard", ["wandb", "tensorboard"]])
-def test_tensorboard_without_the_package_is_refused_with_the_install_line(monkeypatch, report_to):
+def test_tensorboard_without_the_package_is_a_valid_file(monkeypatch, report_to):
+    """A missing package is the machine's state, not the file's (issue 56, item 28): validate warns and train exits
+    3 before the model loads, as for every optional package (tests/cli/test_round7_run_folder.py)."""
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name in ("tensorboard", "tensorboardX") else real(name, *a))
-    report = _report({"report_to": report_to})
-    assert [issue.path for issue in report.errors] == ["training.report_to"]
-    assert "pip install 'coordexp[tensorboard]'" in report.errors[0].render()
+    assert _report({"report_to": report_to}).ok
 
 
 def test_tensorboard_with_the_package_validates(monkeypatch):

@@ -149,7 +149,6 @@ def test_passed_through_fields_reach_training_arguments(qwen3_run, tmp_path, mon
     from coordexp.runtime.train.launch import training_arguments
 
     monkeypatch.delenv("TENSORBOARD_LOGGING_DIR", raising=False)
-    monkeypatch.setattr("coordexp.schema.training._tensorboard_installed", lambda: True)  # validate asks for it
     run = qwen3_run({"training": {"dataloader_drop_last": True, "logging_first_step": True, "run_name": "r1",
                                   "save_only_model": True, "save_strategy": "epoch",
                                   "metric_for_best_model": "eval/fp_per_image", "greater_is_better": False, "dataloader_pin_memory": False, "warmup_steps": 3, "warmup_ratio": 0.0,
