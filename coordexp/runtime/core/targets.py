@@ -375,22 +375,18 @@ def build_train_target(
     pairs = _check_pairs(parse, len(gt_objects), original)
     pair_targets = _pair_targets(parse, pairs, pair_coord_targets, original)
     matched_gt = {g for _, g in pairs}
-    if tail is None:
-        fn = tuple(g for g in range(len(gt_objects)) if g not in matched_gt)
-        entries = tuple(TailEntry(gt_objects[g], "fn", g) for g in fn)
-    else:
-        entries = _check_tail(tail, len(gt_objects), matched_gt)
-        fn = tuple(int(e.gt_index) for e in entries if e.role == "fn")
+    if tail is None:  # the spec's tail: every missed object, in ground-truth order
+        tail = tuple(TailEntry(gt_objects[g], "fn", g) for g in range(len(gt_objects)) if g not in matched_gt)
+    entries = _check_tail(tail, len(gt_objects), matched_gt)
+    fn = tuple(int(e.gt_index) for e in entries if e.role == "fn")
     start_index = (parse.max_object_index or 0) + 1
     kept_ids, joined = _join_at_cut(parse, table)
     rendered = render_tail([e.obj for e in entries], start_index, field_order, joined, parse.prefix_text)
     append_ids = encode_append(rendered, tokenizer, vocab, table)
     coord_at, desc_at, starts = _append_token_layout(append_ids, rendered, table, vocab)
-    roles, desc_taught = None, None
-    if tail is not None:
-        roles = _token_roles(rendered, starts, entries, joined)
-        fn_descs = [span for span, e in zip(rendered.desc_spans, entries) if e.role == "fn"]
-        desc_taught = np.unique(np.concatenate([np.zeros(0, np.int64), *_entry_tokens(fn_descs, starts)]))
+    roles = _token_roles(rendered, starts, entries, joined)
+    fn_descs = [span for span, e in zip(rendered.desc_spans, entries) if e.role == "fn"]
+    desc_taught = np.unique(np.concatenate([np.zeros(0, np.int64), *_entry_tokens(fn_descs, starts)]))
 
     prefix_len, append_len = len(kept_ids), len(append_ids)
     ids = kept_ids + append_ids + (eos_id,)
