@@ -59,11 +59,13 @@ def _label_map(path: Path) -> dict[Any, str]:
     return {int(k) if _LABEL_KEY.fullmatch(k) else k: v for k, v in raw.items()}
 
 
-def _check_records(records: list[dict[str, Any]], origins: list[str], source: Path) -> str:
-    """Every record as ``train`` would read it (``parse_record`` without opening images), then the JSONL text; a
-    record ``train`` would refuse is a ``file: record: problem`` line here instead of a file that fails later."""
+def _check_records(records: list[dict[str, Any]], origins: list[str], source: Path, folder: Path) -> str:
+    """Every record as ``train`` would read it, then the JSONL text; a record ``train`` would refuse is a ``file:
+    record: problem`` line here instead of a file that fails later. A record whose images are already in place
+    (relative to ``folder``, the JSONL's) has them opened too: its width/height must be the image as displayed
+    (EXIF orientation applied); images not found yet are reported as missing, not refused."""
     from coordexp.runtime.core.coco import MAX_REPORTED_PROBLEMS, ConversionError
-    from coordexp.runtime.model.data import DatasetError, parse_record
+    from coordexp.runtime.model.data import DatasetError, parse_record, size_mismatch
 
     if not records:
         raise UserInputError(f"{source}: holds no image to convert (train refuses an empty file)",
@@ -73,7 +75,13 @@ def _check_records(records: list[dict[str, Any]], origins: list[str], source: Pa
     for index, record in enumerate(records):
         where = origins[index] if index < len(origins) else f"record {index}"
         try:
-            parse_record(record, image_root=Path("."), source=f"{source}: {where}", check_files=False)
+            in_place = _images_in_place(record, folder)
+            parsed = parse_record(record, image_root=folder, source=f"{source}: {where}", check_files=in_place)
+            mismatch = size_mismatch(parsed.image_paths[0], parsed.width, parsed.height) if in_place else None
+            if mismatch is not None:
+                total += 1
+                if len(problems) < MAX_REPORTED_PROBLEMS:
+                    problems.append(f"{source}: {where}: images[0]: {mismatch}")
         except DatasetError as exc:
             total += 1
             if len(problems) < MAX_REPORTED_PROBLEMS:
@@ -82,6 +90,17 @@ def _check_records(records: list[dict[str, Any]], origins: list[str], source: Pa
         raise ConversionError(problems, total, hint="train would refuse these records; fix the source (nothing "
                                                     "was written)")
     return "".join(json.dumps(r, separators=(", ", ": ")) + "\n" for r in records)
+
+
+def _images_in_place(record: Any, folder: Path) -> bool:
+    """Whether every image the record names is a file relative to ``folder`` (a name no file system takes: no)."""
+    names = record.get("images") if isinstance(record, dict) else None
+    if not isinstance(names, list) or not names:
+        return False
+    try:
+        return all(isinstance(n, str) and "\x00" not in n and (folder / n).is_file() for n in names)
+    except (OSError, ValueError):
+        return False
 
 
 def _report(as_json: bool, payload: dict[str, Any], lines: list[str]) -> None:
@@ -126,7 +145,7 @@ def to_jsonl(
     else:
         converted = coco_to_records(_read_json(source, "source"), source=str(source), image_prefix=image_prefix,
                                     geometry=geometry)  # type: ignore[arg-type]
-    text = _check_records(converted.records, converted.origins, source)
+    text = _check_records(converted.records, converted.origins, source, output.parent)
     write_atomic(target, text.encode("utf-8"))
     skipped = ", ".join(f"{n} {why}" for why, n in sorted(converted.skipped.items())) or "none"
     as_box = ", ".join(f"{n} {why}" for why, n in sorted(converted.as_box.items())) or "none"

@@ -66,7 +66,12 @@ def test_convert_says_when_the_images_are_not_where_the_records_point(tmp_path):
     assert result.exit_code == 0 and "! not found 1 of 1 images" in " ".join(result.output.split()), result.output
     assert "val2017/one.jpg" in result.output and "--image-prefix" in result.output
     (tmp_path / "val2017").mkdir()
-    (tmp_path / "val2017" / "one.jpg").write_bytes(b"")
+    (tmp_path / "val2017" / "one.jpg").write_bytes(b"")  # in place but unreadable: convert opens what is in place
+    result = _run("convert", "to-jsonl", source, "-o", tmp_path / "train2.jsonl", "--image-prefix", "val2017/")
+    assert result.exit_code == 2 and "one.jpg" in result.output and not (tmp_path / "train2.jsonl").exists()
+    from PIL import Image
+
+    Image.new("RGB", (64, 48)).save(tmp_path / "val2017" / "one.jpg")
     result = _run("convert", "to-jsonl", source, "-o", tmp_path / "train2.jsonl", "--image-prefix", "val2017/",
                   "--json")
     assert result.exit_code == 0 and json.loads(result.stdout)["missing_images"] == 0

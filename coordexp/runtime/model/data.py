@@ -40,6 +40,10 @@ from coordexp.schema.data import OBJECT_ORDERS
 __all__ = [
     "DetectionRecord",
     "DatasetError",
+    "displayed_size",
+    "upright",
+    "size_mismatch",
+    "EXIF_ORIENTATION",
     "ImageFileError",
     "load_records",
     "parse_record",
@@ -59,6 +63,7 @@ __all__ = [
 MAX_REPORTED_ERRORS = 10
 # 64 Mi pixels (8192 x 8192, 192 MiB as decoded RGB): far above what a Qwen-VL processor keeps after resizing, far
 # below what takes a worker down; a header claiming more is refused before any pixel is decoded.
+EXIF_ORIENTATION = 0x0112
 MAX_IMAGE_PIXELS = 64 * 2**20
 MAX_IMAGE_SIDE = 1_000_000  # record width/height bound (pixels)
 MAX_ASPECT_RATIO = 200  # Qwen-VL image processors refuse longer/shorter side ratios above this
@@ -270,6 +275,42 @@ def _image_path(name: str, field: str, image_root: Path, check_files: bool) -> P
     except ImageFileError as exc:
         raise _RecordProblem(field, str(exc)) from None
     return path
+
+
+def size_mismatch(path: Path, width: int, height: int) -> str | None:
+    """Why a record's ``width`` x ``height`` is not its image as a viewer shows it (EXIF orientation applied), else
+    None: boxes are read in the record's frame, so a record in the stored frame of a turned photo (or of another
+    image) trains and evaluates boxes on the wrong pixels. ``convert`` and ``preflight`` ask."""
+    with open_image(path) as image:
+        stored, size = tuple(image.size), displayed_size(image)
+    if size == (width, height):
+        return None
+    turned = f" (stored {stored[0]} x {stored[1]}, turned by its EXIF orientation)" if stored != size else ""
+    return (f"the record says {width} x {height} pixels, but the image {_printable(path)} as a viewer shows it is "
+            f"{size[0]} x {size[1]}{turned}; boxes are read in the record's frame: fix width/height (or the "
+            "annotations) to the displayed image")
+
+
+def displayed_size(image: Any) -> tuple[int, int]:
+    """``(width, height)`` of an opened image as a viewer shows it: its EXIF orientation 5-8 turns it by 90 degrees
+    (read from the header; nothing is decoded). Photos from phones carry it, and annotation tools (CVAT, Label Studio)
+    annotate the turned image."""
+    width, height = image.size
+    try:
+        orientation = image.getexif().get(EXIF_ORIENTATION, 1)
+    except Exception:  # noqa: BLE001 - a malformed EXIF block: the stored frame
+        orientation = 1
+    return (height, width) if orientation in (5, 6, 7, 8) else (width, height)
+
+
+def upright(image: Any) -> Any:
+    """The image in the frame a viewer shows (its EXIF orientation applied; the same image when it has none)."""
+    from PIL import ImageOps
+
+    try:
+        return ImageOps.exif_transpose(image)
+    except Exception:  # noqa: BLE001 - a malformed EXIF block: the stored frame
+        return image
 
 
 def parse_record(raw: Any, *, image_root: Path, source: str, check_files: bool = True) -> DetectionRecord:

@@ -178,15 +178,16 @@ def render_prompt(processor: Any, record: "DetectionRecord", template: TemplateC
 
 
 def load_images(record: "DetectionRecord") -> list[Any]:
-    """Decode the record's images as RGB. Each is opened with the loader's header checks (pixel cap, aspect ratio);
+    """Decode the record's images as RGB, in the frame a viewer shows (EXIF orientation applied, as the annotations
+    are). Each is opened with the loader's header checks (pixel cap, aspect ratio);
     any failure, a corrupt body included, is an :class:`EncodingError` naming ``file:line``, the field and the path."""
-    from coordexp.runtime.model.data import ImageFileError, open_image
+    from coordexp.runtime.model.data import ImageFileError, open_image, upright
 
     images = []
     for index, path in enumerate(record.image_paths):
         try:
             with open_image(path) as image:
-                images.append(image.convert("RGB"))
+                images.append(upright(image).convert("RGB"))  # the frame the boxes are in (EXIF applied)
         except ImageFileError as exc:
             raise EncodingError(f"{record.source}: images[{index}]: {exc}") from None
         except Exception as exc:  # noqa: BLE001 - decoding raises OSError, ValueError, SyntaxError, struct.error...

@@ -98,7 +98,7 @@ class Detector:
         """``(width, height)`` of the request's image, read through the training data's guarded opener (its pixel
         and aspect-ratio caps, as ``/infer/`` reads it): a 400 naming the field when it cannot be used. Blocking
         (temp file, header read): the route runs it off the event loop."""
-        from coordexp.runtime.model.data import ImageFileError, open_image
+        from coordexp.runtime.model.data import ImageFileError, displayed_size, open_image
 
         with tempfile.TemporaryDirectory(prefix="coordexp-detect-") as scratch:
             path = resolve_image(image, self.image_root, Path(scratch), "image", "detect_image")
@@ -108,7 +108,7 @@ class Detector:
                 reason = str(exc).replace(f"{path}: ", "", 1).replace(str(path), "the image")
                 raise InferInputError(f"image: {reason}") from None
             with handle:
-                return int(handle.width), int(handle.height)
+                return displayed_size(handle)  # the frame the model saw and the boxes are in (EXIF applied)
 
     def infer_body(self, request: DetectRequest) -> p.InferRequestBody:
         prompt = self.user_prompt if request.prompt is None else request.prompt

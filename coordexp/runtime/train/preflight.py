@@ -398,10 +398,11 @@ def hub_id_hint(path: str) -> str:
 
 
 def _check_data(run: Any, checks: list[PreflightCheck], sample: int) -> None:
-    """Each data file: its first ``sample`` records parse and every image they name opens (each bad one listed)."""
+    """Each data file: its first ``sample`` records parse, every image they name opens, and each record's size is its
+    image's as displayed (EXIF orientation applied; each bad one listed, exit 2)."""
     from PIL import Image
 
-    from coordexp.runtime.model.data import DatasetError, load_records
+    from coordexp.runtime.model.data import DatasetError, load_records, size_mismatch
 
     data = run.data
     for label, path in (("train data", data.train_jsonl), ("val data", data.val_jsonl)):
@@ -414,6 +415,11 @@ def _check_data(run: Any, checks: list[PreflightCheck], sample: int) -> None:
             continue
         images = [p for r in records for p in r.image_paths]
         bad = 0
+        for record in records:  # boxes are read in the record's frame: its size must be the displayed image's
+            mismatch = size_mismatch(record.image_paths[0], record.width, record.height)
+            if mismatch is not None:
+                checks.append(_failed(label, f"{record.source}: images[0]: {mismatch}", EXIT_INVALID))
+                bad += 1
         for image in images:
             try:
                 with Image.open(image) as handle:

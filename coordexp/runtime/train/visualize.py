@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from coordexp.runtime.model.data import open_image, upright
 from coordexp.runtime.train.run_folder import save_image
 from coordexp.runtime.core.objects import DetObject
 
@@ -171,7 +172,8 @@ def render_rollout(entry: RolloutLogEntry, out_path: str | Path, *, scale: int |
     ``scale``, by default until its long side reaches :data:`MIN_CANVAS_SIDE`; fonts and lines grow with it."""
     from PIL import Image, ImageDraw
 
-    base = Image.open(entry.image).convert("RGB")
+    with open_image(Path(entry.image)) as opened:
+        base = upright(opened).convert("RGB")  # the frame the boxes are in (EXIF applied)
     width, height = base.size
     if scale is None:
         scale = max(1, -(-MIN_CANVAS_SIDE // max(width, height)))
