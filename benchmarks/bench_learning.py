@@ -271,12 +271,18 @@ REWARD_DECODING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "num_beams": 1
                    "coord_group_greedy": False}
 
 
+REWARD_PACKING_BUFFER = 64
+"""A reward arm's carry buffer: the continuation batch (4) x group_size (4) new segments a step, and as many carried
+(validation refuses less; the recipe's 16 holds one SFT step)."""
+
+
 def _reward_decoding(overrides: Any) -> list[tuple[list[str], Any]]:
-    """An arm that sets ``rollout_matching.objective: reward`` trains with sampling decoding (its own overrides of
-    ``rollout_matching.decoding.*`` win, coming after); evaluation keeps the one evaluation config's decoding."""
+    """An arm that sets ``rollout_matching.objective: reward`` trains with sampling decoding and a carry buffer its
+    groups fit (its own overrides win, coming after); evaluation keeps the one evaluation config's decoding."""
     if ["rollout_matching", "objective"] not in [keys for keys, value in overrides if value == "reward"]:
         return []
-    return [(["rollout_matching", "decoding", key], value) for key, value in REWARD_DECODING.items()]
+    return [*((["rollout_matching", "decoding", key], value) for key, value in REWARD_DECODING.items()),
+            (["training", "packing_buffer"], REWARD_PACKING_BUFFER)]
 
 
 def _progress(every: int = 50) -> Any:

@@ -81,6 +81,16 @@ class CoordExpConfig(StrictModel):
                 "not build under DeepSpeed (its parameters are partitioned or offloaded)",
                 "Set rollout_matching.reward.kl_weight: 0 (reward.sft_weight or gt_step_share keep the policy near "
                 "the SFT target), or train without training.deepspeed."))
+        if rm.objective == "reward" and self.training.packing:
+            samples = self.training.per_device_train_batch_size * (rm.reward.group_size + rm.reward.include_greedy)
+            if self.training.packing_buffer < 2 * samples:
+                violations.append(RuleViolation(
+                    "training.packing_buffer",
+                    f"packing_buffer: {self.training.packing_buffer} cannot hold a reward step's rollouts: "
+                    f"per_device_train_batch_size {self.training.per_device_train_batch_size} x (group_size "
+                    f"{rm.reward.group_size}{' + the greedy member' if rm.reward.include_greedy else ''}) = {samples} "
+                    "new segments a step, plus as many carried from the step before",
+                    f"Set training.packing_buffer: {2 * samples} or more (or a smaller batch or group_size)."))
         violations += evaluation_data_violations(self.training, self.data.val_jsonl)
         violations += deepspeed_violations(
             self.training, adapter=self.tuner.train_type == "lora", colocate_offload=rm.offload.enabled and (

@@ -138,3 +138,20 @@ def test_a_stage2_only_key_in_a_stage1_config_is_warned_about(key, value, stage2
     assert report.ok, report.errors
     assert any(w.path == f"rollout_matching.{key}" and "no effect in stage1_sft" in w.message
                for w in report.warnings)
+
+
+def test_a_packing_buffer_that_cannot_hold_a_reward_step_is_refused_naming_what_fits(stage2_config):
+    """Regression: the screen's first reward arm crashed at its first rollout step (PackingLimitError, 1 buffered + 16
+    new segments > packing_buffer 16) after 27 minutes of stage 1; validation now says so before anything runs."""
+    import copy
+
+    from coordexp.schema.loader import validate_mapping
+
+    data = copy.deepcopy(stage2_config)
+    data["rollout_matching"].update({"objective": "reward", "decoding": {"temperature": 1.0}})
+    data["training"].update({"packing": True, "packing_buffer": 16, "per_device_train_batch_size": 4})
+    report = validate_mapping(data)
+    assert [e.path for e in report.errors] == ["training.packing_buffer"]
+    assert "packing_buffer: 32" in report.errors[0].render()
+    data["training"]["packing_buffer"] = 32
+    assert validate_mapping(data).ok
