@@ -280,6 +280,13 @@ class HfGenerateConfig(StrictModel):
     merge_adapter: bool = Field(
         True, description="An adapter (LoRA/DoRA) run decodes through merged weights, refreshed once per optimizer "
         "step (the adapted layers once more in memory); false decodes through the unmerged adapter layers.")
+    label_drafts: bool = Field(
+        False, description="Speculative decoding with the request's ground-truth serialization as the draft (stage-2 "
+        "rollouts, in-training evaluation, coordexp eval / probe; requests without a label decode plainly): one "
+        "forward verifies draft_tokens per row; outputs are plain decoding's token for token (greedy and seeded "
+        "sampling). Static cache, compile and beam search decode plainly (docs/design.md, Label-drafted decoding).")
+    draft_tokens: int_in(1, 64) = Field(
+        16, description="label_drafts: draft tokens verified per row and forward (1-64).")
 
     @model_validator(mode="after")
     def _compile_needs_static_cache(self) -> "HfGenerateConfig":

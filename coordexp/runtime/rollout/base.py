@@ -36,12 +36,16 @@ FinishReason = Literal["stop", "length", "repeat"]
 @dataclass(frozen=True)
 class RolloutRequest:
     """One sample to roll out: its encoded prompt (which defines ``prompt_token_ids``), its position in the
-    trainer's batch, and its sampling seed. ``record`` is for backends that must send image paths (vLLM server)."""
+    trainer's batch, and its sampling seed. ``record`` is for backends that must send image paths (vLLM server).
+    ``draft_token_ids`` is the record's ground truth as the model is trained to write it (the stage-1 target ids,
+    :func:`coordexp.runtime.train.rollout_step.label_draft_ids`): a backend may use it to decode faster
+    (``hf_generate.label_drafts``), never to decode differently."""
 
     prompt: "EncodedPrompt"
     index: int
     seed: int = 0
     record: "DetectionRecord | None" = None
+    draft_token_ids: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
