@@ -26,6 +26,10 @@
   dropped (every row depends on its own request and seed only). Both default to on for CUDA (greedy and sampling)
   and off elsewhere (docs/design.md, Rollout backend interface); outputs are token-for-token those of the
   dynamic cache (tests/rollout/test_backends_hf.py, tests/rollout/test_hf_decode_speed.py).
+- ``hf_generate.label_drafts``: requests carrying ``draft_token_ids`` (their ground truth) decode by speculative
+  decoding with that draft (:mod:`coordexp.runtime.rollout.label_drafts`): the same tokens, fewer forwards; with a
+  static cache, compile or beam search the chunk decodes plainly (docs/design.md, Label-drafted decoding).
+  ``run_metadata()`` reports the last call's :class:`~coordexp.runtime.rollout.label_drafts.DraftFigures`.
 """
 
 from __future__ import annotations

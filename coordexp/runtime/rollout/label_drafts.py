@@ -274,13 +274,14 @@ def decode_with_label_drafts(policy: Any, batch: dict[str, torch.Tensor], prompt
         if positions.ndim == 2:
             step_positions = step_positions[0]
         attention = torch.cat([mask, mask.new_ones((len(live), width))], dim=1)
-        out = policy(input_ids=step_ids, attention_mask=attention, position_ids=step_positions,
-                     past_key_values=cache, use_cache=True, return_dict=True)
-        cache, logits = out.past_key_values, out.logits.to(dtype=torch.float32)
+        body = policy.model(input_ids=step_ids, attention_mask=attention, position_ids=step_positions,
+                            past_key_values=cache, use_cache=True, return_dict=True)
+        cache, hidden = body.past_key_values, body.last_hidden_state
         figures.forwards += 1
         figures.row_forwards += sum(1 for r in live if not rows[r].done)
         figures.proposed_tokens += sum(len(p) for p in proposals)
-        accepted = _verify(rows, live, proposals, logits, chooser, stop_ids, max_new_tokens)
+        accepted = _verify(rows, live, proposals, hidden, policy.get_output_embeddings(), chooser, stop_ids,
+                           max_new_tokens)
         figures.accepted_tokens += sum(accepted)
         kept = torch.zeros((len(live), width), dtype=mask.dtype, device=mask.device)
         for i, (r, n) in enumerate(zip(live, accepted)):
@@ -298,19 +299,24 @@ def _emit(row: _Row, token_id: int, stop_ids: frozenset[int], max_new_tokens: in
     row.done = token_id in stop_ids or len(row.generated) >= max_new_tokens
 
 
-def _verify(rows: list[_Row], live: list[int], proposals: list[list[int]], logits: torch.Tensor,
+def _verify(rows: list[_Row], live: list[int], proposals: list[list[int]], hidden: torch.Tensor, head: Any,
             chooser: TokenChooser, stop_ids: frozenset[int], max_new_tokens: int) -> list[int]:
     """Choose tokens position by position for the rows still matching their proposal; returns the accepted draft
     tokens per live row. Each chosen token is emitted; a row stops verifying at the first chosen token that is not
-    its draft token (that token is its model's own next token), at a stop id, or at ``max_new_tokens``."""
+    its draft token (that token is its model's own next token), at a stop id, or at ``max_new_tokens``.
+
+    Logits are computed here, from the last hidden states, only for the rows still verifying at each position (as
+    ``generate`` computes them: the output layer over one position per row, in float32): on a small model the
+    output layer over a 150k vocabulary costs more than the layers below it, so rejected positions would dominate."""
     accepted = [0] * len(live)
     verifying = [i for i, r in enumerate(live) if not rows[live[i]].done]
-    for position in range(logits.shape[1]):
+    for position in range(hidden.shape[1]):
         if not verifying:
             break
         chunk_rows = [live[i] for i in verifying]
-        index = torch.tensor(verifying, dtype=torch.long, device=logits.device)
-        chosen = chooser.choose(chunk_rows, [rows[r].context for r in chunk_rows], logits[index, position])
+        index = torch.tensor(verifying, dtype=torch.long, device=hidden.device)
+        logits = head(hidden[index, position:position + 1])[:, -1].to(dtype=torch.float32)
+        chosen = chooser.choose(chunk_rows, [rows[r].context for r in chunk_rows], logits)
         still = []
         for i, r, token_id in zip(verifying, chunk_rows, chosen):
             _emit(rows[r], token_id, stop_ids, max_new_tokens)
