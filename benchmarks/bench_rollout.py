@@ -84,19 +84,29 @@ def _grid_checkpoint(args: argparse.Namespace) -> tuple[Path, Path, Path]:
     return checkpoint, val, eval_config
 
 
-def _timed_pair(backends: dict, requests, repeats: int) -> tuple[dict, dict]:
-    """Median seconds per backend over ``repeats`` rounds (after one warm-up call each) and each one's last outputs;
-    every round runs each backend once, in turn, so a load change on a shared machine hits both alike."""
-    seconds: dict = {name: [] for name in backends}
-    outputs: dict = {}
+def _timed_pair(backends: dict, requests, repeats: int, chunk: int) -> tuple[dict, dict, dict]:
+    """Per backend: the median over ``repeats`` rounds of its wall seconds and of this process's CPU seconds for all
+    requests, and its outputs (of the last round). A round takes the requests ``chunk`` at a time and runs every
+    backend on a chunk before the next chunk, alternating which goes first, so a load change on a shared machine hits
+    all of them alike (after one warm-up call each)."""
+    wall: dict = {name: [0.0] * repeats for name in backends}
+    cpu: dict = {name: [0.0] * repeats for name in backends}
+    outputs: dict = {name: [] for name in backends}
     for backend in backends.values():
         backend.generate(requests[:1])
-    for _ in range(repeats):
-        for name, backend in backends.items():
-            started = time.perf_counter()
-            outputs[name] = backend.generate(requests)
-            seconds[name].append(time.perf_counter() - started)
-    return {name: statistics.median(s) for name, s in seconds.items()}, outputs
+        backend.draft_figures = type(backend.draft_figures)()  # the figures count the timed rounds only
+    for round_ in range(repeats):
+        for start in range(0, len(requests), chunk):
+            names = list(backends)[::-1] if (round_ + start // chunk) % 2 else list(backends)
+            for name in names:
+                started, started_cpu = time.perf_counter(), time.process_time()
+                out = backends[name].generate(requests[start:start + chunk])
+                wall[name][round_] += time.perf_counter() - started
+                cpu[name][round_] += time.process_time() - started_cpu
+                if round_ == repeats - 1:
+                    outputs[name].extend(out)
+    return ({name: statistics.median(v) for name, v in wall.items()},
+            {name: statistics.median(v) for name, v in cpu.items()}, outputs)
 
 
 def drafts_main(args: argparse.Namespace) -> None:
@@ -136,15 +146,16 @@ def drafts_main(args: argparse.Namespace) -> None:
                                              hf_generate=HfGenerateConfig(label_drafts=drafts,
                                                                           draft_tokens=args.draft_tokens))
                     for drafts in (False, True)}
-        timings, outputs = _timed_pair(backends, requests, args.repeats)
-        figures = backends[True].run_metadata()["label_drafts"]
+        timings, cpu, outputs = _timed_pair(backends, requests, args.repeats, args.decode_batch)
+        figures = backends[True].draft_figures.as_dict()  # every round's calls: the same rollouts each round
         same = [(a.response_token_ids, a.finish_reason) for a in outputs[False]] == [
             (b.response_token_ids, b.finish_reason) for b in outputs[True]]
         exact = exact and same
         tokens = sum(len(o.response_token_ids) + (o.finish_reason != "length") for o in outputs[False])
         speedups[mode] = timings[False] / timings[True]
         print(f"{mode}: {tokens} tokens, plain {tokens / timings[False]:.0f} tok/s, drafted "
-              f"{tokens / timings[True]:.0f} tok/s, identical tokens {same}; accepted draft tokens per row-forward "
+              f"{tokens / timings[True]:.0f} tok/s (CPU time: {tokens / cpu[False]:.0f} and {tokens / cpu[True]:.0f} "
+              f"tok/s, {cpu[False] / cpu[True]:.2f}x), identical tokens {same}; accepted draft tokens per row-forward "
               f"{figures['accepted_per_forward']:.2f}, tokens from drafts {100 * figures['draft_share']:.1f}%, "
               f"row-forwards per token {figures['forwards_per_token']:.3f} (plain 1.000); "
               f"stop {sum(o.finish_reason == 'stop' for o in outputs[False])}/{len(requests)}")

@@ -73,7 +73,7 @@ def _load(model_dir: Path, records, end_id: int | None = None):
     return SimpleNamespace(model=model, tokenizer=processor.tokenizer, requests=requests)
 
 
-def _backend(model, tokenizer, *, drafts: bool, batch: int = 4, max_new: int = 16, decoding=None, guard=None,
+def _backend(model, tokenizer, *, drafts: bool | None, batch: int = 4, max_new: int = 16, decoding=None, guard=None,
              draft_tokens: int = 8, **hf_generate) -> HfRolloutBackend:
     return HfRolloutBackend(model, tokenizer, decode_batch_size=batch, max_new_tokens=max_new,
                             decoding=decoding or DecodingConfig(), repeat_terminate=guard or RepeatTerminateConfig(),
@@ -218,6 +218,20 @@ def test_static_cache_and_beam_search_decode_plainly(zoo, caplog):
         assert [o.response_token_ids for o in outputs] == [o.response_token_ids for o in plain]
         assert metadata == {} and backend.draft_figures == DraftFigures()
     assert sum("label_drafts: decoding plainly" in r.message for r in caplog.records) == 2
+
+
+def test_the_default_drafts_where_the_dynamic_cache_decodes_and_stays_quiet_elsewhere(zoo, caplog):
+    case = zoo["qwen2_vl"]
+    requests = case.requests[:3]
+    plain = _backend(case.model, case.tokenizer, drafts=False).generate(requests)
+    with caplog.at_level("INFO", logger="coordexp.rollout.hf"):
+        dynamic, dynamic_metadata = _backend(case.model, case.tokenizer, drafts=None).generate_with_metadata(requests)
+        static, static_metadata = _backend(case.model, case.tokenizer, drafts=None, static_cache=True,
+                                           compile=False).generate_with_metadata(requests)
+    assert [o.response_token_ids for o in dynamic] == [o.response_token_ids for o in static] == [
+        o.response_token_ids for o in plain]
+    assert dynamic_metadata["label_drafts"]["accepted_tokens"] >= 0 and static_metadata == {}
+    assert not any("label_drafts" in r.message for r in caplog.records)
 
 
 def test_label_draft_ids_are_the_stage1_target(tiny_processor, records):

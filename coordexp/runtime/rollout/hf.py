@@ -209,12 +209,18 @@ class HfRolloutBackend(RolloutBackend):
         return sequences[:, width:].tolist()
 
     def _label_drafts_apply(self, chunk: list[RolloutRequest], *, static: bool, config: Any) -> bool:
-        """Whether this chunk decodes with label drafts: asked for, some request carries a draft, and nothing this
-        decoding does not reproduce is on (said once per reason: those chunks decode plainly)."""
-        if not self.hf_generate.label_drafts or not any(r.draft_token_ids for r in chunk):
+        """Whether this chunk decodes with label drafts: on (``null``: unless a static cache or beam search decodes,
+        the documented defaults), some request carries a draft, and nothing this decoding does not reproduce is on
+        (said once per reason where drafts were asked for or the generation config is the cause: those chunks decode
+        plainly)."""
+        asked = self.hf_generate.label_drafts
+        if asked is False or not any(r.draft_token_ids for r in chunk):
+            return False
+        beam_search = self.decoding.num_beams > 1
+        if asked is None and (static or beam_search):
             return False
         reason = None
-        if self.decoding.num_beams > 1:
+        if beam_search:
             reason = "beam search keeps its beams in generate()"
         elif static:
             reason = "the static KV cache (and compile) run inside generate()"

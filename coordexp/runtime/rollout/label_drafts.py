@@ -44,6 +44,7 @@ _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
 }
 MAX_ALIGN_NGRAM = 4  # the longest suffix of the generated ids looked up in the draft when re-aligning
 MIN_JUMP_NGRAM = 2  # a jump elsewhere in the draft needs at least this many matching ids (else: substitution)
+LOGIT_BLOCK = 4  # positions whose logits one output-layer call computes (the rows still verifying at the first)
 
 
 def unsupported_generation_fields(config: Any) -> list[str]:
@@ -305,17 +306,26 @@ def _verify(rows: list[_Row], live: list[int], proposals: list[list[int]], hidde
     tokens per live row. Each chosen token is emitted; a row stops verifying at the first chosen token that is not
     its draft token (that token is its model's own next token), at a stop id, or at ``max_new_tokens``.
 
-    Logits are computed here, from the last hidden states, only for the rows still verifying at each position (as
-    ``generate`` computes them: the output layer over one position per row, in float32): on a small model the
-    output layer over a 150k vocabulary costs more than the layers below it, so rejected positions would dominate."""
+    Logits are computed here from the last hidden states (the output layer, in float32, as ``generate`` does), for
+    :data:`LOGIT_BLOCK` positions at a time and only the rows still verifying at the block's first: on a small model
+    the output layer over a 150k vocabulary costs more than the layers below it, so the logits of rejected positions
+    would dominate a verify forward, and one call per position would read the output weights once per position."""
     accepted = [0] * len(live)
     verifying = [i for i, r in enumerate(live) if not rows[live[i]].done]
+    block: torch.Tensor | None = None  # logits of the rows verifying at the block's start, LOGIT_BLOCK positions
+    block_rows: dict[int, int] = {}
+    block_start = 0
     for position in range(hidden.shape[1]):
         if not verifying:
             break
+        if block is None or position - block_start >= block.shape[1]:
+            block_start, block_rows = position, {i: k for k, i in enumerate(verifying)}
+            index = torch.tensor(verifying, dtype=torch.long, device=hidden.device)
+            block = head(hidden[index, position:position + LOGIT_BLOCK]).to(dtype=torch.float32)
         chunk_rows = [live[i] for i in verifying]
-        index = torch.tensor(verifying, dtype=torch.long, device=hidden.device)
-        logits = head(hidden[index, position:position + 1])[:, -1].to(dtype=torch.float32)
+        logits = block[:, position - block_start]  # a view while every row of the block still verifies
+        if len(verifying) < len(block_rows):
+            logits = logits.index_select(0, torch.tensor([block_rows[i] for i in verifying], device=block.device))
         chosen = chooser.choose(chunk_rows, [rows[r].context for r in chunk_rows], logits)
         still = []
         for i, r, token_id in zip(verifying, chunk_rows, chosen):

@@ -236,10 +236,10 @@ def build_gt_sample(record: "DetectionRecord", prompt: EncodedPrompt, ctx: HostC
 
 def label_draft_ids(record: "DetectionRecord", ctx: HostContext) -> tuple[int, ...] | None:
     """The record's ground truth as the model is trained to write it (the stage-1 target ids, EOS included), the
-    draft of label-drafted decoding; None when the run does not use it (``hf_generate.label_drafts`` off, or a vLLM
-    backend, which would not read it)."""
+    draft of label-drafted decoding; None when the run does not use it (``hf_generate.label_drafts: false``, or a
+    vLLM backend, which would not read it). Under ``null`` the backend decides per device whether to use it."""
     rm = ctx.rollout
-    if not rm.hf_generate.label_drafts or getattr(rm.backend, "kind", "hf") != "hf":
+    if rm.hf_generate.label_drafts is False or getattr(rm.backend, "kind", "hf") != "hf":
         return None
     return _gt_target(record, ctx, ()).ids
 
