@@ -234,6 +234,27 @@ def test_the_default_drafts_where_the_dynamic_cache_decodes_and_stays_quiet_else
     assert not any("label_drafts" in r.message for r in caplog.records)
 
 
+def test_an_unmerged_adapter_policy_decodes_the_same_with_drafts(tiny_model_dir, zoo):
+    """``merge_adapter: false`` hands the PEFT model itself to the drafted loop (through its adapter layers)."""
+    from transformers import AutoModelForImageTextToText
+
+    from coordexp.runtime.model.tuner import apply_tuner
+    from coordexp.schema.tuner import TunerConfig
+
+    policy = apply_tuner(AutoModelForImageTextToText.from_pretrained(str(tiny_model_dir), dtype=torch.float32),
+                         TunerConfig(train_type="lora", lora_rank=4, lora_alpha=8))
+    with torch.no_grad():  # a fresh adapter is the identity: make it change the decode
+        for name, parameter in policy.named_parameters():
+            if "lora_B" in name:
+                parameter.add_(0.3 * torch.randn(parameter.shape, generator=torch.Generator().manual_seed(1)))
+    case = zoo["qwen2_vl"]
+    plain = _backend(policy, case.tokenizer, drafts=False, merge_adapter=False).generate(case.requests[:3])
+    drafted = _backend(policy, case.tokenizer, drafts=True, merge_adapter=False)
+    outputs = drafted.generate(case.requests[:3])
+    assert [o.response_token_ids for o in outputs] == [o.response_token_ids for o in plain]
+    assert drafted.draft_figures.forwards > 0 and drafted.merged.twin is None
+
+
 def test_label_draft_ids_are_the_stage1_target(tiny_processor, records):
     """The draft is what stage 1 teaches (the same serializer and tokenization, EOS included)."""
     host = _host(tiny_processor)

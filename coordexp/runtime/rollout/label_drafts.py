@@ -242,6 +242,8 @@ def decode_with_label_drafts(policy: Any, batch: dict[str, torch.Tensor], prompt
     at its stop id or at ``max_new_tokens``) and the figures. ``prompts`` are the rows' prompt ids without padding.
     The caller runs it under ``torch.no_grad()`` with the policy in eval mode."""
     figures = DraftFigures()
+    # a PEFT policy (hf_generate.merge_adapter: false) decodes through its base model, adapter layers in place
+    policy = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
     input_ids = batch["input_ids"]
     model_kwargs = {name: value for name, value in batch.items() if name != "input_ids"}
     positions = policy._prepare_position_ids_for_generation(input_ids, dict(model_kwargs))
