@@ -285,9 +285,9 @@ class HfGenerateConfig(StrictModel):
         "rollouts, in-training evaluation, coordexp eval / probe; requests without a label decode plainly): one "
         "forward verifies draft_tokens per row; outputs are plain decoding's token for token (greedy and seeded "
         "sampling). null: on wherever the dynamic KV cache decodes (the CPU default; measured on a grid-task "
-        "stage-1 model, 2 CPU cores: 3.7x greedy, 1.55x sampling), off with static_cache / compile (the CUDA default) and beam "
-        "search, which decode plainly (true: the same, with a log line saying why) (docs/design.md, Label-drafted "
-        "decoding).")
+        "stage-1 model, 2 CPU cores: 3.7x greedy, 1.55x sampling), off with static_cache / compile (the CUDA "
+        "default) and beam search, which decode plainly (true: the same, with a log line saying why); see "
+        "docs/design.md, Label-drafted decoding.")
     draft_tokens: int_in(1, 64) = Field(
         16, description="label_drafts: draft tokens verified per row and forward (1-64).")
 
