@@ -288,7 +288,7 @@ def decode_with_label_drafts(policy: Any, batch: dict[str, torch.Tensor], prompt
         figures.accepted_tokens += sum(accepted)
         kept = torch.zeros((len(live), width), dtype=mask.dtype, device=mask.device)
         for i, (r, n) in enumerate(zip(live, accepted)):
-            kept[i, :1 + n] = 1  # the fed token and the accepted draft tokens; the rest were never written
+            kept[i, :1 + n] = 1  # the fed token and the accepted draft tokens; the rejected slots stay masked
             if not rows[r].done:
                 rows[r].cursor.advance(n, rows[r].generated[-1], rows[r].generated)
         mask = torch.cat([mask, kept], dim=1)
