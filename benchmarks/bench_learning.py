@@ -113,7 +113,8 @@ def _override(config: dict[str, Any], base: dict[str, Any], keys: list[str], val
         node = node[index]
 
 
-def _args() -> argparse.Namespace:
+def _args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options (``argv``: given by another benchmark, e.g. bench_rollout.py --drafts; None: the command line)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", type=Path, default=ROOT / ".coordexp" / "bench_learning")
     p.add_argument("--seed", type=int, default=0, help="first seed; the run uses --n-seeds consecutive seeds")
@@ -186,7 +187,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--train-jsonl", type=Path, help="a converted COCO-style train set (instead of synthetic shapes)")
     p.add_argument("--val-jsonl", type=Path, help="its held-out split")
     p.add_argument("--model", type=Path, help="starting checkpoint (default: build the demo's tiny model)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     args.max_new_tokens_given = args.max_new_tokens is not None
     low, high, side, tokens = TASKS[args.task]
     if args.task == "grid":

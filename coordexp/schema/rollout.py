@@ -284,6 +284,16 @@ class HfGenerateConfig(StrictModel):
     merge_adapter: bool = Field(
         True, description="An adapter (LoRA/DoRA) run decodes through merged weights, refreshed once per optimizer "
         "step (the adapted layers once more in memory); false decodes through the unmerged adapter layers.")
+    label_drafts: Optional[bool] = Field(
+        None, description="Speculative decoding with the request's ground-truth serialization as the draft (stage-2 "
+        "rollouts, in-training evaluation, coordexp eval / probe; requests without a label decode plainly): one "
+        "forward verifies draft_tokens per row; outputs are plain decoding's token for token (greedy and seeded "
+        "sampling). null: on wherever the dynamic KV cache decodes (the CPU default; measured on a grid-task "
+        "stage-1 model, 2 CPU cores: 3.7x greedy, 1.55x sampling), off with static_cache / compile (the CUDA "
+        "default) and beam search, which decode plainly (true: the same, with a log line saying why); see "
+        "docs/design.md, Label-drafted decoding.")
+    draft_tokens: int_in(1, 64) = Field(
+        16, description="label_drafts: draft tokens verified per row and forward (1-64).")
 
     @model_validator(mode="after")
     def _compile_needs_static_cache(self) -> "HfGenerateConfig":

@@ -102,3 +102,21 @@ def test_stage1_loss_decreases(tmp_path, write_config):
     losses = [h["loss/token_ce"] for h in outcome.log_history if "loss/token_ce" in h]
     assert len(losses) == 12
     assert sum(losses[-3:]) / 3 < 0.7 * sum(losses[:3]) / 3, json.dumps(losses)
+
+
+def test_label_drafts_leave_stage2_unchanged(tmp_path, write_config):
+    """Seeded sampling rollouts with and without label drafts: the same rollouts.jsonl and the same losses (drafts
+    change how many forwards a rollout takes, never its tokens); the drafted run's metadata says drafts ran."""
+    runs = {}
+    for drafts in (False, True):
+        overrides = _stage2_overrides(tmp_path / str(drafts), packing=False)
+        overrides["rollout_matching"].update({"decoding": {"temperature": 1.0},
+                                              "hf_generate": {"label_drafts": drafts, "draft_tokens": 4}})
+        outcome = run_training(load_contract(write_config(overrides, name=f"drafts_{drafts}.yaml")),
+                               rollout_log_every=1)
+        metadata = [json.loads(line) for line in (outcome.output_dir / "run_metadata.jsonl").read_text().splitlines()]
+        runs[drafts] = (read_rollout_log(outcome.output_dir), [h["loss"] for h in outcome.log_history if "loss" in h],
+                        [m for m in metadata if "label_drafts" in json.dumps(m.get("backend", {}))])
+    assert runs[True][0] == runs[False][0] and len(runs[True][0]) == 4 * STEPS
+    assert runs[True][1] == runs[False][1] and len(runs[True][1]) == STEPS
+    assert runs[False][2] == [] and len(runs[True][2]) >= STEPS

@@ -236,3 +236,31 @@ def test_rollout_seeds_do_not_depend_on_the_gt_steps(host, records, tmp_path):
             pipe.samples(records[:2], step)
         seeds[share] = pipe.stats.seeds
     assert seeds[0.5] == seeds[0.0][0:2] + seeds[0.0][4:6]  # steps 0 and 2 of the rollout-only run
+
+
+class RequestRecorder(GroundTruthBackend):
+    def __init__(self, tokenizer):
+        super().__init__(tokenizer)
+        self.requests: list = []
+
+    def generate(self, requests):
+        self.requests.extend(requests)
+        return super().generate(requests)
+
+
+@pytest.mark.parametrize("label_drafts", [None, True, False])
+def test_rollout_requests_carry_the_ground_truth_draft_unless_drafts_are_off(host, records, label_drafts):
+    """Every rollout request built from a record carries its stage-1 target ids as the decoding draft (the HF
+    backend's label drafts), except under ``hf_generate.label_drafts: false``."""
+    from dataclasses import replace
+
+    from coordexp.runtime.train.rollout_step import label_draft_ids
+    from coordexp.schema.rollout import HfGenerateConfig
+
+    drafted = replace(host, rollout=replace(host.rollout, hf_generate=HfGenerateConfig(label_drafts=label_drafts)))
+    backend = RequestRecorder(host.tokenizer)
+    chunks = list(pipeline_module.iter_rollout_samples(backend, drafted, records[:4], [1, 2, 3, 4], chunk=2))
+    assert len(chunks) == 2 and len(backend.requests) == 4
+    expected = [None] * 4 if label_drafts is False else [label_draft_ids(r, drafted) for r in records[:4]]
+    assert [r.draft_token_ids for r in backend.requests] == expected
+    assert label_drafts is False or all(ids and ids[-1] == host.eos_id for ids in expected)

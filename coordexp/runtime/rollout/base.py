@@ -38,13 +38,17 @@ class RolloutRequest:
     """One sample to roll out: its encoded prompt (which defines ``prompt_token_ids``), its position in the
     trainer's batch, and its sampling seed. ``record`` is for backends that must send image paths (vLLM server).
     ``greedy``: decode this request greedily although the run samples (the reward objective's greedy group member;
-    the HF backend honours it, and validation refuses it for the others)."""
+    the HF backend honours it, and validation refuses it for the others). ``draft_token_ids`` is the record's ground
+    truth as the model is trained to write it (the stage-1 target ids,
+    :func:`coordexp.runtime.train.rollout_step.label_draft_ids`): a backend may use it to decode faster
+    (``hf_generate.label_drafts``), never to decode differently."""
 
     prompt: "EncodedPrompt"
     index: int
     seed: int = 0
     record: "DetectionRecord | None" = None
     greedy: bool = False
+    draft_token_ids: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,10 @@
   dropped (every row depends on its own request and seed only). Both default to on for CUDA (greedy and sampling)
   and off elsewhere (docs/design.md, Rollout backend interface); outputs are token-for-token those of the
   dynamic cache (tests/rollout/test_backends_hf.py, tests/rollout/test_hf_decode_speed.py).
+- ``hf_generate.label_drafts``: requests carrying ``draft_token_ids`` (their ground truth) decode by speculative
+  decoding with that draft (:mod:`coordexp.runtime.rollout.label_drafts`): the same tokens, fewer forwards; with a
+  static cache, compile or beam search the chunk decodes plainly (docs/design.md, Label-drafted decoding).
+  ``run_metadata()`` reports the last call's :class:`~coordexp.runtime.rollout.label_drafts.DraftFigures`.
 """
 
 from __future__ import annotations
@@ -37,15 +41,26 @@ from typing import Any, Sequence
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from coordexp.runtime.rollout.coord_group import choose_coord_group, coord_id_tensor
+from coordexp.runtime.rollout.coord_group import coord_id_tensor
 from coordexp.runtime.rollout.base import RolloutBackend, RolloutOutput, RolloutRequest, finish_output
+from coordexp.runtime.rollout.hf_processors import (
+    CoordGroupGreedy,
+    PaddingAwareRepetitionPenalty,
+    RepeatGuardProcessor,
+    SeededSampler,
+)
+from coordexp.runtime.rollout.label_drafts import (
+    DraftFigures,
+    TokenChooser,
+    decode_with_label_drafts,
+    unsupported_generation_fields,
+)
 from coordexp.runtime.rollout.merged_decode import MergedDecodeModel
 from coordexp.runtime.rollout.weight_export import unwrap_model, zero3_partitioned
 from coordexp.runtime.rollout.zero3_decode import GatheredDecodeModel
 from coordexp.runtime.core.pieces import PieceTable
-from coordexp.runtime.core.repeat import RepeatGuard, RepeatTracker, count_object_keys, should_terminate
+from coordexp.runtime.core.repeat import RepeatGuard
 from coordexp.schema.contract import RunContract
 from coordexp.schema.rollout import DecodingConfig, HfGenerateConfig, RepeatTerminateConfig
 
@@ -56,106 +71,6 @@ logger = logging.getLogger("coordexp.rollout.hf")
 END_OF_TURN_TOKEN = "<|im_end|>"
 CACHE_LENGTH_BUCKET = 128  # static KV cache lengths are whole multiples of this (fewer sizes, fewer recompiles)
 _NEVER_EMIT_TOKENS = ("<|image_pad|>", "<|video_pad|>")
-
-
-class RepeatGuardProcessor(LogitsProcessor):
-    """Forces EOS for exactly the rows whose generated ids (after column ``prompt_width``) trip ``guard``.
-
-    Rows keep their identity in greedy/sampling decoding, so one :class:`RepeatTracker` per row is updated with
-    the new column (O(1) per step). Beam search reorders rows every step: then each row is re-checked from its ids.
-    """
-
-    def __init__(self, guard: RepeatGuard, *, prompt_width: int, eos_token_id: int,
-                 pieces: Sequence[bytes] | None, rows_reorder: bool):
-        self.guard, self.prompt_width, self.eos_token_id = guard, prompt_width, eos_token_id
-        self.pieces, self.rows_reorder = pieces, rows_reorder
-        self._trackers: list[RepeatTracker] | None = None
-        self._seen = 0
-
-    def _tripped_rows(self, input_ids: torch.Tensor) -> list[bool]:
-        if self.rows_reorder:
-            generated = input_ids[:, self.prompt_width:].tolist()
-            counts = [count_object_keys(g, self.pieces) if self.guard.max_object_keys else 0 for g in generated]
-            return [should_terminate(g, self.guard, object_key_count=c) for g, c in zip(generated, counts)]
-        if self._trackers is None:
-            self._trackers = [RepeatTracker(self.guard, self.pieces) for _ in range(input_ids.shape[0])]
-        new_columns = input_ids[:, self.prompt_width + self._seen:].tolist()
-        self._seen = input_ids.shape[1] - self.prompt_width
-        for tracker, ids in zip(self._trackers, new_columns):
-            for token_id in ids:
-                tracker.push(token_id)
-        return [tracker.triggered for tracker in self._trackers]
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        tripped = self._tripped_rows(input_ids)
-        if not any(tripped):
-            return scores
-        rows = torch.tensor(tripped, dtype=torch.bool, device=scores.device)
-        forced = scores.masked_fill(rows[:, None], float("-inf"))
-        forced[rows, self.eos_token_id] = 0.0
-        return forced
-
-
-class CoordGroupGreedy(LogitsProcessor):
-    """Leaves only the coord tokens where they hold more than half the probability, only the other tokens elsewhere
-    (greedy then takes the likeliest of the kind); see
-    :func:`~coordexp.runtime.rollout.coord_group.choose_coord_group`."""
-
-    def __init__(self, coord_ids: torch.Tensor):
-        self.coord_ids = coord_ids
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        return choose_coord_group(scores, self.coord_ids)
-
-
-class PaddingAwareRepetitionPenalty(LogitsProcessor):
-    """HF's repetition penalty (``score / p`` if positive, ``score * p`` if negative, once per distinct id seen in
-    prompt + generated ids) with left-padding positions ignored; ``pad_lengths`` is per sample, beams share it."""
-
-    def __init__(self, penalty: float, pad_lengths: torch.Tensor, num_beams: int = 1):
-        self.penalty = float(penalty)
-        self.pad_lengths = pad_lengths.repeat_interleave(num_beams)
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        pads = self.pad_lengths.to(input_ids.device)
-        columns = torch.arange(input_ids.shape[1], device=input_ids.device)
-        first_real = input_ids.gather(1, pads[:, None])  # padding is replaced by an id the row holds anyway
-        ids = torch.where(columns[None, :] < pads[:, None], first_real, input_ids)
-        seen = scores.gather(1, ids)
-        seen = torch.where(seen < 0, seen * self.penalty, seen / self.penalty)
-        return scores.scatter(1, ids, seen)
-
-
-class SeededSampler(LogitsProcessor):
-    """Samples each row's next token with that row's own generator and leaves only it finite (so the greedy step
-    of ``generate`` picks it). Temperature, top-k and top-p are HF's warpers, applied in that order. Rows flagged
-    ``greedy`` are left alone (the greedy step takes their likeliest token)."""
-
-    def __init__(self, seeds: Sequence[int], decoding: DecodingConfig, greedy: Sequence[bool] = ()):
-        self.seeds = [int(s) for s in seeds]
-        self.greedy = [bool(g) for g in greedy] or [False] * len(self.seeds)
-        self.warpers: list[LogitsProcessor] = [TemperatureLogitsWarper(max(decoding.temperature, 1e-4))]
-        if decoding.top_k > 0:
-            self.warpers.append(TopKLogitsWarper(decoding.top_k))
-        if decoding.top_p < 1.0:
-            self.warpers.append(TopPLogitsWarper(decoding.top_p))
-        self._generators: list[torch.Generator] | None = None
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        if self._generators is None:
-            if len(self.seeds) != scores.shape[0]:
-                raise ValueError(f"SeededSampler has {len(self.seeds)} seeds for {scores.shape[0]} rows")
-            self._generators = [torch.Generator(device=scores.device).manual_seed(s) for s in self.seeds]
-        warped = scores.float()
-        for warper in self.warpers:
-            warped = warper(input_ids, warped)
-        probs = torch.softmax(warped, dim=-1)
-        choices = torch.cat([torch.multinomial(row, 1, generator=g) for row, g in zip(probs, self._generators)])
-        chosen = torch.full_like(scores, float("-inf")).scatter(1, choices[:, None], 0.0)
-        if any(self.greedy):
-            keep = torch.tensor(self.greedy, device=scores.device)[:, None]
-            chosen = torch.where(keep, scores, chosen)
-        return chosen
 
 
 def _unwrap(model: Any) -> Any:
@@ -208,6 +123,9 @@ class HfRolloutBackend(RolloutBackend):
         self.merged = MergedDecodeModel()
         self.gathered = GatheredDecodeModel()  # a DeepSpeed ZeRO-3 policy decodes on a whole copy
         self.compiled_shapes: dict[tuple[int, int], float] = {}  # (rows, cache length) -> first call's seconds
+        self.draft_figures = DraftFigures()  # label drafts over this backend's life (telemetry, the benchmark)
+        self._call_figures = DraftFigures()  # ... in the last generate() call (run_metadata)
+        self._draft_fallbacks: set[str] = set()  # reasons already logged for decoding plainly despite label_drafts
 
     @classmethod
     def from_run(cls, run: RunContract, model: Any, processor: Any) -> "HfRolloutBackend":
@@ -238,10 +156,18 @@ class HfRolloutBackend(RolloutBackend):
     def generate(self, requests: Sequence[RolloutRequest]) -> list[RolloutOutput]:
         if self._model is None:
             raise RuntimeError("this HF rollout backend was closed; create a new one")
+        self._call_figures = DraftFigures()
         outputs: list[RolloutOutput] = []
         for start in range(0, len(requests), self.decode_batch_size):
             outputs.extend(self._generate_chunk(list(requests[start:start + self.decode_batch_size])))
+        self.draft_figures.add(self._call_figures)
         return outputs
+
+    def run_metadata(self) -> dict[str, Any]:
+        """The last call's label-draft figures (:class:`DraftFigures`), when it decoded with drafts."""
+        if not self._call_figures.forwards:
+            return {}
+        return {"label_drafts": self._call_figures.as_dict()}
 
     def _generate_chunk(self, chunk: list[RolloutRequest]) -> list[RolloutOutput]:
         policy = self.decode_model()
@@ -255,23 +181,73 @@ class HfRolloutBackend(RolloutBackend):
                 batch, pad_lengths = self._left_padded_batch(policy, rows)
                 width = batch["input_ids"].shape[1]
                 config, stop_ids = self._generation_config(policy, static=static, compiled=compiled, width=width)
-                processors = self._processors(rows, pad_lengths, width)
                 self.decode_calls += 1
-                started = time.perf_counter()
-                result = policy.generate(**batch, generation_config=config,
-                                         logits_processor=LogitsProcessorList(processors))
-                if compiled:
-                    self._note_compiled_call(len(rows), getattr(policy, "_previous_max_cache_length", 0),
-                                             time.perf_counter() - started)
+                if self._label_drafts_apply(chunk, static=static, config=config):
+                    generated = self._decode_drafted(policy, chunk, batch, config, stop_ids)
+                else:
+                    generated = self._generate_plainly(policy, rows, batch, pad_lengths, config, compiled)
         finally:
             policy.train(was_training)
-        sequences = result if isinstance(result, torch.Tensor) else result.sequences
         decode = self._decode
         return [
-            finish_output(request.prompt.input_ids.tolist(), generated, stop_ids=stop_ids, decode=decode,
+            finish_output(request.prompt.input_ids.tolist(), ids, stop_ids=stop_ids, decode=decode,
                           guard=self.guard, pieces=self._pieces)
-            for request, generated in zip(chunk, sequences[:len(chunk), width:].tolist())
+            for request, ids in zip(chunk, generated[:len(chunk)])
         ]
+
+    def _generate_plainly(self, policy: Any, rows: list[RolloutRequest], batch: dict, pad_lengths: torch.Tensor,
+                          config: Any, compiled: bool) -> list[list[int]]:
+        """``generate`` with the backend's logits processors; each row's ids after the prompt (padding included)."""
+        width = batch["input_ids"].shape[1]
+        started = time.perf_counter()
+        result = policy.generate(**batch, generation_config=config,
+                                 logits_processor=LogitsProcessorList(self._processors(rows, pad_lengths, width)))
+        if compiled:
+            self._note_compiled_call(len(rows), getattr(policy, "_previous_max_cache_length", 0),
+                                     time.perf_counter() - started)
+        sequences = result if isinstance(result, torch.Tensor) else result.sequences
+        return sequences[:, width:].tolist()
+
+    def _label_drafts_apply(self, chunk: list[RolloutRequest], *, static: bool, config: Any) -> bool:
+        """Whether this chunk decodes with label drafts: on (``null``: unless a static cache or beam search decodes,
+        the documented defaults), some request carries a draft, and nothing this decoding does not reproduce is on
+        (said once per reason where drafts were asked for or the generation config is the cause: those chunks decode
+        plainly)."""
+        asked = self.hf_generate.label_drafts
+        if asked is False or not any(r.draft_token_ids for r in chunk):
+            return False
+        beam_search = self.decoding.num_beams > 1
+        if asked is None and (static or beam_search):
+            return False
+        reason = None
+        if beam_search:
+            reason = "beam search keeps its beams in generate()"
+        elif static:
+            reason = "the static KV cache (and compile) run inside generate()"
+        elif unsupported_generation_fields(config):
+            reason = f"the model's generation config sets {unsupported_generation_fields(config)}"
+        if reason is not None and reason not in self._draft_fallbacks:
+            self._draft_fallbacks.add(reason)
+            logger.info("hf_generate.label_drafts: decoding plainly because %s (outputs are the same either way)",
+                        reason)
+        return reason is None
+
+    def _decode_drafted(self, policy: Any, chunk: list[RolloutRequest], batch: dict, config: Any,
+                        stop_ids: frozenset[int]) -> list[list[int]]:
+        """The chunk decoded by :func:`decode_with_label_drafts` (the same tokens as :meth:`_generate_plainly`)."""
+        if self.decoding.coord_group_greedy and self._coord_ids is None:
+            self._coord_ids = coord_id_tensor(self._tokenizer)
+        device = batch["input_ids"].device
+        chooser = TokenChooser(seeds=[r.seed for r in chunk], greedy=[r.greedy for r in chunk],
+                               decoding=self.decoding, never_emit=config.suppress_tokens or (),
+                               coord_ids=self._coord_ids if self.decoding.coord_group_greedy else None,
+                               guard=self.guard, pieces=self._pieces, eos_id=self.end_of_turn_id, device=device)
+        generated, figures = decode_with_label_drafts(
+            policy, batch, [r.prompt.input_ids.tolist() for r in chunk], [r.draft_token_ids for r in chunk],
+            chooser=chooser, stop_ids=stop_ids, max_new_tokens=self.max_new_tokens,
+            draft_tokens=self.hf_generate.draft_tokens, filler_id=self._pad_id(policy))
+        self._call_figures.add(figures)
+        return generated
 
     def _note_compiled_call(self, rows: int, cache_length: int, seconds: float) -> None:
         """The first call of each compiled shape (where compilation happens) is logged once, with its time."""

@@ -36,7 +36,13 @@ from coordexp.runtime.rollout.weight_export import full_parameters
 from coordexp.runtime.train.metrics import StepStats
 from coordexp.runtime.train.overlap import PlannedMicroStep, RolloutPrefetcher, generate_with_metadata
 from coordexp.runtime.train.reward_step import build_reward_samples
-from coordexp.runtime.train.rollout_step import HostContext, SampleTarget, build_gt_sample, build_rollout_sample
+from coordexp.runtime.train.rollout_step import (
+    HostContext,
+    SampleTarget,
+    build_gt_sample,
+    build_rollout_sample,
+    label_draft_ids,
+)
 from coordexp.runtime.train.run_log import step_records_hash
 from coordexp.runtime.train.visualize import append_rollout_log
 
@@ -144,18 +150,19 @@ def encode_prompts(host: HostContext, records: Sequence["DetectionRecord"]) -> l
 
 
 def _requests(records: Sequence["DetectionRecord"], prompts: Sequence["EncodedPrompt"], seeds: Sequence[int],
-              greedy_every: int = 0, greedy: bool = False) -> list[RolloutRequest]:
-    """With ``greedy_every = n``, every n-th request (the last of each reward group) is decoded greedily; with
-    ``greedy``, all of them."""
-    return [RolloutRequest(prompt=p, index=i, seed=int(s), record=r,
+              host: HostContext, greedy_every: int = 0, greedy: bool = False) -> list[RolloutRequest]:
+    """One request per record, carrying its ground truth as a decoding draft where the run uses label drafts. With
+    ``greedy_every = n``, every n-th request (the last of each reward group) is decoded greedily; with ``greedy``,
+    all of them."""
+    return [RolloutRequest(prompt=p, index=i, seed=int(s), record=r, draft_token_ids=label_draft_ids(r, host),
                            greedy=greedy or (greedy_every > 0 and i % greedy_every == greedy_every - 1))
             for i, (r, p, s) in enumerate(zip(records, prompts, seeds, strict=True))]
 
 
-def _group_requests(group: Sequence[RolledOut], greedy_every: int = 0) -> list[RolloutRequest]:
+def _group_requests(group: Sequence[RolledOut], host: HostContext, greedy_every: int = 0) -> list[RolloutRequest]:
     """One backend call's requests for several micro-steps, in micro-step order."""
     return _requests([r for part in group for r in part.records], [p for part in group for p in part.prompts],
-                     [s for part in group for s in part.seeds], greedy_every)
+                     [s for part in group for s in part.seeds], host, greedy_every)
 
 
 def _split(group: Sequence[RolledOut], outputs: Sequence["RolloutOutput"], metadata: dict[str, Any],
@@ -188,7 +195,7 @@ def iter_rollout_samples(backend: "RolloutBackend", host: HostContext, records: 
     for start in range(0, len(records), step):
         part, part_seeds = list(records[start:start + step]), [int(s) for s in seeds[start:start + step]]
         prompts = encode_prompts(host, part)
-        outputs, metadata, seconds = generate_with_metadata(backend, _requests(part, prompts, part_seeds,
+        outputs, metadata, seconds = generate_with_metadata(backend, _requests(part, prompts, part_seeds, host,
                                                                                greedy=greedy))
         outputs = [replace(o, policy_version=policy_version) for o in outputs]
         yield RolloutChunk(part, part_seeds, outputs, _samples(part, prompts, outputs, host, policy_version),
@@ -345,7 +352,8 @@ class MicroStepPipeline:
         group = [own] + [self._planned_share(plan) for plan in self._planned
                          if plan.key[0] == step and plan.key > key and plan.key not in ahead]
         self._advise_call_size_once(sum(len(part.records) for part in group))
-        outputs, metadata, _ = generate_with_metadata(self.backend, _group_requests(group, self._greedy_every))
+        outputs, metadata, _ = generate_with_metadata(self.backend, _group_requests(group, self.host,
+                                                                                    self._greedy_every))
         first, *rest = _split(group, outputs, metadata, step)
         self._rolled.update((part.key, part) for part in rest)
         return first
@@ -378,7 +386,8 @@ class MicroStepPipeline:
             return
         group = [self._planned_share(plan) for plan in pending if plan.key[0] == pending[0].key[0]]
         self._in_flight = group
-        self.prefetcher.request(group[0].key, _group_requests(group, self._greedy_every), policy_version=step)
+        self.prefetcher.request(group[0].key, _group_requests(group, self.host, self._greedy_every),
+                                policy_version=step)
 
     def rows(self, samples: list[SampleTarget], step: int) -> list[list[SampleTarget]]:
         """Unpacked: one padded row of all samples. Packed: carried segments older than the staleness bound are

@@ -42,7 +42,8 @@ if TYPE_CHECKING:
     from coordexp.schema.data import GtPrefixMix
     from coordexp.schema.template import TemplateConfig
 
-__all__ = ["HostContext", "SampleTarget", "build_rollout_sample", "build_gt_sample", "gt_prefix", "decode_mode_of"]
+__all__ = ["HostContext", "SampleTarget", "build_rollout_sample", "build_gt_sample", "gt_prefix", "decode_mode_of",
+           "label_draft_ids"]
 
 DecodeMode = Literal["greedy", "sampling", "beam"]
 # Stage 1 is plain SFT: every token of the GT serialization is trained, desc values included.
@@ -224,16 +225,36 @@ def build_gt_sample(record: "DetectionRecord", prompt: EncodedPrompt, ctx: HostC
     Built through the same target builder as stage 2 (the empty prefix ``{`` with every GT object appended, encoded
     together as the tokenizer encodes the whole text), so stage 1 and stage 2 tails tokenize identically.
     """
-    objects = list(record.objects)
     mix = ctx.rollout.gt_prefix_mix
-    given = () if draw is None or mix.is_plain else gt_prefix(len(objects), mix, draw)
+    given = () if draw is None or mix.is_plain else gt_prefix(len(record.objects), mix, draw)
+    target = _gt_target(record, ctx, given)
+    encoded = encode_teacher_forced(ctx.processor, record, ctx.template, target.ids, prompt=prompt,
+                                    max_length=ctx.max_length)
+    _check_span(record.source, target, encoded)
+    return SampleTarget(encoded, target, counters=None)
+
+
+def label_draft_ids(record: "DetectionRecord", ctx: HostContext) -> tuple[int, ...] | None:
+    """The record's ground truth as the model is trained to write it (the stage-1 target ids, EOS included), the
+    draft of label-drafted decoding; None when the run does not use it (``hf_generate.label_drafts: false``, or a
+    vLLM backend, which would not read it). Under ``null`` the backend decides per device whether to use it."""
+    rm = ctx.rollout
+    if rm.hf_generate.label_drafts is False or getattr(rm.backend, "kind", "hf") != "hf":
+        return None
+    return _gt_target(record, ctx, ()).ids
+
+
+def _gt_target(record: "DetectionRecord", ctx: HostContext, given: tuple[int, ...]) -> TrainTarget:
+    """The stage-1 target: ``given`` objects as a context prefix, the others taught in reading order (all when
+    ``given`` is empty)."""
+    objects = list(record.objects)
     ids: tuple[int, ...] = ()
     if given:
         text = serialize_objects([objects[k] for k in given], ctx.rollout.object_field_order)
         ids = tuple(ctx.tokenizer.encode(text, add_special_tokens=False))
     parse = parse_rollout(ids, ctx.tokenizer, ctx.vocab, piece_table=ctx.pieces)
     tail = None if not given else tuple(TailEntry(objects[g], "fn", g) for g in range(len(objects)) if g not in given)
-    target = build_train_target(
+    return build_train_target(
         parse,
         objects,
         [],
@@ -246,7 +267,3 @@ def build_gt_sample(record: "DetectionRecord", prompt: EncodedPrompt, ctx: HostC
         piece_table=ctx.pieces,
         tail=tail,
     )
-    encoded = encode_teacher_forced(ctx.processor, record, ctx.template, target.ids, prompt=prompt,
-                                    max_length=ctx.max_length)
-    _check_span(record.source, target, encoded)
-    return SampleTarget(encoded, target, counters=None)
