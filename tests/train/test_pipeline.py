@@ -264,3 +264,29 @@ def test_rollout_requests_carry_the_ground_truth_draft_unless_drafts_are_off(hos
     expected = [None] * 4 if label_drafts is False else [label_draft_ids(r, drafted) for r in records[:4]]
     assert [r.draft_token_ids for r in backend.requests] == expected
     assert label_drafts is False or all(ids and ids[-1] == host.eos_id for ids in expected)
+
+
+class DraftingBackend(GroundTruthBackend):
+    """Reports label-draft figures for each call, as the HF backend's ``run_metadata()`` does."""
+
+    def run_metadata(self):
+        return {"label_drafts": {"row_forwards": 10, "generated_tokens": 40, "accepted_tokens": 28}}
+
+
+def test_the_step_log_carries_the_label_draft_figures_once_per_backend_call(host, records, tmp_path):
+    """Issue 54: the window's draft acceptance in the step figures (all calls summed, each call counted once)."""
+    pipe = make(host, tmp_path, DraftingBackend(host.tokenizer), per_device_batch=2, decode_batch_size=4)
+    for micro in range(2):
+        pipe.samples(records[2 * micro:2 * micro + 2], 0)
+    assert pipe.backend.calls == [2, 2]
+    logs = step_log_values(pipe.stats, WindowContext(world_size=1, device="cpu", stage2=True, buffered=None,
+                                                     packing_length=0, min_fill_ratio=0.0, fallback_events=None,
+                                                     is_main=True))
+    assert logs["rollout/draft_accepted_per_forward"] == pytest.approx(56 / 20)
+    assert logs["rollout/draft_token_share"] == pytest.approx(56 / 80)
+    assert logs["rollout/forwards_per_token"] == pytest.approx(20 / 80)
+    plain = make(host, tmp_path / "plain", GroundTruthBackend(host.tokenizer), per_device_batch=2)
+    plain.samples(records[:2], 0)
+    assert not any(key.startswith("rollout/draft") for key in step_log_values(plain.stats, WindowContext(
+        world_size=1, device="cpu", stage2=True, buffered=None, packing_length=0, min_fill_ratio=0.0,
+        fallback_events=None, is_main=True)))

@@ -22,6 +22,10 @@ __all__ = ["StepStats", "WindowContext", "reduce_values", "step_log_values"]
 logger = logging.getLogger("coordexp.train")
 
 
+DRAFT_SUMS = ("row_forwards", "generated_tokens", "accepted_tokens")
+"""The label-draft sums a window keeps (:class:`coordexp.runtime.rollout.label_drafts.DraftFigures` fields)."""
+
+
 class StepStats:
     """Sums over the micro-steps since the last log: loss terms (weighted by micro-step), tokens, counters."""
 
@@ -43,6 +47,13 @@ class StepStats:
         self.gt_micro_steps = 0  # stage 2: micro-steps that trained the GT serialization (rollout_matching.gt_step_share)
         self.token_types = TokenTypeWindow()  # trained positions per token type (training.token_type_metrics)
         self.reward_groups: list[GroupFigures] = []  # objective: reward: one per image group rolled out
+        self.drafts = [0.0] * len(DRAFT_SUMS)  # label drafts (hf_generate.label_drafts): sums over backend calls
+
+    def add_drafts(self, metadata: dict[str, Any] | None) -> None:
+        """One backend call's label-draft figures (its ``run_metadata()``), when it decoded with drafts."""
+        figures = (metadata or {}).get("label_drafts") or {}
+        for k, name in enumerate(DRAFT_SUMS):
+            self.drafts[k] += float(figures.get(name, 0) or 0)
 
     def timed(self, stage: str, seconds: float) -> None:
         self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
@@ -140,6 +151,11 @@ def step_log_values(stats: StepStats, ctx: WindowContext) -> dict[str, float]:
         logs["rollout/seed_first"], logs["rollout/seed_last"] = first, last
     if ctx.fallback_events is not None:
         logs["rollout/sync_fallbacks"] = float(ctx.fallback_events)
+    row_forwards, generated, accepted = reduced(stats.drafts)
+    if row_forwards and generated:  # label-drafted rollouts in this window (all ranks)
+        logs["rollout/draft_accepted_per_forward"] = accepted / row_forwards
+        logs["rollout/draft_token_share"] = accepted / generated
+        logs["rollout/forwards_per_token"] = row_forwards / generated
     if ctx.reward:
         logs.update(reward_log_values(stats, reduced))
     return logs

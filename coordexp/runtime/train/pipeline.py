@@ -340,6 +340,7 @@ class MicroStepPipeline:
         if got is None or not requests_ok:
             return None
         self.stats.timed("rollout_generate", got.seconds)  # background generation time (overlapped)
+        self.stats.add_drafts(got.metadata)
         first, *rest = _split(group, got.outputs, got.metadata, got.policy_version)
         self._rolled.update((part.key, part) for part in rest)
         return first
@@ -354,6 +355,7 @@ class MicroStepPipeline:
         self._advise_call_size_once(sum(len(part.records) for part in group))
         outputs, metadata, _ = generate_with_metadata(self.backend, _group_requests(group, self.host,
                                                                                     self._greedy_every))
+        self.stats.add_drafts(metadata)  # once per backend call (its parts share the call's metadata)
         first, *rest = _split(group, outputs, metadata, step)
         self._rolled.update((part.key, part) for part in rest)
         return first
