@@ -275,6 +275,11 @@ def print_set_figures(figures: dict) -> None:
     out.print(f"predictions per GT {number('pred_per_gt')}, certified duplicates per image "
               f"{number('duplicates_per_image')}, count error {number('count_error')} per image, premature EOS "
               f"{_pct(figures.get('premature_eos_rate'))}, cut off before EOS {_pct(figures.get('cut_off_rate'))}")
+    buckets = figures.get("count_buckets") or {}
+    shown = [f"{name} objects ({b['images']} images): recall {_pct(b['recall'])}, premature EOS "
+             f"{_pct(b['premature_eos_rate'])}" for name, b in buckets.items() if b.get("images")]
+    if shown:
+        out.print("by ground-truth objects per image: " + "; ".join(shown))
     by_rank = [v for v in figures.get("recall_by_rank") or []]
     if by_rank:
         shown = " ".join(_fmt(v) for v in by_rank[:10]) + (" ..." if len(by_rank) > 10 else "")

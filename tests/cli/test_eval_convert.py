@@ -162,11 +162,15 @@ def test_eval_json_carries_the_set_figures(trained_run, tmp_path):
     assert all(figures[k] is None or 0.0 <= figures[k] <= 1.0 for k in ("precision", "f1", "precision_any_class"))
     records = load_records(trained_run.parent / "data" / "val.jsonl", max_samples=3)
     assert len(figures["recall_by_rank"]) == max(len(r.objects) for r in records)
+    buckets = figures["count_buckets"]  # issue 53: recall and premature EOS by ground-truth objects per image
+    assert sum(b["images"] for b in buckets.values()) == sum(1 for r in records if r.objects)
+    assert sum(b["objects"] for b in buckets.values()) == sum(len(r.objects) for r in records)
     counters = payload["counters"]  # counted by the rollout telemetry, apart from the set figures
     assert figures["pred_per_gt"] == pytest.approx(counters["pred_valid"] / counters["gt_objects"])
     assert figures["cut_off_rate"] == pytest.approx(1 - counters["eos_stopped"] / counters["samples"])
     text = _run("eval", trained_run, "--limit", "3", "--score", "constant", "--out", tmp_path / "t").stdout
     assert "class-aware" in text and "any class" in text and "predictions per GT" in text
+    assert "by ground-truth objects per image: 1-6 objects" in " ".join(text.split())
 
 
 def test_probe_reports_deletion_recovery_and_oracle_k(trained_run, tmp_path):

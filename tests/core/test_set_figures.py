@@ -119,3 +119,20 @@ def test_the_figures_table_of_docs_figures_is_one_table_naming_every_figure():
     documented = [name for name in FIGURE_NAMES if f"`{name}`" in table]
     assert len(documented) >= len(FIGURE_NAMES) - 1  # rollout_tokens_per_image is described with the counters
     assert "`count_error`" in table and "`backtracks_per_image`" in table
+
+
+def test_recall_and_premature_eos_by_object_count_bucket():
+    """Issue 53: where stage 1 stops early (dense scenes), per bucket of ground-truth objects per image."""
+    from coordexp.runtime.core.set_figures import count_bucket_figures
+
+    def scene(n_gt, found, stopped_early):
+        gts = [box(10 * k, 0, 10 * k + 9, 9) for k in range(n_gt)]
+        return image_figures(gts[:found], gts, eos_stopped=stopped_early)
+
+    images = [scene(3, 3, True), scene(8, 6, True), scene(12, 5, True), scene(12, 12, True), scene(0, 0, True)]
+    buckets = count_bucket_figures(images)
+    assert buckets["1-6"] == {"images": 1, "objects": 3, "recall": 1.0, "premature_eos_rate": 0.0}
+    assert buckets["7-10"] == {"images": 1, "objects": 8, "recall": 6 / 8, "premature_eos_rate": 1.0}
+    assert buckets["11+"] == {"images": 2, "objects": 24, "recall": 17 / 24, "premature_eos_rate": 0.5}
+    assert aggregate_figures(images)["count_buckets"] == buckets
+    assert count_bucket_figures([])["11+"] == {"images": 0, "objects": 0, "recall": None, "premature_eos_rate": None}

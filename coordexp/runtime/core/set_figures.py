@@ -28,7 +28,8 @@ from coordexp.runtime.core.matching import aabb_iou_matrix
 from coordexp.runtime.core.objects import DetObject
 
 __all__ = ["IOU", "DUPLICATE_IOU", "ImageFigures", "iou_matrix", "greedy_match", "certified_duplicates", "near_repeats",
-           "backtracks", "image_figures", "aggregate_figures", "FIGURE_NAMES"]
+           "backtracks", "image_figures", "aggregate_figures", "FIGURE_NAMES",
+           "COUNT_BUCKETS", "count_bucket_figures"]
 
 IOU = 0.5
 DUPLICATE_IOU = 0.9
@@ -200,4 +201,23 @@ def aggregate_figures(images: Sequence[ImageFigures]) -> dict[str, object]:
             "rollout_tokens_per_image": _ratio(sum(i.tokens for i in images), n),
             "backtracks_per_image": _ratio(sum(i.backtracks for i in images), n),
             "backtrack_recovery_rate": _ratio(sum(i.backtrack_recoveries for i in images),
-                                              sum(i.backtracks for i in images))}
+                                              sum(i.backtracks for i in images)),
+            "count_buckets": count_bucket_figures(images)}
+
+
+COUNT_BUCKETS: tuple[tuple[str, int, int | None], ...] = (("1-6", 1, 6), ("7-10", 7, 10), ("11+", 11, None))
+"""Ground-truth objects per image: where stage 1 stops early on dense scenes (the upstream project measured premature
+stops dominating scenes of 7+ and 11+ objects)."""
+
+
+def count_bucket_figures(images: Sequence[ImageFigures]) -> dict[str, dict[str, object]]:
+    """Per :data:`COUNT_BUCKETS` bucket of ground-truth objects per image: its images and objects, class-aware recall
+    and premature-EOS rate (``None`` where the bucket is empty); images without ground truth are in none."""
+    out: dict[str, dict[str, object]] = {}
+    for name, low, high in COUNT_BUCKETS:
+        chosen = [i for i in images if i.n_gt >= low and (high is None or i.n_gt <= high)]
+        objects = sum(i.n_gt for i in chosen)
+        out[name] = {"images": len(chosen), "objects": objects,
+                     "recall": _ratio(sum(i.matched_class for i in chosen), objects),
+                     "premature_eos_rate": _ratio(sum(i.premature_eos for i in chosen), len(chosen))}
+    return out

@@ -114,6 +114,11 @@ class DetectionEval:
                     logs[f"{prefix}/{name}{key}"] = value
         logs.update({f"{prefix}/{key}": float(self.figures[key]) for key in FIGURE_NAMES
                      if self.figures.get(key) is not None})
+        for name, bucket in (self.figures.get("count_buckets") or {}).items():  # eval/recall_objects_7_10 ...
+            suffix = name.replace("-", "_").replace("+", "_plus")
+            for key in ("recall", "premature_eos_rate"):
+                if bucket.get(key) is not None:
+                    logs[f"{prefix}/{key}_objects_{suffix}"] = float(bucket[key])
         return logs
 
     def to_dict(self) -> dict[str, Any]:
