@@ -22,7 +22,8 @@ from typing import Any, Iterable, Literal, Optional
 from coordexp.errors import CoordexpError, ExternalSystemError, MissingDependencyError
 
 __all__ = ["OptionalDependency", "DEPENDENCIES", "Purpose", "dependency", "installed", "needed_by",
-           "missing_for", "require_installed", "as_missing_dependency", "as_external_error", "HUB_DOWNLOAD"]
+           "missing_for", "require_installed", "as_missing_dependency", "as_external_error", "HUB_DOWNLOAD",
+           "REPORT_TO_MODULES"]
 
 HUB_DOWNLOAD = "hf download ORG/NAME --local-dir NAME"
 Purpose = Literal["train", "eval", "serve", "serve_vllm", "export"]
@@ -74,7 +75,20 @@ DEPENDENCIES: tuple[OptionalDependency, ...] = (
                        alternatives=("tensorboardX",)),
     OptionalDependency("flash_attn", "flash-attn", None, "model.attn_implementation: flash_attention_2 (needs CUDA)",
                        install_note="with --no-build-isolation, after your CUDA torch"),
+    *(OptionalDependency(module, requirement, None, f"training.report_to: [{target}]")
+      for target, (module, requirement) in {
+          "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow"), "comet_ml": ("comet_ml", "comet-ml"),
+          "neptune": ("neptune", "neptune"), "trackio": ("trackio", "trackio"), "clearml": ("clearml", "clearml"),
+          "codecarbon": ("codecarbon", "codecarbon"), "dagshub": ("dagshub", "dagshub"),
+          "flyte": ("flytekit", "flytekit"), "dvclive": ("dvclive", "dvclive"), "swanlab": ("swanlab", "swanlab"),
+          "azure_ml": ("azureml", "azureml-core")}.items()),
 )
+REPORT_TO_MODULES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "comet_ml": "comet_ml",
+                     "neptune": "neptune", "trackio": "trackio", "clearml": "clearml", "codecarbon": "codecarbon",
+                     "dagshub": "dagshub", "flyte": "flytekit", "dvclive": "dvclive", "swanlab": "swanlab",
+                     "azure_ml": "azureml"}
+"""Each ``training.report_to`` value and the package transformers' callback for it imports (``kubeflow`` needs no
+package: transformers reads ``KUBEFLOW_TRAINER_SERVER_URL``)."""
 _BY_MODULE = {d.module: d for d in DEPENDENCIES}
 
 
@@ -117,8 +131,11 @@ def needed_by(run: Any, purpose: Purpose = "train") -> list[tuple[OptionalDepend
     if purpose == "train" and training is not None:
         if getattr(training, "deepspeed", None):
             need("deepspeed", f"training.deepspeed: {training.deepspeed}")
-        if "tensorboard" in (getattr(training, "report_to", None) or ()):
-            need("tensorboard", "training.report_to: [tensorboard]")
+        for target in getattr(training, "report_to", None) or ():
+            if target in REPORT_TO_MODULES:
+                need(REPORT_TO_MODULES[target], f"training.report_to: [{target}]")
+                if target == "dagshub":  # its callback logs through MLflow
+                    need("mlflow", "training.report_to: [dagshub]")
     backend = getattr(getattr(run, "rollout_matching", None), "backend", None)
     stage2 = str(getattr(run, "trainer_variant", "")).startswith("stage2")
     if getattr(backend, "kind", None) == "vllm_colocate" and ((purpose == "train" and stage2) or purpose == "eval"):

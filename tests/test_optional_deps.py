@@ -213,3 +213,18 @@ def test_a_full_disk_is_exit_3_saying_what_was_kept(error, capsys):
     assert result.exit_code == EXIT_EXTERNAL, result.output
     text = " ".join(result.output.split())
     assert "disk is full" in text and "kept" in text and "bug in coordexp" not in text
+
+
+def test_every_report_to_value_transformers_accepts_names_its_package(monkeypatch):
+    """Issue 55, item 6: `report_to: [wandb]` without wandb passed validation and ended as 'internal error ... a bug
+    in coordexp'; every value is in the table now (kubeflow needs no package), refused before the model loads."""
+    from coordexp.schema.hf_training_fields import REPORT_TO_CHOICES
+
+    assert set(REPORT_TO_CHOICES) - set(deps.REPORT_TO_MODULES) == {"kubeflow"}
+    for target, module in deps.REPORT_TO_MODULES.items():
+        monkeypatch.setitem(sys.modules, module, None)
+        found = deps.missing_for(fake_run(training__report_to=[target]))
+        assert [d.module for d, _ in found][:1] == [module] and target in found[0][1]
+    with pytest.raises(MissingDependencyError, match="wandb") as caught:
+        deps.require_installed(fake_run(training__report_to=["wandb"]))
+    assert "pip install 'wandb'" in caught.value.hint
