@@ -24,7 +24,7 @@ from coordexp.cli.frame import EXIT_OK, err, guarded, load_run, out, safe, write
 from coordexp.errors import UserInputError
 
 __all__ = ["register", "evaluate", "resolve_checkpoint", "run_with_checkpoint", "default_out_dir", "input_files",
-           "check_checkpoint_files", "check_out_dir", "print_set_figures", "require_packages"]
+           "check_checkpoint_files", "check_out_dir", "print_set_figures", "require_packages", "measured_identity"]
 
 SCORES = ("logprob", "mean_logprob", "constant")
 
@@ -95,6 +95,14 @@ def require_packages(run: Any, adapter: Optional[Path]) -> None:
         raise peft.problem(f"the LoRA adapter {adapter}")
 
 
+def measured_identity(config: Path, model_dir: Path, adapter: Optional[Path]) -> dict[str, Any]:
+    """What a result file measured: the model (and adapter) with its step and weights hash, and the config."""
+    from coordexp.runtime.model.checkpoint_files import model_identity
+
+    return {"model": model_identity(model_dir) if model_dir.is_dir() else {"path": str(model_dir)},
+            "adapter": None if adapter is None else model_identity(adapter), "config": str(config.resolve())}
+
+
 def check_checkpoint_files(model_dir: Path, adapter: Optional[Path]) -> None:
     """The checkpoint (and the adapter's) files, before any weight is loaded: exit 2 naming a broken file or a
     tokenizer/processor that cannot be built."""
@@ -130,7 +138,8 @@ def check_out_dir(target: Path, inputs: Iterable[Path], pngs: int,
 
     inputs = list(inputs)
     real = check_output_dir(target)
-    names = [*(EVAL_RESULT_FILES if result_files is None else result_files), *(f"png/eval_{k:04d}.png" for k in range(min(pngs, 4096)))]
+    names = [*(EVAL_RESULT_FILES if result_files is None else result_files),
+             *(f"png/eval_{k:04d}.png" for k in range(min(pngs, 4096)))]
     for name in names:
         path = real / name
         if os.path.lexists(path):
@@ -203,7 +212,7 @@ def evaluate(
     console = err if as_json else out
     console.print(f"[cyan]eval[/cyan] model {safe(model_dir)}" + (f" + adapter {safe(adapter)}" if adapter else ""))
     report = run_evaluation(run, split=split, limit=limit, score=score, out_dir=target, png_count=pngs,  # type: ignore[arg-type]
-                            adapter=adapter, dedup=dedup,
+                            adapter=adapter, dedup=dedup, measured=measured_identity(config, model_dir, adapter),
                             log=lambda message: console.print(f"[cyan]eval[/cyan] {safe(message)}"))
     if as_json:
         shown_adapter = None if adapter is None else str(adapter)

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from coordexp.cli.evaluate import (check_checkpoint_files, check_out_dir, default_out_dir, input_files,
-                                   print_set_figures, require_packages, run_with_checkpoint)
+                                   measured_identity, print_set_figures, require_packages, run_with_checkpoint)
 from coordexp.cli.frame import EXIT_OK, err, guarded, load_run, out, safe, write_result
 
 __all__ = ["register", "probe"]
@@ -53,7 +53,8 @@ def probe(
     console = err if as_json else out
     console.print(f"[cyan]probe[/cyan] model {safe(model_dir)}" + (f" + adapter {safe(adapter)}" if adapter else ""))
     figures = run_probe(run, limit=limit, oracle_k=oracle_k, temperature=temperature, adapter=adapter,
-                        out_dir=target, log=lambda message: console.print(f"[cyan]probe[/cyan] {safe(message)}"))
+                        out_dir=target, log=lambda message: console.print(f"[cyan]probe[/cyan] {safe(message)}"),
+                        measured=measured_identity(config, model_dir, adapter))
     if as_json:
         write_result(json.dumps({"ok": True, "model": str(model_dir),
                                  "adapter": None if adapter is None else str(adapter), **figures}, indent=2) + "\n")

@@ -162,6 +162,13 @@ def test_eval_json_carries_the_set_figures(trained_run, tmp_path):
     assert all(figures[k] is None or 0.0 <= figures[k] <= 1.0 for k in ("precision", "f1", "precision_any_class"))
     records = load_records(trained_run.parent / "data" / "val.jsonl", max_samples=3)
     assert len(figures["recall_by_rank"]) == max(len(r.objects) for r in records)
+    measured = json.loads((tmp_path / "e" / "metrics.json").read_text())["measured"]  # issue 55: what was measured
+    assert measured == payload["measured"] and measured["images"] == 3 and measured["limit"] == 3
+    from coordexp.cli.frame import load_run
+
+    output_dir = Path(load_run(Path(trained_run)).training.output_dir).resolve()
+    assert measured["model"]["path"] == str(output_dir) and measured["model"]["step"] is not None
+    assert len(measured["model"]["weights_sha256"]) == 64 and measured["decoding"]["temperature"] == 0.0
     buckets = figures["count_buckets"]  # issue 53: recall and premature EOS by ground-truth objects per image
     assert sum(b["images"] for b in buckets.values()) == sum(1 for r in records if r.objects)
     assert sum(b["objects"] for b in buckets.values()) == sum(len(r.objects) for r in records)

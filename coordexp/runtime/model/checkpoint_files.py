@@ -24,8 +24,9 @@ from typing import Any, Optional, Sequence
 
 from coordexp.errors import UserInputError
 
-__all__ = ["share_saved_weights", "CheckpointFileError", "MAX_JSON_BYTES", "WEIGHT_FILES", "ADAPTER_WEIGHT_FILES", "check_model_dir",
-           "check_adapter_dir", "check_safetensors", "read_json_object", "load_checked_processor"]
+__all__ = ["share_saved_weights", "CheckpointFileError", "MAX_JSON_BYTES", "WEIGHT_FILES", "ADAPTER_WEIGHT_FILES",
+           "check_model_dir", "check_adapter_dir", "check_safetensors", "read_json_object", "load_checked_processor",
+           "model_identity"]
 
 MAX_JSON_BYTES = 64 * 2**20  # config, tokenizer and index JSON files (a tokenizer.json is a few MiB)
 _MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own reader refuses larger headers
@@ -292,3 +293,30 @@ def share_saved_weights(folder: str | Path) -> list[Path]:
             os.chmod(path, wanted)
             changed.append(path)
     return changed
+
+
+def model_identity(folder: str | Path) -> dict[str, Any]:
+    """What names a saved model or adapter for a result file: its path, the step its ``trainer_state.json`` says
+    (None for a model no run saved), and a SHA-256 over its weight files' bytes (streamed; a changed weight, a
+    different checkpoint of the same run, gives another)."""
+    import hashlib
+
+    root = Path(folder)
+    digest = hashlib.sha256()
+    names = [name for name in (*WEIGHT_FILES, *ADAPTER_WEIGHT_FILES) if (root / name).is_file()]
+    if "model.safetensors.index.json" in names:
+        index = _read_json_object(root / "model.safetensors.index.json").get("weight_map") or {}
+        names += sorted({str(v) for v in index.values() if isinstance(v, str) and (root / str(v)).is_file()})
+    for name in names:
+        digest.update(name.encode("utf-8"))
+        with (root / name).open("rb") as handle:
+            for block in iter(lambda: handle.read(8 << 20), b""):
+                digest.update(block)
+    step = None
+    if (root / "trainer_state.json").is_file():
+        try:
+            found = read_json_object(root / "trainer_state.json").get("global_step")
+            step = found if isinstance(found, int) and not isinstance(found, bool) else None
+        except CheckpointFileError:
+            step = None
+    return {"path": str(root.resolve()), "step": step, "weights_sha256": digest.hexdigest() if names else None}

@@ -100,6 +100,7 @@ class DetectionEval:
     figures: dict[str, Any] = field(default_factory=dict)  # set figures (core.set_figures), fractions
     dedup: dict[str, Any] = field(default_factory=dict)  # --dedup: raw vs label-free repeats removed (core.dedup)
     files: dict[str, str] = field(default_factory=dict)
+    measured: dict[str, Any] = field(default_factory=dict)  # what was evaluated (model, step, weights, decoding ...)
     seconds: float = 0.0
 
     def log_dict(self, prefix: str = "eval") -> dict[str, float]:
@@ -129,6 +130,7 @@ class DetectionEval:
             "counters": self.counters.to_log_dict(prefix=""),
             "ratios": self.counters.ratios(),
             "left_out": dict(self.left_out), "files": dict(self.files), "seconds": self.seconds,
+            **({"measured": dict(self.measured)} if self.measured else {}),
         }
 
 
@@ -299,10 +301,11 @@ def evaluate_detection(
     out_dir: str | Path | None = None,
     png_count: int = 4,
     dedup: bool = False,
+    measured: dict[str, Any] | None = None,
 ) -> DetectionEval:
     """Roll out, score and evaluate ``records``; with ``out_dir`` also write the results files and PNGs; with
     ``dedup`` also the figures with near repeats (the label-free heuristic) removed, beside the raw ones (never
-    instead)."""
+    instead); ``measured`` (what was evaluated) goes into ``metrics.json``."""
     started = time.perf_counter()
     rollouts = roll_out_and_score(model, host, backend, records, decode_batch_size=decode_batch_size, seed=seed,
                                   step=step, score=score)
@@ -310,6 +313,7 @@ def evaluate_detection(
     if dedup:
         report.dedup = dedup_figures(scored_images(rollouts, score), ("raw", "label_free"))
     report.seconds = time.perf_counter() - started
+    report.measured = {**(measured or {}), "images": len(records)} if measured is not None else {}
     if out_dir is not None:
         write_eval_files(report, rollouts, gt, results, out_dir, png_count=png_count)
     return report
@@ -326,6 +330,7 @@ def run_evaluation(
     log: Any = None,
     adapter: str | Path | None = None,
     dedup: bool = False,
+    measured: dict[str, Any] | None = None,
 ) -> DetectionEval:
     """``coordexp eval``: load ``run.model.path`` (plus the saved LoRA ``adapter``, if any) and the split's records,
     roll out through the configured backend, evaluate, write the files under ``out_dir`` and close the backend.
@@ -355,6 +360,9 @@ def run_evaluation(
         return evaluate_detection(
             model, host, backend, records, decode_batch_size=run.rollout_matching.decode_batch_size, seed=run.seed,
             score=score, image_root=run.data.image_root, out_dir=out_dir, png_count=png_count, dedup=dedup,
+            measured=None if measured is None else {**measured, "split": split, "limit": limit,
+                                                    "decoding": run.rollout_matching.decoding.model_dump(),
+                                                    "max_new_tokens": run.rollout_matching.max_new_tokens},
         )
     finally:
         backend.close()

@@ -256,7 +256,8 @@ def plot_recall_by_rank(figures: dict[str, Any], path: str | Path) -> Path:
 
 
 def run_probe(run: "RunContract", *, limit: int | None = None, oracle_k: int = 4, temperature: float = 1.0,
-              adapter: str | Path | None = None, out_dir: str | Path | None = None, log: Any = None) -> dict[str, Any]:
+              adapter: str | Path | None = None, out_dir: str | Path | None = None, log: Any = None,
+              measured: dict[str, Any] | None = None) -> dict[str, Any]:
     """``coordexp probe``: the free-running set figures of greedy rollouts (the configured backend), the three
     prefix probes and Oracle-K (HF backend) on the first ``limit`` validation records; with ``out_dir``,
     ``probe.json`` and ``recall_by_rank.png`` there."""
@@ -295,6 +296,9 @@ def run_probe(run: "RunContract", *, limit: int | None = None, oracle_k: int = 4
         figures.update(oracle_k_figures(records, [[p.obj for p in r.predictions] for r in rollouts], sampled))
         figures["oracle_temperature"] = float(temperature)
     figures["seconds"] = time.perf_counter() - started
+    if measured is not None:  # what was probed: the model with its step and weights hash, the config, the images
+        figures["measured"] = {**measured, "images": len(records), "limit": limit, "oracle_temperature": temperature,
+                               "decoding": run.rollout_matching.decoding.model_dump()}
     if out_dir is not None:
         out = Path(out_dir)
         write_result_file(out / "probe.json", (json.dumps(figures, indent=2) + "\n").encode("utf-8"))
