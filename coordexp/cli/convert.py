@@ -129,7 +129,8 @@ def to_jsonl(
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")] = False,
 ) -> None:
     """Pixel boxes and polygons -> norm1000 bins with each image's width/height, category ids -> desc names;
-    crowd and RLE annotations are skipped and counted."""
+    crowd annotations are kept as ignore regions (never trained; COCO AP ignores detections on them), RLE ones are
+    skipped and counted."""
     from coordexp.runtime.core.coco import coco_to_records, odvg_to_records
 
     if fmt not in ("auto", "coco", "lvis", "odvg"):
@@ -152,10 +153,12 @@ def to_jsonl(
     missing = missing_images(converted.records, output.parent)
     _report(as_json, {"output": str(output), "images": len(converted.records), "objects": converted.n_objects,
                       "categories": converted.categories, "skipped": dict(converted.skipped),
-                      "as_box": dict(converted.as_box), "missing_images": len(missing)}, [
+                      "as_box": dict(converted.as_box), "crowd_regions": converted.crowd_regions,
+                      "missing_images": len(missing)}, [
         f"[green]✓[/green] {safe(output)}: {len(converted.records)} images, {converted.n_objects} objects, "
         f"{len(converted.categories)} categories",
-        f"  skipped: {safe(skipped)}; polygons written as boxes: {safe(as_box)}",
+        f"  skipped: {safe(skipped)}; polygons written as boxes: {safe(as_box)}; crowd regions kept as COCO "
+        f"ignores: {converted.crowd_regions}",
     ] + ([f"  [yellow]! not found[/yellow] {len(missing)} of {len(converted.records)} images next to {safe(output)} "
           f"(e.g. {safe(missing[0])}); records name images relative to the JSONL file: pass the --image-prefix that "
           "leads there from it, or set data.image_root to the image folder"] if missing else []))

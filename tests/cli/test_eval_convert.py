@@ -43,7 +43,8 @@ def test_to_jsonl_writes_loadable_records_and_reports_skips(tmp_path):
     result = _run("convert", "to-jsonl", source, "-o", output, "--image-prefix", "val2017/", "--json")
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
-    assert summary["images"] == 2 and summary["objects"] == 2 and summary["skipped"] == {"crowd": 1}
+    assert summary["images"] == 2 and summary["objects"] == 2 and summary["skipped"] == {}
+    assert summary["crowd_regions"] == 1  # kept as an ignore region (issue 55), not an object
     records = load_records(output, tmp_path, check_files=False)
     assert [str(r.image_paths[0].relative_to(tmp_path)) for r in records] == ["val2017/one.jpg", "val2017/two.jpg"]
     assert records[0].objects[0].desc == "cat" and records[0].objects[0].coords == (100, 100, 600, 100, 350, 600)

@@ -53,7 +53,7 @@ def hand_written_coco() -> dict:
 def test_convert_maps_geometry_categories_and_counts_skips():
     converted = coco_to_records(hand_written_coco(), source="inst.json", image_prefix="train2017/")
     assert converted.categories == ["cat", "dog"]
-    assert converted.skipped == {"crowd": 1, "rle": 1}
+    assert converted.skipped == {"rle": 1} and converted.crowd_regions == 1  # crowd: an ignore region (issue 55)
     assert converted.as_box == {"multipart_polygon": 1}
     first, second = converted.records
     assert first["images"] == ["train2017/a/one.jpg"] and (first["width"], first["height"]) == (640, 480)

@@ -6,8 +6,9 @@ Coordinates: a norm1000 bin ``b`` of an image side of ``size`` pixels is the con
 
 Readers: COCO instances JSON (LVIS too: same layout, ``coco_url`` when there is no ``file_name``) and ODVG JSONL
 (``{"filename", "width", "height", "detection": {"instances": [{"bbox": xyxy, "label", "category"}]}}``). A
-single-part polygon segmentation becomes ``poly``; anything else with a box becomes ``bbox_2d``; crowd and RLE
-annotations are skipped and counted. Bad input (missing image size, a box outside the image, an unknown category,
+single-part polygon segmentation becomes ``poly``; anything else with a box becomes ``bbox_2d``; a crowd annotation
+becomes an ignore region (the record's ``crowd``, by its box: never trained, ``iscrowd`` in COCO AP); RLE annotations
+are skipped and counted. Bad input (missing image size, a box outside the image, an unknown category,
 ...) raises :class:`ConversionError` listing ``file: record: problem`` lines (exit 2); nothing is half-converted.
 Hostile input is a problem of its record too: integer literals over :data:`~coordexp.runtime.core.untrusted_json.MAX_NUMBER_DIGITS` digits are never
 converted, numbers beyond :data:`MAX_ABS_VALUE` are refused, ids and labels must be integers (or strings), and
@@ -86,6 +87,7 @@ class CocoImage:
     height: int
     file_name: str
     objects: tuple[DetObject, ...] = ()
+    crowd: tuple[DetObject, ...] = ()  # ignore regions: COCO's ``iscrowd`` annotations
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,7 @@ class ConvertedDataset:
     categories: list[str]
     skipped: Counter = field(default_factory=Counter)  # reason -> annotations not converted
     as_box: Counter = field(default_factory=Counter)  # reason -> polygons written as their box
+    crowd_regions: int = 0  # COCO crowd annotations kept as the records' ``crowd`` ignore regions
     origins: list[str] = field(default_factory=list)  # per record: where it came from ("images[3] (id 7)", "line 2")
 
     @property
@@ -322,8 +325,11 @@ def coco_to_records(
             problems.add(where, f"unknown category_id {_short(category_id)} (not in \"categories\")")
             continue
         segmentation = ann.get("segmentation")
-        if ann.get("iscrowd"):
-            result.skipped["crowd"] += 1
+        if ann.get("iscrowd"):  # an ignore region: kept by its box, never trained, ignored by COCO AP
+            region = _coco_object(ann, None, record["width"], record["height"], "bbox", result, problems, where)
+            if region is not None:
+                record.setdefault("crowd", []).append({"desc": names[category_id], **region})
+                result.crowd_regions += 1
             continue
         if isinstance(segmentation, Mapping):
             result.skipped["rle"] += 1
@@ -429,20 +435,21 @@ def odvg_to_records(
 
 def build_coco_gt(images: Sequence[CocoImage], categories: Sequence[str]) -> dict[str, Any]:
     """A COCO instances dict of ``images`` (pixel boxes, polygon segmentations, areas); category ids are
-    ``1..len(categories)`` in the given order. Boxes get their rectangle as segmentation (for ``segm`` eval)."""
+    ``1..len(categories)`` in the given order. Boxes get their rectangle as segmentation (for ``segm`` eval). Crowd
+    regions are ``iscrowd: 1`` annotations: COCOeval ignores the detections that fall on them."""
     ids = {name: k + 1 for k, name in enumerate(categories)}
     out_images, annotations = [], []
     for image in images:
         out_images.append({"id": image.image_id, "width": image.width, "height": image.height,
                            "file_name": image.file_name})
-        for obj in image.objects:
+        for obj, crowd in [*((o, 0) for o in image.objects), *((o, 1) for o in image.crowd)]:
             if obj.desc not in ids:
                 raise ValueError(f"ground-truth desc {obj.desc!r} is not among the categories")
             annotations.append({
                 "id": len(annotations) + 1, "image_id": image.image_id, "category_id": ids[obj.desc],
                 "bbox": object_pixel_box(obj, image.width, image.height),
                 "area": object_pixel_area(obj, image.width, image.height),
-                "segmentation": [_flat_pixels(obj, image.width, image.height)], "iscrowd": 0,
+                "segmentation": [_flat_pixels(obj, image.width, image.height)], "iscrowd": crowd,
             })
     return {"images": out_images, "annotations": annotations,
             "categories": [{"id": ids[name], "name": name} for name in categories]}

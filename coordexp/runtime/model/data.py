@@ -82,6 +82,8 @@ class DetectionRecord:
     height: int
     objects: tuple[DetObject, ...]
     source: str
+    crowd: tuple[DetObject, ...] = ()
+    """COCO crowd regions (``iscrowd``): never trained, and COCO AP ignores the detections on them."""
 
 
 class DatasetError(UserInputError, ValueError):
@@ -373,8 +375,13 @@ def _parse(raw: Any, *, image_root: Path, source: str, check_files: bool) -> Det
     if not isinstance(objects, list):
         raise _RecordProblem("objects", f"expected a list (possibly empty) of objects, got {_short(objects)}")
     parsed = tuple(_object(obj, f"objects[{i}]") for i, obj in enumerate(objects))
+    crowd = raw.get("crowd", [])
+    if not isinstance(crowd, list):
+        raise _RecordProblem("crowd", f"expected a list (possibly empty) of crowd regions, got {_short(crowd)}")
+    regions = tuple(_object(obj, f"crowd[{i}]") for i, obj in enumerate(crowd))
     paths = [_image_path(name, f"images[{i}]", image_root, check_files) for i, name in enumerate(images)]
-    return DetectionRecord(image_paths=tuple(paths), width=width, height=height, objects=parsed, source=source)
+    return DetectionRecord(image_paths=tuple(paths), width=width, height=height, objects=parsed, source=source,
+                           crowd=regions)
 
 
 def load_records(

@@ -235,10 +235,10 @@ def detection_metrics(
     images = [
         CocoImage(k + 1, r.record.width, r.record.height,
                   relative_image_name(str(r.record.image_paths[0]), None if image_root is None else str(image_root)),
-                  tuple(r.record.objects))
+                  tuple(r.record.objects), tuple(r.record.crowd))
         for k, r in enumerate(rollouts)
     ]
-    categories = sorted({obj.desc for image in images for obj in image.objects})
+    categories = sorted({obj.desc for image in images for obj in (*image.objects, *image.crowd)})
     gt = build_coco_gt(images, categories)
     scored = [ScoredObject(k + 1, p.obj, p.score(score)) for k, r in enumerate(rollouts) for p in r.predictions]
     sizes = {image.image_id: (image.width, image.height) for image in images}
