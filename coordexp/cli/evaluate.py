@@ -175,7 +175,8 @@ def _pct(value: Optional[float]) -> str:
 
 
 def evaluate(
-    config: Annotated[Path, typer.Argument(help="The run's YAML config.", show_default=False)],
+    config: Annotated[Optional[Path], typer.Argument(help="The run's YAML config (not with --compare).",
+                                                     show_default=False)] = None,
     checkpoint: Annotated[Optional[Path], typer.Option(
         "--checkpoint", help="Model or LoRA adapter directory to evaluate (default: the config's output_dir if "
                              "trained, else model.path).")] = None,
@@ -193,9 +194,24 @@ def evaluate(
                         "kept prediction: no labels needed, a heuristic that can remove a true positive), beside the "
                         "raw ones.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
+    compare: Annotated[Optional[tuple[Path, Path]], typer.Option(
+        "--compare", metavar="RESULTS_A RESULTS_B", show_default=False,
+        help="Compare two eval result folders of the same images instead: B minus A, paired per image, with "
+             "bootstrap 95% intervals and the noise floor (no model is loaded).")] = None,
+    bootstrap: Annotated[int, typer.Option("--bootstrap", min=100, max=100_000,
+                                           help="--compare: bootstrap replicates of the set figures (AP50: at most "
+                                                "200, a COCO evaluation each).")] = 1000,
 ) -> None:
     """Roll out a split through the configured backend, parse and match as training does, and report COCO AP
-    (boxes; masks where polygons exist) with the rollout counters; writes a COCO results JSON and PNGs."""
+    (boxes; masks where polygons exist) with the rollout counters; writes a COCO results JSON and PNGs. With
+    --compare, compare two such result folders instead."""
+    if compare is not None:
+        if config is not None:
+            raise UserInputError("pass either a config to evaluate or --compare RESULTS_A RESULTS_B, not both")
+        compare_results(*compare, bootstrap=bootstrap, as_json=as_json)
+        return
+    if config is None:
+        raise UserInputError("eval needs the run's config (coordexp eval CFG), or --compare RESULTS_A RESULTS_B")
     if split not in ("val", "train"):
         raise UserInputError(f"--split must be val or train, got {split!r}")
     if score not in SCORES:
@@ -220,6 +236,36 @@ def evaluate(
                                      **report.to_dict()}, indent=2) + "\n")
         raise typer.Exit(EXIT_OK)
     print_report(report)
+
+
+def compare_results(a: Path, b: Path, *, bootstrap: int, as_json: bool) -> None:
+    """``eval --compare``: B minus A with paired bootstrap intervals (:mod:`coordexp.runtime.core.compare`)."""
+    from rich.table import Table
+
+    from coordexp.runtime.core.compare import CompareError, compare_eval_folders, read_eval_folder
+
+    try:
+        result = compare_eval_folders(read_eval_folder(a), read_eval_folder(b), bootstrap=bootstrap,
+                                      ap_bootstrap=min(bootstrap, 200))
+    except CompareError as exc:
+        raise UserInputError(str(exc), hint="compare two folders `coordexp eval` wrote on the same split") from None
+    if as_json:
+        write_result(json.dumps({"ok": True, "a": str(a), "b": str(b), **result}, indent=2) + "\n")
+        raise typer.Exit(EXIT_OK)
+    table = Table(title=f"B minus A on the same {result['images']} images (percent; 95% bootstrap interval over "
+                        "images)")
+    for name in ("", "A", "B", "B - A", "95% interval"):
+        table.add_column(name, justify="right" if name else "left")
+    for key, row in result["figures"].items():
+        ci = row["ci95"]
+        shown = "-" if ci is None else f"[{100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]"
+        diff = row["difference"]
+        table.add_row(key, _fmt(row["A"]), _fmt(row["B"]), "-" if diff is None else f"{100 * diff:+.1f}", shown)
+    out.print(f"A: {safe(a)}\nB: {safe(b)}")
+    out.print(table)
+    if result["one_object_points"] is not None:
+        out.print(f"noise floor: {result['gt_objects']} ground-truth objects: one true positive = "
+                  f"{result['one_object_points']:.1f} points of recall; an interval across 0 is no difference")
 
 
 def print_report(report: Any) -> None:
