@@ -208,3 +208,15 @@ def test_a_reward_arm_trains_with_sampling_and_its_own_decoding_overrides_win(be
     assert control.rollout_matching.decoding.coord_group_greedy is True
     with pytest.raises(Exception, match="top_k"):  # the variant's own top_k comes after the sampling defaults
         contract("reward_hot")
+
+
+def test_dense_and_the_long_control_are_options_of_the_grid_task(bench, tmp_path):
+    """Issue 53: --dense picks the dense grid, --long-multiple K adds stage1_long (the control for K x --k steps)."""
+    args = _args(bench, tmp_path, "--dense", "--long-multiple", "3", "--k", "50", "--grid-arms", "stage2_recipe")
+    assert args.grid == bench.DENSE_GRID
+    plan = dict(bench.continuation_plan(args))
+    assert list(plan) == ["stage1_continued", "stage1_long", "stage2_recipe"]
+    long_keys = dict((tuple(k), v) for k, v in plan["stage1_long"])
+    assert long_keys[("training", "max_steps")] == 150 and long_keys[("rollout_matching", "gt_step_share")] == 1.0
+    with pytest.raises(SystemExit):
+        _args(bench, tmp_path, "--long-multiple", "0.5")
