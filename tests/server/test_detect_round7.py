@@ -92,3 +92,23 @@ def test_detect_answers_a_tiny_repetition_penalty_with_a_422_not_a_500(run_contr
         reply = test_client.post("/detect/", json={"image": image_arg(record, dataset),
                                                    "decoding": {"repetition_penalty": 1e-46}})
     assert reply.status_code == 422 and "repetition_penalty" in reply.text
+
+
+def test_mean_logprob_scores_and_a_threshold(run_contract, processor, dataset, record):
+    """Issue 55, item 5: summed scores of long objects are tiny (1e-6 on COCO); the mean per token is a probability
+    a user can threshold, and score_threshold leaves out what is below it, counted."""
+    import math
+
+    from test_detect import LOGPROB
+
+    test_client, _ = scripted_client(run_contract, processor, dataset, record)
+    with test_client:
+        summed = test_client.post("/detect/", json={"image": image_arg(record, dataset)}).json()
+        mean = test_client.post("/detect/", json={"image": image_arg(record, dataset), "score": "mean_logprob"}).json()
+        cut = test_client.post("/detect/", json={"image": image_arg(record, dataset), "score": "mean_logprob",
+                                                 "score_threshold": 0.999}).json()
+        bad = test_client.post("/detect/", json={"image": image_arg(record, dataset), "score": "max"})
+    assert all(o["score"] == pytest.approx(math.exp(LOGPROB)) for o in mean["objects"])
+    assert all(s["score"] < m["score"] for s, m in zip(summed["objects"], mean["objects"]))
+    assert cut["objects"] == [] and cut["parse"]["below_threshold"] == len(mean["objects"]) > 0
+    assert "mean" in mean["parse"]["score"] and bad.status_code == 422

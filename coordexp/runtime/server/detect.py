@@ -14,7 +14,8 @@ and the answer is parsed exactly as training parses a rollout:
 Coordinates are pixels of the image as sent (norm1000 bin ``b`` of a side of ``size`` pixels is ``b * size / 1000``,
 :func:`~coordexp.runtime.core.coco.bin_to_pixel`); a polygon's ``bbox_2d`` is its enclosing box. ``score`` is the
 probability of the object's tokens (``exp`` of their summed log-probabilities, as ``coordexp eval --score logprob``),
-``null`` when the engine returns no log-probabilities. Invalid objects are left out and counted in
+``null`` when the engine returns no log-probabilities; ``"score": "mean_logprob"`` makes it the mean per token (in
+(0, 1], what to threshold: ``score_threshold``). Invalid objects are left out and counted in
 ``parse.dropped`` by reason; ``parse.finish_reason`` is ``stop``, ``length`` or ``repeat`` (the repeat guard ended
 the answer). Every client error is a 4xx naming the field, never a server path.
 """
@@ -25,7 +26,7 @@ import asyncio
 import math
 import tempfile
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Optional
+from typing import Any, Awaitable, Callable, Literal, Optional
 
 from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -42,6 +43,7 @@ from coordexp.runtime.server.inputs import IMAGE_TAG, InferInputError, resolve_i
 __all__ = ["DetectDecoding", "DetectRequest", "Detector", "add_detect_route", "SCORE_MEANING"]
 
 SCORE_MEANING = "exp(sum of the object's token log-probabilities)"
+MEAN_SCORE_MEANING = "exp(mean of the object's token log-probabilities)"
 _PIXEL_DIGITS = 2
 
 
@@ -66,6 +68,12 @@ class DetectRequest(BaseModel):
     image: str = Field(min_length=1, description="A path under the server's --image-root, or base64 image data.")
     prompt: Optional[str] = Field(None, description="User text after the image (default: template.user_prompt).")
     decoding: DetectDecoding = Field(default_factory=DetectDecoding)
+    score: Literal["logprob", "mean_logprob"] = Field(
+        "logprob", description="Each object's score: exp of the sum of its tokens' log-probabilities (logprob, as "
+        "`coordexp eval --score logprob`: small for long objects) or of their mean (mean_logprob: a per-token "
+        "probability in (0, 1], what to threshold).")
+    score_threshold: Optional[float] = Field(
+        None, ge=0.0, le=1.0, description="Leave out the objects scored below it (counted in parse.below_threshold).")
     dedup: bool = Field(False, description="Move near repeats (same desc, IoU >= 0.9 with an earlier kept object; a "
                                            "heuristic that can move a true positive) from objects to repeats "
                                            "(docs/figures.md).")
@@ -118,27 +126,34 @@ class Detector:
                                                   images=[request.image])],
             request_config=p.RequestConfig(**config, return_details=True, logprobs=self.logprobs))
 
-    def answer(self, item: dict[str, Any], size: tuple[int, int], dedup: bool = False) -> dict[str, Any]:
+    def answer(self, item: dict[str, Any], size: tuple[int, int], dedup: bool = False, *, score: str = "logprob",
+               score_threshold: Optional[float] = None) -> dict[str, Any]:
         """The ``/detect/`` reply of one ``/infer/`` item (see the module docstring); with ``dedup`` the near
-        repeats move from ``objects`` to ``repeats`` (nothing is lost: ``text`` holds what the model wrote)."""
+        repeats move from ``objects`` to ``repeats`` (nothing is lost: ``text`` holds what the model wrote); with
+        ``score_threshold`` the objects scored below it are left out of ``objects`` and counted."""
         choice = item["response"]["choices"][0]
         reasons = (item.get("coordexp") or {}).get("finish_reasons") or []
         finish_reason = reasons[0] if reasons else choice.get("finish_reason")  # ``repeat``: the guard stopped it
         ids = list(choice.get("token_ids") or [])
         logprobs = [float(t["logprob"]) for t in (choice.get("logprobs") or {}).get("content") or []] or None
         parse = parse_rollout(ids, self.tokenizer, self.vocab(), piece_table=PieceTable.for_tokenizer(self.tokenizer))
-        objects = [detected_object(o, size, logprobs, len(ids)) for o in parse.valid_objects]
+        objects = [detected_object(o, size, logprobs, len(ids), mean=score == "mean_logprob")
+                   for o in parse.valid_objects]
         out = {"objects": objects, "text": choice["message"]["content"], "parse": parse_summary(
-            parse, size, finish_reason, scored=logprobs is not None)}
-        if dedup:
+            parse, size, finish_reason, scored=logprobs is not None, mean=score == "mean_logprob")}
+        if dedup:  # on every valid object, in written order, before any threshold
             repeats = near_repeats([o.to_det_object() for o in parse.valid_objects])
             out["objects"] = [o for o, r in zip(objects, repeats) if not r]
             out["repeats"] = [o for o, r in zip(objects, repeats) if r]
+        if score_threshold is not None and logprobs is not None:
+            kept = [o for o in out["objects"] if o["score"] >= score_threshold]
+            out["parse"]["below_threshold"] = len(out["objects"]) - len(kept)
+            out["objects"] = kept
         return out
 
 
-def detected_object(parsed: Any, size: tuple[int, int], logprobs: Optional[list[float]], n_ids: int
-                    ) -> dict[str, Any]:
+def detected_object(parsed: Any, size: tuple[int, int], logprobs: Optional[list[float]], n_ids: int,
+                    mean: bool = False) -> dict[str, Any]:
     """One valid parsed object in pixels with its score (``None`` without log-probabilities)."""
     obj = parsed.to_det_object()
     points = object_pixel_polygon(obj, *size)
@@ -149,16 +164,18 @@ def detected_object(parsed: Any, size: tuple[int, int], logprobs: Optional[list[
     score = None
     if logprobs is not None:
         lo, hi = parsed.token_span[0], min(parsed.token_span[1], n_ids, len(logprobs))  # a fused last brace: +1
-        score = math.exp(sum(logprobs[lo:hi]))
+        total = sum(logprobs[lo:hi])
+        score = math.exp(total / max(1, hi - lo) if mean else total)
     out["score"] = score
     return out
 
 
-def parse_summary(parse: RolloutParse, size: tuple[int, int], finish_reason: Optional[str], *, scored: bool
-                  ) -> dict[str, Any]:
+def parse_summary(parse: RolloutParse, size: tuple[int, int], finish_reason: Optional[str], *, scored: bool,
+                  mean: bool = False) -> dict[str, Any]:
     return {"image_size": list(size), "objects_written": len(parse.objects), "valid": len(parse.valid_objects),
             "dropped": dict(parse.dropped_by_reason), "truncated": bool(parse.truncated),
-            "finish_reason": finish_reason, "score": SCORE_MEANING if scored else None}
+            "finish_reason": finish_reason,
+            "score": (MEAN_SCORE_MEANING if mean else SCORE_MEANING) if scored else None}
 
 
 def add_detect_route(app: FastAPI, detector: Detector,
@@ -174,4 +191,5 @@ def add_detect_route(app: FastAPI, detector: Detector,
         except InferInputError as exc:
             raise HTTPException(400, f"/detect/: {exc}") from None
         items = await run_infer(infer_body, "/detect/")
-        return detector.answer(items[0], size, dedup=body.dedup)
+        return detector.answer(items[0], size, dedup=body.dedup, score=body.score,
+                               score_threshold=body.score_threshold)
