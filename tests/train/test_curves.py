@@ -57,3 +57,15 @@ def test_stage2_runs_get_a_rollout_panel_and_the_set_figures(tmp_path):
     assert [c.name for c in rollout_curves(history)] == ["pred_per_gt", "duplicates_per_image"]
     with Image.open(draw_curves(history, tmp_path / "c.png", title="t")) as image:
         assert image.size == (900, 60 + 3 * 310)
+
+
+def test_plot_run_draws_recall_by_object_count_bucket():
+    """Issue 53: the dense-scene figures a user needs on their own data are drawn beside AP."""
+    from coordexp.runtime.train.curves import run_curves
+
+    history = [{"step": 5, "eval/AP50": 0.4, "eval/recall_objects_1_6": 0.9, "eval/recall_objects_11_plus": 0.3},
+               {"step": 10, "eval/AP50": 0.5, "eval/recall_objects_1_6": 0.95, "eval/recall_objects_11_plus": 0.4}]
+    _, evals = run_curves(history)
+    names = [curve.name for curve in evals]
+    assert "eval recall_objects_11_plus" in names and "eval recall_objects_1_6" in names
+    assert "eval recall_objects_7_10" not in names  # not logged: not drawn

@@ -14,7 +14,8 @@ from coordexp.runtime.train.run_folder import save_image
 __all__ = ["Curve", "find_trainer_state", "load_log_history", "run_curves", "rollout_curves", "draw_curves",
            "EVAL_CURVES", "ROLLOUT_CURVES"]
 
-EVAL_CURVES = ("AP50", "AP", "precision", "recall", "f1", "match_rate", "token_acc")
+EVAL_CURVES = ("AP50", "AP", "precision", "recall", "f1", "match_rate", "token_acc", "recall_objects_1_6",
+               "recall_objects_7_10", "recall_objects_11_plus")
 """The ``eval/<name>`` figures drawn (fractions in [0, 1]), when the run logged them."""
 ROLLOUT_CURVES = ("pred_per_gt", "duplicates_per_image", "cut_off_rate")
 """The stage-2 training windows' ``rollout/<name>`` figures a collapse moves (docs/figures.md)."""
