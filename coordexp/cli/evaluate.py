@@ -294,6 +294,10 @@ def print_report(report: Any) -> None:
         f"(the stage-2 matcher: mask-IoU gate, class ignored), {c.pred_valid} valid objects / {c.gt_objects} GT, "
         f"{c.matched} matched, truncated {c.truncated_rollouts}/{c.samples}"
     )
+    if c.samples and not c.pred_valid:
+        out.print("[yellow]! nothing the model wrote parsed as an object[/yellow]: it has not learned the answer "
+                  "format (a model without stage 1, or too few steps); train stage 1 (longer), or start from a "
+                  "stage-1 checkpoint such as the demo's; the PNGs and predictions.jsonl show what it wrote")
     if report.left_out:
         out.print(f"[yellow]not scored[/yellow] (desc is no ground-truth category): "
                   f"{sum(report.left_out.values())} predicted objects")

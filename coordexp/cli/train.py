@@ -151,6 +151,11 @@ def _replayed_overrides(output_dir: str, given: list[str]) -> list[str]:
     recorded = recorded_overrides(output_dir) or []
     if recorded and is_rank_zero():
         err.print("reusing the run's recorded overrides: " + " ".join(f"--set {safe(t)}" for t in recorded))
+        keys = {text.partition("=")[0].strip() for text in recorded}
+        won = [text for text in given if text.partition("=")[0].strip() in keys]
+        if won:
+            err.print("given again now, these win over the recorded ones: " + " ".join(f"--set {safe(t)}"
+                                                                                      for t in won))
     return recorded + given
 
 

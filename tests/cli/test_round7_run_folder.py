@@ -527,3 +527,29 @@ def test_three_missing_packages_are_all_named_with_their_extras_and_train_exits_
     assert trained.exit_code == 3, trained.output
     text = _text(trained)
     assert all(name in text for name in ("tensorboard", "deepspeed", "peft"))
+
+
+def test_the_resume_message_says_which_set_wins(tmp_path, tiny_model_dir):
+    """Issue 55, item 7: the resume message named the recorded --sets but not which of two values wins."""
+    from coordexp.cli.overrides import apply_overrides, write_run_record
+    from coordexp.schema.loader import load_merged
+
+    config, run = _unfinished_run(tmp_path, tiny_model_dir, step=2)
+    given = ["training.save_steps=7"]
+    write_run_record(run, apply_overrides(load_merged(config), given), source=config, overrides=given)
+    result = _run("train", str(config), "--resume", "auto", "--set", "training.save_steps=9")
+    assert result.exit_code == 0, result.output
+    text = _text(result)
+    assert "--set training.save_steps=7" in text and "these win over the recorded ones: --set training.save_steps=9" in text
+
+
+@pytest.mark.slow  # rolls out the random tiny model
+def test_an_eval_where_nothing_parses_says_why_and_what_to_do(tmp_path, tiny_model_dir):
+    """Issue 55, item 7: the random stand-in model writes no JSON; eval printed 0% with no hint."""
+    config = _config(tmp_path, tiny_model_dir)
+    data = yaml.safe_load(config.read_text())
+    data.setdefault("rollout_matching", {})["max_new_tokens"] = 16
+    config.write_text(yaml.safe_dump(data))
+    result = _run("eval", str(config), "--limit", "1", "--pngs", "0")
+    assert result.exit_code == 0, result.output
+    assert "nothing the model wrote parsed as an object" in _text(result) and "stage-1 checkpoint" in _text(result)
