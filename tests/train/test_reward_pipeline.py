@@ -108,3 +108,12 @@ def test_evaluation_decodes_greedily_with_the_hf_backend(host, records, tmp_path
     assert all(r.greedy for r in pipe.backend.calls[0])
     sft = replace(host.rollout, objective="sft")
     assert not sft.greedy_evaluation and PipelineSettings.reward_shape(sft, True) == {}
+
+
+def test_a_ground_truth_window_logs_no_reward_figures():
+    """Regression (seed 140 of the screen): the recipe's ground-truth steps (gt_step_share 0.5) logged reward/mean 0
+    in every other window, halving any mean over the run; a window without a reward group logs none."""
+    logs = step_log_values(StepStats(), WindowContext(world_size=1, device="cpu", stage2=True, buffered=None,
+                                                      packing_length=0, min_fill_ratio=0.0, fallback_events=None,
+                                                      is_main=True, reward=True))
+    assert not any(key.startswith("reward/") for key in logs)

@@ -173,7 +173,9 @@ def reward_log_values(stats: StepStats, reduced: Any) -> dict[str, float]:
                     sum(g.advantage_sum for g in groups), float(sum(g.advantage_tokens for g in groups)),
                     sum(g.closing_sum for g in groups), float(sum(g.closings for g in groups)),
                     float(sum(g.samples for g in groups) / seconds) if seconds > 0 else 0.0])
-    n, samples, tokens, closings = max(sums[0], 1.0), sums[4], max(sums[6], 1.0), sums[8]
+    if not sums[0]:  # a ground-truth window (gt_step_share): no group was rolled out, so no reward to log (a 0
+        return {}     # there read as "the policy earned nothing" and halved every mean over the run)
+    n, samples, tokens, closings = sums[0], sums[4], max(sums[6], 1.0), sums[8]
     logs = {"reward/groups": sums[0], "reward/mean": sums[1] / n, "reward/group_std": sums[2] / n,
             "reward/zero_advantage_group_share": sums[3] / n, "reward/samples": samples,
             "reward/advantage_mean": sums[5] / tokens, "reward/samples_per_s": sums[9]}
