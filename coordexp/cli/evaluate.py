@@ -31,9 +31,9 @@ SCORES = ("logprob", "mean_logprob", "constant")
 
 def _saved(directory: Path) -> bool:
     """A saved model: a full checkpoint (config.json) or a LoRA adapter (adapter_config.json)."""
-    from coordexp.runtime.model.adapters import is_adapter_dir
+    from coordexp.runtime.train.run_folder import RunFolder
 
-    return (directory / "config.json").is_file() or is_adapter_dir(directory)
+    return RunFolder(directory).has_final_model()
 
 
 def resolve_checkpoint(run: Any, checkpoint: Optional[Path]) -> Path:
@@ -52,12 +52,12 @@ def resolve_checkpoint(run: Any, checkpoint: Optional[Path]) -> Path:
             raise UserInputError(f"--checkpoint {checkpoint} holds no saved model (neither config.json nor "
                                  "adapter_config.json)", hint="pass a training output_dir or a checkpoint-N directory")
         return checkpoint
-    trained = Path(run.training.output_dir)
-    if _saved(trained):
-        return trained
-    problem = RunFolder(trained).unfinished_problem()
+    trained = RunFolder(run.training.output_dir)
+    if trained.has_final_model():
+        return trained.path
+    problem = trained.unfinished_problem()
     if problem is not None:
-        checkpoints = RunFolder(trained).checkpoints()
+        checkpoints = trained.checkpoints()
         hint = (f"evaluate it with --checkpoint {checkpoints[-1]}, or finish the run (`coordexp train CONFIG "
                 "--resume auto` writes the final model)") if checkpoints else \
             "finish the run (`coordexp train CONFIG`), or pass --checkpoint DIR"

@@ -26,8 +26,8 @@ from typing import Any, Sequence
 from coordexp.errors import UserInputError
 
 __all__ = ["Override", "parse_override", "apply_overrides", "OVERRIDE_ORIGIN", "write_run_record",
-           "append_resume_record", "recorded_overrides", "record_drift", "masked_text", "RESOLVED_CONFIG_NAME", "SECRET_MASK",
-           "MAX_VALUE_CHARS"]
+           "append_resume_record", "recorded_overrides", "record_drift", "named_by", "masked_text",
+           "RESOLVED_CONFIG_NAME", "SECRET_MASK", "MAX_VALUE_CHARS"]
 
 OVERRIDE_ORIGIN = "--set"
 """The origin an override's key paths get: its relative paths resolve against the current directory (the parent of
@@ -262,12 +262,12 @@ def record_drift(output_dir: str | Path, merged_now: Any, passed: Sequence[str])
     except (OSError, ConfigError):
         return []
     now = _leaves(written_config(merged_now))
-    named = [tuple(text.partition("=")[0].strip().split(".")) for text in passed]
-    drift = []
-    for path in sorted(set(then) | set(now)):
-        if not _changes_training(path) or then.get(path) == now.get(path):
-            continue
-        if any(path[:len(key)] == key or key[:len(path)] == path for key in named):
-            continue
-        drift.append(".".join(path))
-    return drift
+    return [".".join(path) for path in sorted(set(then) | set(now))
+            if _changes_training(path) and then.get(path) != now.get(path) and not named_by(".".join(path), passed)]
+
+
+def named_by(key: str, passed: Sequence[str]) -> bool:
+    """Whether an override in ``passed`` sets the dotted ``key``, a mapping holding it or a value inside it."""
+    path = tuple(key.split("."))
+    named = (tuple(text.partition("=")[0].strip().split(".")) for text in passed)
+    return any(path[:len(other)] == other or other[:len(path)] == path for other in named)

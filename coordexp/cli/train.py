@@ -171,19 +171,16 @@ def _refuse_drift(config: Path, output_dir: str, effective: list[str], given: li
     recorded relative path now resolves elsewhere) is refused, named, unless given again with --set on this command
     line (then it is the user's explicit change); an explicit change the checkpoint's optimizer state overrides is
     refused too, naming why."""
-    from coordexp.cli.overrides import apply_overrides, record_drift
+    from coordexp.cli.overrides import apply_overrides, named_by, record_drift
     from coordexp.schema.loader import load_merged
 
-    merged = apply_overrides(load_merged(config), effective)
-    changed = set(record_drift(output_dir, merged, []))
-    given_keys = {text.partition("=")[0].strip() for text in given}
-    frozen = sorted(key for key in changed if key in _OPTIMIZER_STATE_KEYS
-                    and any(key == named or key.startswith(named + ".") for named in given_keys))
+    changed = record_drift(output_dir, apply_overrides(load_merged(config), effective), [])  # the record read once
+    frozen = [key for key in changed if key in _OPTIMIZER_STATE_KEYS and named_by(key, given)]
     if frozen:
         fail(f"--resume cannot change {', '.join(frozen)}: the optimizer and learning-rate schedule are restored "
              "from the checkpoint, so the run would go on at the recorded setting while its record claimed the new "
              "one", "Resume without it, or start a new run with the checkpoint as model.path and the new setting")
-    drift = record_drift(output_dir, merged, given)
+    drift = [key for key in changed if not named_by(key, given)]
     if drift:
         shown = ", ".join(drift[:6]) + (", ..." if len(drift) > 6 else "")
         fail(f"{config} differs from the run record {Path(output_dir) / 'coordexp_config.yaml'} on {len(drift)} "

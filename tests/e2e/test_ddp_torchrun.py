@@ -15,6 +15,21 @@ pytestmark = pytest.mark.slow
 ENTRY = Path(__file__).with_name("ddp_entry.py")
 
 
+def _two_ranks(config: Path, tmp_path: Path) -> list[dict]:
+    """Train ``config`` under torchrun with two CPU ranks (gloo); what each rank's entry wrote."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(ENTRY),
+           str(config), str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=420)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def _reduced(logs: list[dict]) -> list[dict]:
+    """The logged values every rank shares (all but the wall-clock timings, which are each rank's own)."""
+    return [{k: v for k, v in log.items() if not k.startswith("time/") and k != "tokens/trained_per_s"} for log in logs]
+
+
 def test_two_process_stage2_trains_in_lockstep(tmp_path, write_config):
     config = write_config(
         {
@@ -32,24 +47,13 @@ def test_two_process_stage2_trains_in_lockstep(tmp_path, write_config):
             "rollout_matching": {"rollout_backend": "hf", "decode_batch_size": 2, "max_new_tokens": 16},
         }
     )
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        str(ENTRY), str(config), str(tmp_path),
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=420)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ranks = _two_ranks(config, tmp_path)
     assert all(r["distributed"] and r["world_size"] == 2 for r in ranks)
     assert [r["global_step"] for r in ranks] == [3, 3]
     # DDP all-reduces gradients, so both replicas hold identical weights after every step.
     assert ranks[0]["params_sha256"] == ranks[1]["params_sha256"]
-    # Logged values are reduced across ranks (loss, rollout counters, packing): both ranks log the same numbers;
-    # only the wall-clock timings are each rank's own.
-    def reduced(logs):
-        return [{k: v for k, v in log.items() if not k.startswith("time/") and k != "tokens/trained_per_s"} for log in logs]
-
-    assert reduced(ranks[0]["logs"]) == reduced(ranks[1]["logs"])
+    # Logged values are reduced across ranks (loss, rollout counters, packing): both ranks log the same numbers.
+    assert _reduced(ranks[0]["logs"]) == _reduced(ranks[1]["logs"])
     assert all(log["rollout/samples"] == 4 for log in ranks[0]["logs"])  # 2 ranks x batch 2
 
 
@@ -66,19 +70,10 @@ def test_two_process_reward_objective_trains_in_lockstep_with_reduced_reward_fig
                              "objective": "reward", "decoding": {"temperature": 1.0}, "gt_step_share": 0.0,
                              "reward": {"group_size": 2}},
     })
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(ENTRY),
-           str(config), str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=420)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ranks = _two_ranks(config, tmp_path)
     assert [r["global_step"] for r in ranks] == [2, 2]
     assert ranks[0]["params_sha256"] == ranks[1]["params_sha256"]
 
-    def reduced(logs):
-        return [{k: v for k, v in log.items() if not k.startswith("time/") and k != "tokens/trained_per_s"}
-                for log in logs]
-
-    assert reduced(ranks[0]["logs"]) == reduced(ranks[1]["logs"])
+    assert _reduced(ranks[0]["logs"]) == _reduced(ranks[1]["logs"])
     for log in ranks[0]["logs"]:
         assert log["reward/groups"] == 4 and log["reward/samples"] == log["rollout/samples"] == 8

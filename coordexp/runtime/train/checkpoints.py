@@ -126,9 +126,10 @@ def choose_resume(run_dir: str | Path) -> ResumeChoice:
         return ResumeChoice(None, ())
     skipped: list[tuple[Path, str]] = []
     for _, path in sorted(_numbered(root), reverse=True):
-        problem = checkpoint_problem(path)
         if path.is_symlink():  # a link into another run's folder is no checkpoint this run wrote
             problem = f"a link to {os.path.realpath(path)}, not a checkpoint this run wrote (pass --resume PATH)"
+        else:
+            problem = checkpoint_problem(path)
         if problem is None:
             return ResumeChoice(path, tuple(skipped))
         skipped.append((path, problem))
@@ -205,10 +206,6 @@ def _trainer_state_problem(path: Path) -> str | None:
     return None
 
 
-_TRAINING_STATE_FILES = _RESUME_STATE_FILES
-"""What a checkpoint holds only to continue training (with ``rng_state*.pth``): not copied to a finished run's top."""
-
-
 def finish_from_checkpoint(run_dir: str | Path, checkpoint: str | Path) -> list[str]:
     """Write a finished run's final model into ``run_dir`` from its last checkpoint (it reached ``max_steps``, but
     the run stopped before its own final save): the checkpoint's model, processor and ``trainer_state.json`` files,
@@ -222,17 +219,15 @@ def finish_from_checkpoint(run_dir: str | Path, checkpoint: str | Path) -> list[
         check_adapter_dir(source)
     else:
         check_model_dir(source)
-    names = sorted(child.name for child in source.iterdir()
-                   if child.is_file() and not child.is_symlink() and child.name not in _TRAINING_STATE_FILES
+    names = sorted(child.name for child in source.iterdir()  # the training state stays in the checkpoint
+                   if child.is_file() and not child.is_symlink() and child.name not in _RESUME_STATE_FILES
                    and not child.name.startswith("rng_state"))
-    for name in names:
+    for name in names:  # streamed (weights can be larger than memory), each file's mode kept
         fd, staged = tempfile.mkstemp(dir=run_dir, prefix=f".{name}.", suffix=".finishing")
+        os.close(fd)
         try:
-            with os.fdopen(fd, "wb") as handle, (source / name).open("rb") as original:
-                shutil.copyfileobj(original, handle)
+            shutil.copy2(source / name, staged)
             os.replace(staged, Path(run_dir) / name)
-        except BaseException:
-            if os.path.lexists(staged):
-                os.unlink(staged)
-            raise
+        finally:
+            Path(staged).unlink(missing_ok=True)
     return names

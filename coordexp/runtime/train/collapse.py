@@ -67,6 +67,7 @@ class CollapseCallback(TrainerCallback):
         self.action = config.action
         self.stopped_at: int | None = None
         """The step ``action: stop`` ended the run at (a stop, not a success: no final model is written)."""
+        self.stop_reasons = ""  # the bounds crossed at that step
         self.say = say
         self.record = record
 

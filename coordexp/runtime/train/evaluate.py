@@ -313,7 +313,8 @@ def evaluate_detection(
     if dedup:
         report.dedup = dedup_figures(scored_images(rollouts, score), ("raw", "label_free"))
     report.seconds = time.perf_counter() - started
-    report.measured = {**(measured or {}), "images": len(records)} if measured is not None else {}
+    if measured is not None:
+        report.measured = {**measured, "images": len(records)}
     if out_dir is not None:
         write_eval_files(report, rollouts, gt, results, out_dir, png_count=png_count)
     return report

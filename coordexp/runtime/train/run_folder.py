@@ -4,7 +4,8 @@ A folder is a coordexp run when it holds a run record (``coordexp_config.yaml`` 
 a non-empty folder without one is somebody else's (a model download, a repository, a home folder) and a run there
 would overwrite files it did not write (``config.json``, ``README.md``, ``tokenizer.json`` ...). ``--overwrite``
 never deletes: the entries a run writes (:func:`run_entries`) are moved, as they are (symlinks not followed), into
-``OUTPUT_DIR/.previous/<UTC time>``; every other entry stays where it is. Standard library only.
+``OUTPUT_DIR/.previous/<UTC time>``; every other entry stays where it is. Standard library only (the
+schema's atomic writer for results).
 """
 
 from __future__ import annotations
@@ -202,21 +203,14 @@ def previous_dir_problem(folder: str | Path) -> Optional[str]:
 
 
 def write_result_file(path: str | Path, data: bytes) -> Path:
-    """Write ``data`` to a temp file beside ``path`` and rename it over ``path``: a link or FIFO at ``path`` is
+    """Write ``data`` to a temp file beside ``path`` and rename it over ``path``
+    (:func:`coordexp.schema.migrate_io.replace_atomically`, folders created first): a link or FIFO at ``path`` is
     replaced, never written through or blocked on, and a reader never sees half a file."""
-    import tempfile
+    from coordexp.schema.migrate_io import replace_atomically
 
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, temp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        os.replace(temp, target)
-    except BaseException:
-        if os.path.lexists(temp):
-            os.unlink(temp)
-        raise
+    replace_atomically(target, data)
     return target
 
 
