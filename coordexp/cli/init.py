@@ -179,7 +179,7 @@ def _reward_plan(rollout: dict[str, Any]) -> None:
     rollout["reward"] = {key: DEFAULT for key in ("group_size", "include_greedy", "credit", "iou_threshold",
                                                   "class_aware", "duplicate_penalty", "spurious_penalty",
                                                   "stop_penalty", "close_bonus", "cutoff_penalty",
-                                                  "scale_by_std", "sft_weight", "kl_weight")}
+                                                  "baseline_closing", "scale_by_std", "sft_weight", "kl_weight")}
 
 
 SECTION_NOTES = {

@@ -385,6 +385,11 @@ class RewardConfig(StrictModel):
         0.1, description="Object credit: a rollout cut off before it closed (length limit, repeat guard) carries "
         "-stop_penalty per missing object minus this on its last token, so never closing never beats closing early; "
         "in [0, 10].")
+    baseline_closing: bool = Field(
+        False, description="Object credit: the closing tokens' advantage minus the leave-one-out mean of the "
+        "group's other closings (a rollout that closed with fewer objects missing than its peers gains, one that "
+        "closed earlier loses; no push toward closing or running on when every rollout closed alike); false = "
+        "the unbaselined stop penalty.")
     scale_by_std: bool = Field(
         False, description="Divide baselined advantages by their group's standard deviation (GRPO's scaling).")
     sft_weight: float_in(ge=0.0, le=100.0) = Field(

@@ -99,6 +99,23 @@ def test_sequence_reward_and_closing_reward_by_hand():
     assert sequence_reward(RolloutOutcome((), 0, True), cfg) == 0.0  # no ground truth: max(#GT, 1)
 
 
+def test_baselined_closings_credit_the_close_against_the_groups_other_closes():
+    cfg = RewardConfig(stop_penalty=0.1, close_bonus=0.05, cutoff_penalty=0.1, baseline_closing=True)
+    early = RolloutOutcome((ObjectOutcome("found", 0, 0.9),), gt_count=3, closed=True)  # 2 missing: -0.2
+    done = RolloutOutcome(tuple(ObjectOutcome("found", g, 0.9) for g in range(3)), gt_count=3, closed=True)  # +0.05
+    cut = RolloutOutcome((ObjectOutcome("found", 0, 0.9), ObjectOutcome("spurious")), gt_count=3, closed=False)
+    values = [-0.2, 0.05, -0.2 - 0.1]
+    credit = group_credit([early, done, cut], cfg)
+    expected = [v - (sum(values) - v) / 2 for v in values]
+    assert [c.closing_advantage for c in credit] == pytest.approx(expected)
+    assert credit[1].closing_advantage > 0 > credit[0].closing_advantage > credit[2].closing_advantage
+    # every rollout closed with the same objects missing: the close is pushed neither way
+    assert [c.closing_advantage for c in group_credit([early] * 3, cfg)] == [0.0] * 3
+    # unbaselined (the default), the same group pushes every close down
+    assert all(c.closing_advantage == pytest.approx(-0.2)
+               for c in group_credit([early] * 3, RewardConfig(stop_penalty=0.1)))
+
+
 def test_object_credit_compares_each_found_object_with_the_peers_on_the_same_ground_truth():
     cfg = RewardConfig(credit="object", duplicate_penalty=0.3, spurious_penalty=0.0)
     a = RolloutOutcome((ObjectOutcome("found", 0, 0.9), ObjectOutcome("found", 1, 0.6), ObjectOutcome("repeat"),

@@ -14,8 +14,9 @@ Two credit forms, both over a group of rollouts of one image:
   labels are incomplete), the closing tokens ``-stop_penalty`` per ground-truth object still missing when the list
   closed, or ``+close_bonus`` when nothing was missing. A rollout cut off before it closed (length limit, repeat
   guard) carries ``-stop_penalty * missing - cutoff_penalty`` on its last token: never closing must never beat
-  closing early. Repeats, spurious objects and closings are not baselined:
-  a mistake every rollout of the group makes (all stop early) is exactly what a baseline would cancel.
+  closing early. Repeats and spurious objects are not baselined; closings are only with ``baseline_closing``
+  (an unbaselined negative close lowers the close's probability whatever the alternative is worth: measured, the
+  list ran on; a baselined one moves it only where the group's rollouts closed differently).
 
 A group whose rollouts are equally good (equal sequence rewards; equal IoU on every ground-truth object) carries
 zero baselined advantage, so it adds no policy-gradient update from those terms.
@@ -54,6 +55,7 @@ class RewardSettings(Protocol):
     stop_penalty: float
     close_bonus: float
     cutoff_penalty: float
+    baseline_closing: bool
     scale_by_std: bool
 
 
@@ -165,12 +167,15 @@ def group_credit(outcomes: Sequence[RolloutOutcome], cfg: RewardSettings) -> lis
     on_gt = np.array([[o.iou_on(g) for g in range(gt_count)] for o in outcomes]).reshape(len(outcomes), gt_count)
     gt_adv = np.stack([leave_one_out_advantages(on_gt[:, g], cfg.scale_by_std) for g in range(gt_count)], axis=1) \
         if gt_count else on_gt
+    closings = [closing_reward(o, cfg) for o in outcomes]
+    if cfg.baseline_closing:
+        closings = leave_one_out_advantages(closings, cfg.scale_by_std).tolist()
     credits = []
     for i, (outcome, reward) in enumerate(zip(outcomes, rewards, strict=True)):
         per_object = tuple(float(gt_adv[i, o.gt]) if o.kind == "found" else
                            -cfg.duplicate_penalty if o.kind == "repeat" else -cfg.spurious_penalty
                            for o in outcome.objects)
-        credits.append(RolloutCredit(reward, per_object, closing_reward(outcome, cfg)))
+        credits.append(RolloutCredit(reward, per_object, float(closings[i])))
     return credits
 
 
