@@ -134,11 +134,11 @@ def test_hf_rollouts_take_the_group_where_plain_greedy_takes_the_text_token(mode
 def test_hf_rollouts_follow_the_rule_on_the_models_own_logits(model, processor, requests_):
     """Every generated token, checked against a teacher-forced forward: a coord exactly when the coord tokens hold
     more than half the probability of the tokens the backend may emit."""
-    from coordexp.runtime.rollout.hf import _NEVER_EMIT_TOKENS
+    from coordexp.runtime.rollout.logprobs import NEVER_EMIT_TOKENS
 
     tokenizer = processor.tokenizer
     coords = coord_id_tensor(tokenizer)
-    never = [tokenizer.convert_tokens_to_ids(t) for t in _NEVER_EMIT_TOKENS]
+    never = [tokenizer.convert_tokens_to_ids(t) for t in NEVER_EMIT_TOKENS]
     outputs = decode(model, processor, requests_, DecodingConfig(coord_group_greedy=True))
     checked = 0
     for request, ids in zip(requests_, outputs):

@@ -272,7 +272,8 @@ def test_logprobs_have_swifts_shape_and_greedy_picks_the_best(client, run_contra
 
 
 def test_sampled_logprobs_are_after_temperature(client, run_contract, records, processor, tiny_model_dir):
-    """The chosen token's logprob is log_softmax(logits / T) of a plain forward (swift 3.12: processed_logprobs)."""
+    """The chosen token's logprob is log_softmax(logits / T) of a plain forward (swift 3.12: processed_logprobs)
+    over the ids the engine may emit (image/video pads and padded vocabulary rows masked, as vLLM reports)."""
     from coordexp.runtime.model.encoding import encode_teacher_forced
 
     record, temperature = records[2], 0.7
@@ -285,7 +286,12 @@ def test_sampled_logprobs_are_after_temperature(client, run_contract, records, p
     with torch.no_grad():
         logits = load_model(tiny_model_dir)(**sample.model_inputs()).logits[0].float()
     start = sample.assistant_start - 1
-    expected = torch.log_softmax(logits[start:start + len(ids)] / temperature, dim=-1)
+    rows = logits[start:start + len(ids)] / temperature
+    tokenizer = processor.tokenizer
+    rows[:, [tokenizer.convert_tokens_to_ids("<|image_pad|>"), tokenizer.convert_tokens_to_ids("<|video_pad|>")]] = \
+        float("-inf")
+    rows[:, len(tokenizer):] = float("-inf")
+    expected = torch.log_softmax(rows, dim=-1)
     got = [e["logprob"] for e in choice["logprobs"]["content"][:len(ids)]]
     want = expected.gather(1, torch.tensor(ids)[:, None])[:, 0].tolist()
     assert got == pytest.approx(want, abs=1e-3)
@@ -499,7 +505,7 @@ def test_busy_port_is_an_error_not_a_silent_move(server_config):
 def test_processed_logprobs_follow_vllms_order(seed, vocab, temperature, top_k, top_p, penalty):
     """Rows are normalised; greedy is the plain log-softmax (after the penalty); sampling keeps the top-k, then the
     smallest best-first prefix whose mass reaches top_p; a seen id's positive logit is divided by the penalty."""
-    from coordexp.runtime.server.engine import processed_logprobs
+    from coordexp.runtime.rollout.logprobs import processed_logprobs
 
     generator = torch.Generator().manual_seed(seed)
     logits = torch.randn(3, vocab, generator=generator) * 3

@@ -118,6 +118,9 @@ def test_logprob_scores_equal_a_full_forward(model, host, records):
     sample = encode_teacher_forced(host.processor, record, host.template, ids, prompt=prompt)
     with torch.no_grad():
         logits = model(**sample.model_inputs()).logits[0].double()
+    tokenizer = host.tokenizer  # the decoder never emits the image/video pads nor the padded vocabulary rows
+    logits[:, [tokenizer.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>")]] = float("-inf")
+    logits[:, len(tokenizer):] = float("-inf")
     logp = torch.log_softmax(logits, -1)
     start = sample.assistant_start
     per_token = np.array([float(logp[start + t - 1, token]) for t, token in enumerate(ids)])

@@ -2,25 +2,34 @@
 
 Detection AP needs a ranking score per object; coordexp uses the sequence log-probability of the object's tokens
 under the policy. No backend returns token logprobs through the rollout interface, so they are recomputed here:
-the rollout's ids are appended to its prompt and run through the model once, without gradients.
+the rollout's ids are appended to its prompt and run through the model once, without gradients. ``transform``
+turns a sample's logits into the log-probabilities the decoder drew from (evaluation passes the rollout layer's
+``processed_logprobs``: penalties, the never-emit mask), so a score is what the engine would report.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import numpy as np
 
 from coordexp.runtime.model.packed_forward import collate_padded, mrope_index_of, padded_forward
 
 if TYPE_CHECKING:
+    import torch
+
     from coordexp.runtime.model.encoding import EncodedSample
+
+LogprobTransform = Callable[["torch.Tensor", "torch.Tensor", int], "torch.Tensor"]
+"""``(logits, ids, first) -> log-probabilities``: row s of ``logits`` predicts ``ids[first + s]``."""
 
 __all__ = ["response_token_logprobs"]
 
 
-def response_token_logprobs(model: Any, samples: Sequence["EncodedSample"], *, pad_token_id: int = 0) -> list[np.ndarray]:
-    """For each sample, ``log p(token_t | prompt, tokens_<t)`` of every assistant token, float64 ``(n_assistant,)``.
+def response_token_logprobs(model: Any, samples: Sequence["EncodedSample"], *, pad_token_id: int = 0,
+                            transform: Optional[LogprobTransform] = None) -> list[np.ndarray]:
+    """For each sample, ``log p(token_t | prompt, tokens_<t)`` of every assistant token, float64 ``(n_assistant,)``
+    (under ``transform`` when given, else the plain log-softmax).
 
     One right-padded forward for the whole list (callers chunk it); the LM head runs only at the positions that
     predict assistant tokens. The model's train/eval mode is left as it was (call it in eval mode).
@@ -40,6 +49,9 @@ def response_token_logprobs(model: Any, samples: Sequence["EncodedSample"], *, p
             start, end = int(sample.assistant_start), int(sample.input_ids.shape[0])
             rows = logits[row, start - 1 - first : end - 1 - first].float()
             targets = sample.input_ids[start:end].to(rows.device)
-            picked = rows.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(rows, dim=-1)
+            if transform is None:
+                picked = rows.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(rows, dim=-1)
+            else:
+                picked = transform(rows, sample.input_ids.to(rows.device), start).gather(-1, targets[:, None])[:, 0]
             out.append(picked.double().cpu().numpy())
     return out

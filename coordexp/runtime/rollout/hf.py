@@ -50,6 +50,7 @@ from coordexp.runtime.rollout.hf_processors import (
     RepeatGuardProcessor,
     SeededSampler,
 )
+from coordexp.runtime.rollout.logprobs import never_emit_ids
 from coordexp.runtime.rollout.label_drafts import (
     DraftFigures,
     TokenChooser,
@@ -70,7 +71,6 @@ __all__ = ["HfRolloutBackend", "CoordGroupGreedy", "RepeatGuardProcessor", "Seed
 logger = logging.getLogger("coordexp.rollout.hf")
 END_OF_TURN_TOKEN = "<|im_end|>"
 CACHE_LENGTH_BUCKET = 128  # static KV cache lengths are whole multiples of this (fewer sizes, fewer recompiles)
-_NEVER_EMIT_TOKENS = ("<|image_pad|>", "<|video_pad|>")
 
 
 def _unwrap(model: Any) -> Any:
@@ -303,16 +303,13 @@ class HfRolloutBackend(RolloutBackend):
         eos_ids = [self.end_of_turn_id] + [int(i) for i in ([] if eos is None else [eos] if isinstance(eos, int)
                                                               else eos) if int(i) != self.end_of_turn_id]
         vocab_rows = policy.get_output_embeddings().weight.shape[0]
-        never = {int(self._tokenizer.convert_tokens_to_ids(t)) for t in _NEVER_EMIT_TOKENS
-                 if self._tokenizer.convert_tokens_to_ids(t) not in (None, self._tokenizer.unk_token_id)}
-        never.update(range(len(self._tokenizer), vocab_rows))
-        never.update(int(i) for i in (config.suppress_tokens or []))
+        never = never_emit_ids(self._tokenizer, vocab_rows, config.suppress_tokens or ())
         config.update(
             max_new_tokens=self.max_new_tokens, max_length=None, min_new_tokens=None, min_length=0,
             do_sample=False,  # sampling is SeededSampler's job (per-request generators)
             num_beams=self.decoding.num_beams, num_return_sequences=1,
             temperature=1.0, top_p=1.0, top_k=None, repetition_penalty=1.0,
-            eos_token_id=eos_ids, pad_token_id=self._pad_id(policy), suppress_tokens=sorted(never),
+            eos_token_id=eos_ids, pad_token_id=self._pad_id(policy), suppress_tokens=never,
             use_cache=True, return_dict_in_generate=True, output_scores=False,
         )
         config.update(**self._cache_settings(policy, static=static, compiled=compiled, width=width))

@@ -26,6 +26,7 @@ import os
 from typing import Any, Sequence
 
 from coordexp.runtime.core.repeat import RepeatGuard, RepeatTracker
+from coordexp.runtime.rollout.logprobs import never_emit_ids
 
 __all__ = ["GUARD_ENV", "COORD_GROUP_ARG", "PROCESSOR_QUALNAME", "ProcessorSettings", "RowTrackers", "encode_settings",
            "decode_settings", "CoordexpLogitsProcessor", "processor_class", "constructed_count"]
@@ -33,7 +34,6 @@ __all__ = ["GUARD_ENV", "COORD_GROUP_ARG", "PROCESSOR_QUALNAME", "ProcessorSetti
 GUARD_ENV = "COORDEXP_VLLM_LOGITS_PROCESSOR"
 COORD_GROUP_ARG = "coordexp_coord_group_greedy"  # the SamplingParams.extra_args key a request opts in with
 PROCESSOR_QUALNAME = "coordexp.runtime.rollout.vllm_repeat:CoordexpLogitsProcessor"
-NEVER_EMIT_TOKENS = ("<|image_pad|>", "<|video_pad|>")
 _CONSTRUCTED = [0]
 
 
@@ -109,10 +109,8 @@ def _build_class() -> type:
 
             tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer, trust_remote_code=False)
             vocab_rows = int(model_config.get_vocab_size())
-            never = {int(tokenizer.convert_tokens_to_ids(t)) for t in NEVER_EMIT_TOKENS
-                     if tokenizer.convert_tokens_to_ids(t) not in (None, tokenizer.unk_token_id)}
-            never.update(range(len(tokenizer), vocab_rows))
-            self.never_ids = torch.tensor(sorted(never), dtype=torch.long, device=device)
+            never = never_emit_ids(tokenizer, vocab_rows)
+            self.never_ids = torch.tensor(never, dtype=torch.long, device=device)
             self.eos_token_id = settings.eos_token_id
             pieces = None
             if settings.guard.active and settings.guard.max_object_keys:

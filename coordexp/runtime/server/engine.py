@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Protocol, Sequence, ru
 
 from coordexp.errors import ExternalSystemError
 from coordexp.runtime.rollout.base import RolloutOutput, RolloutRequest
-from coordexp.runtime.rollout.logprobs import TokenLogprob
+from coordexp.runtime.rollout.logprobs import TokenLogprob, never_emit_ids, processed_logprobs
 from coordexp.schema.rollout import DecodingConfig, RepeatTerminateConfig
 
 if TYPE_CHECKING:
@@ -176,15 +176,17 @@ class HfEngine:
                        params: GenerationParams, top: int) -> list[list[TokenLogprob]]:
         """Teacher-forced log-probabilities of each output's tokens (response ids, then ``<|im_end|>`` when it
         stopped), one forward per request, with the sampling transforms of ``params`` applied as vLLM does for
-        ``processed_logprobs``: repetition penalty over prompt + earlier tokens, then (sampling only) temperature,
-        top-k and top-p, and ``coord_group_greedy``'s rule. The repeat guard's forced EOS and the never-emit
-        suppression are not part of it."""
+        ``processed_logprobs`` (:func:`~coordexp.runtime.rollout.logprobs.processed_logprobs`: repetition penalty,
+        the never-emit mask, ``coord_group_greedy``'s rule, then when sampling temperature, top-k and top-p). The
+        repeat guard's forced EOS is not part of it."""
         import torch
 
         model = self._require_model()
         stop_id = int(self._tokenizer.convert_tokens_to_ids("<|im_end|>"))
         device = self.device
         coord_ids = self._coord_ids() if params.decoding.coord_group_greedy else None
+        never = never_emit_ids(self._tokenizer, model.get_output_embeddings().weight.shape[0],
+                               getattr(model.generation_config, "suppress_tokens", None) or ())
         results: list[list[TokenLogprob]] = []
         with torch.no_grad():
             for request, output in zip(requests, outputs, strict=True):
@@ -205,7 +207,8 @@ class HfEngine:
                     inputs["image_grid_thw"] = prompt.image_grid_thw.to(device)
                 start = int(prompt.input_ids.shape[0]) - 1
                 logits = model(**inputs).logits[0, start:start + len(generated)].float()
-                logprobs = processed_logprobs(logits, ids.to(device), start + 1, params.decoding, coord_ids)
+                logprobs = processed_logprobs(logits, ids.to(device), start + 1, params.decoding, coord_ids,
+                                              never)
                 chosen = torch.tensor(generated, device=logprobs.device)
                 values = logprobs.gather(1, chosen[:, None])[:, 0].tolist()
                 tops: list[tuple[tuple[int, float], ...]] = [()] * len(generated)
@@ -254,38 +257,3 @@ class HfEngine:
     def close(self) -> None:
         self._backends.clear()
         self._model = None
-
-
-def processed_logprobs(logits: "torch.Tensor", ids: "torch.Tensor", first: int,
-                       decoding: DecodingConfig, coord_ids: "torch.Tensor | None" = None) -> "torch.Tensor":
-    """Log-softmax of ``logits`` (row s predicts ``ids[first + s]``) after the sampling transforms, in vLLM's order:
-    repetition penalty on every id in ``ids[:first + s]`` (divide positive logits, multiply negative ones), then
-    ``decoding.coord_group_greedy``'s rule (with ``coord_ids``; the coordexp processor runs after the penalties), then,
-    when sampling, temperature, top-k and top-p (kept set: the smallest prefix of the sorted distribution whose mass
-    reaches ``top_p``; the rest is -inf)."""
-    import torch
-
-    scores = logits.float().clone()
-    if decoding.repetition_penalty != 1.0:
-        penalty = float(decoding.repetition_penalty)
-        for s in range(scores.shape[0]):
-            seen = torch.unique(ids[:first + s])
-            row = scores[s, seen]
-            scores[s, seen] = torch.where(row > 0, row / penalty, row * penalty)
-    if decoding.coord_group_greedy:
-        if coord_ids is None:
-            raise ValueError("decoding.coord_group_greedy needs the coord token ids")
-        from coordexp.runtime.rollout.coord_group import choose_coord_group
-
-        scores = choose_coord_group(scores, coord_ids)
-    if decoding.temperature > 0:
-        scores = scores / float(decoding.temperature)
-        if decoding.top_k > 0 and decoding.top_k < scores.shape[1]:
-            kth = scores.topk(int(decoding.top_k), dim=1).values[:, -1:]
-            scores = scores.masked_fill(scores < kth, float("-inf"))
-        if decoding.top_p < 1.0:
-            ordered, order = scores.sort(dim=1, descending=True)
-            mass = ordered.softmax(dim=1).cumsum(dim=1)
-            drop = (mass - ordered.softmax(dim=1)) >= float(decoding.top_p)  # mass before this token already enough
-            scores = scores.scatter(1, order, ordered.masked_fill(drop, float("-inf")))
-    return scores.log_softmax(dim=1)

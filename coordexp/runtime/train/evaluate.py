@@ -36,6 +36,7 @@ from coordexp.runtime.train.visualize import RolloutLogEntry, render_rollout
 if TYPE_CHECKING:
     from coordexp.runtime.model.data import DetectionRecord
     from coordexp.runtime.model.encoding import EncodedSample
+    from coordexp.runtime.model.scoring import LogprobTransform
     from coordexp.runtime.rollout.base import RolloutBackend
     from coordexp.runtime.train.rollout_step import HostContext, SampleTarget
     from coordexp.schema.contract import RunContract
@@ -153,6 +154,27 @@ def _rollout_encoding(sample: "SampleTarget") -> "EncodedSample":
     )
 
 
+def decoder_logprobs(host: "HostContext", model: Any) -> "LogprobTransform":
+    """The log-probabilities the evaluation's decoder drew from (:func:`processed_logprobs` with the rollout
+    config's decoding, greedy when evaluation decodes greedily, and the never-emit ids), so an object's score is
+    the one ``/detect/`` and ``/infer/``'s logprobs report for the same tokens."""
+    from coordexp.runtime.rollout.coord_group import coord_id_tensor
+    from coordexp.runtime.rollout.logprobs import never_emit_ids, processed_logprobs
+
+    decoding = host.rollout.decoding
+    if host.rollout.greedy_evaluation:
+        decoding = decoding.model_copy(update={"temperature": 0.0})
+    coord_ids = coord_id_tensor(host.tokenizer) if decoding.coord_group_greedy else None
+    suppressed = getattr(getattr(model, "generation_config", None), "suppress_tokens", None) or ()
+
+    def transform(logits: Any, ids: Any, first: int) -> Any:
+        never = never_emit_ids(host.tokenizer, logits.shape[-1], suppressed)  # the logits' width: ZeRO-3 safe
+        return processed_logprobs(logits, ids, first, decoding,
+                                  None if coord_ids is None else coord_ids.to(logits.device), never)
+
+    return transform
+
+
 def score_samples(
     model: Any, host: "HostContext", records: Sequence["DetectionRecord"], samples: Sequence["SampleTarget"], *,
     score: ScoreMode = "logprob", step: int = 0, batch_size: int = 8,
@@ -164,13 +186,14 @@ def score_samples(
     logprobs: list[Optional[np.ndarray]] = [None] * len(samples)
     if score != "constant":
         todo = [k for k, s in enumerate(samples) if s.parse is not None and s.parse.response_ids and s.valid_positions]
+        transform = decoder_logprobs(host, model)
         was_training = getattr(model, "training", False)
         model.eval()
         try:
             for lo in range(0, len(todo), max(1, batch_size)):
                 part = todo[lo : lo + max(1, batch_size)]
                 values = response_token_logprobs(model, [_rollout_encoding(samples[k]) for k in part],
-                                                 pad_token_id=_pad_id(host))
+                                                 pad_token_id=_pad_id(host), transform=transform)
                 for k, v in zip(part, values, strict=True):
                     logprobs[k] = v
         finally:
