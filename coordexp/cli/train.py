@@ -15,6 +15,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from coordexp.cli import signals
+from coordexp.cli.overrides import SetOption
 from coordexp.cli.frame import (EXIT_EXTERNAL, EXIT_OK, err, fail, guarded, is_rank_zero, load_run_and_config, out,
                                  safe, write_result)
 from coordexp.cli.signals import EXIT_TERMINATED, terminate_as_interrupt, watching_for_interrupt
@@ -196,10 +197,7 @@ def train(
                                     "the run record's --set overrides are reused.")
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the final summary as JSON on stdout.")] = False,
-    overrides: Annotated[Optional[list[str]], typer.Option(
-        "--set", metavar="KEY=VALUE", show_default=False,
-        help="Override a config key: dotted.key=value (a YAML 1.2 value, read like the file; list items by index, "
-             "a.0.b=1); repeatable, validated like the file.")] = None,
+    overrides: SetOption = None,
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Train afresh in a used training.output_dir: once the new run is built, the old run "
                             "(model, checkpoints, logs, record) is moved to OUTPUT_DIR/.previous/<time>.")] = False,
