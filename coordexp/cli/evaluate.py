@@ -21,6 +21,7 @@ import typer
 
 from coordexp.cli.file_guard import check_output_dir, check_output_file, same_file
 from coordexp.cli.frame import EXIT_OK, err, guarded, load_run, out, safe, write_result
+from coordexp.cli.overrides import SetOption
 from coordexp.errors import UserInputError
 
 __all__ = ["register", "evaluate", "resolve_checkpoint", "run_with_checkpoint", "default_out_dir", "input_files",
@@ -95,12 +96,16 @@ def require_packages(run: Any, adapter: Optional[Path]) -> None:
         raise peft.problem(f"the LoRA adapter {adapter}")
 
 
-def measured_identity(config: Path, model_dir: Path, adapter: Optional[Path]) -> dict[str, Any]:
-    """What a result file measured: the model (and adapter) with its step and weights hash, and the config."""
+def measured_identity(config: Path, model_dir: Path, adapter: Optional[Path],
+                      overrides: Iterable[str] = ()) -> dict[str, Any]:
+    """What a result file measured: the model (and adapter) with its step and weights hash, the config and the
+    ``--set`` overrides applied to it (secrets masked)."""
+    from coordexp.cli.overrides import masked_text
     from coordexp.runtime.model.checkpoint_files import model_identity
 
     return {"model": model_identity(model_dir) if model_dir.is_dir() else {"path": str(model_dir)},
-            "adapter": None if adapter is None else model_identity(adapter), "config": str(config.resolve())}
+            "adapter": None if adapter is None else model_identity(adapter), "config": str(config.resolve()),
+            "overrides": [masked_text(text) for text in overrides]}
 
 
 def check_checkpoint_files(model_dir: Path, adapter: Optional[Path]) -> None:
@@ -201,13 +206,15 @@ def evaluate(
     bootstrap: Annotated[int, typer.Option("--bootstrap", min=100, max=100_000,
                                            help="--compare: bootstrap replicates of the set figures (AP50: at most "
                                                 "200, a COCO evaluation each).")] = 1000,
+    overrides: SetOption = None,
 ) -> None:
     """Roll out a split through the configured backend, parse and match as training does, and report COCO AP
     (boxes; masks where polygons exist) with the rollout counters; writes a COCO results JSON and PNGs. With
     --compare, compare two such result folders instead."""
     if compare is not None:
-        if config is not None:
-            raise UserInputError("pass either a config to evaluate or --compare RESULTS_A RESULTS_B, not both")
+        if config is not None or overrides:
+            raise UserInputError("pass either a config to evaluate (and its --set overrides) or --compare "
+                                 "RESULTS_A RESULTS_B, not both")
         compare_results(*compare, bootstrap=bootstrap, as_json=as_json)
         return
     if config is None:
@@ -216,7 +223,8 @@ def evaluate(
         raise UserInputError(f"--split must be val or train, got {split!r}")
     if score not in SCORES:
         raise UserInputError(f"--score must be one of {', '.join(SCORES)}, got {score!r}")
-    run = load_run(config, as_json=as_json)
+    given = list(overrides or [])
+    run = load_run(config, as_json=as_json, overrides=given)
     run, model_dir, adapter = run_with_checkpoint(run, checkpoint)
     require_packages(run, adapter)
     target = out_dir if out_dir is not None else default_out_dir(run, checkpoint, split)
@@ -228,7 +236,8 @@ def evaluate(
     console = err if as_json else out
     console.print(f"[cyan]eval[/cyan] model {safe(model_dir)}" + (f" + adapter {safe(adapter)}" if adapter else ""))
     report = run_evaluation(run, split=split, limit=limit, score=score, out_dir=target, png_count=pngs,  # type: ignore[arg-type]
-                            adapter=adapter, dedup=dedup, measured=measured_identity(config, model_dir, adapter),
+                            adapter=adapter, dedup=dedup,
+                            measured=measured_identity(config, model_dir, adapter, given),
                             log=lambda message: console.print(f"[cyan]eval[/cyan] {safe(message)}"))
     if as_json:
         shown_adapter = None if adapter is None else str(adapter)

@@ -47,7 +47,7 @@ from coordexp.optional_deps import as_external_error
 __all__ = [
     "EXIT_OK", "EXIT_INTERNAL", "EXIT_INVALID", "EXIT_EXTERNAL", "EXIT_INTERRUPTED", "DEBUG_ENV",
     "out", "err", "safe", "plain", "is_rank_zero", "fail", "issue_line", "print_invalid_report", "load_run",
-    "load_run_and_config",
+    "load_run_and_config", "validate_with_overrides",
     "guarded", "report_exception", "error_payload", "write_result",
 ]
 
@@ -147,7 +147,7 @@ def load_run_and_config(path: Path, *, as_json: bool = False, overrides: Sequenc
     from coordexp.schema.loader import validate_config_file
 
     if overrides:
-        report = _validate_with_overrides(path, overrides)
+        report = validate_with_overrides(path, overrides)
     else:
         report = validate_config_file(path)
     errors = list(report.errors)
@@ -167,7 +167,9 @@ def load_run_and_config(path: Path, *, as_json: bool = False, overrides: Sequenc
     raise typer.Exit(EXIT_INVALID)
 
 
-def _validate_with_overrides(path: Path, overrides: Sequence[str]) -> Any:
+def validate_with_overrides(path: Path, overrides: Sequence[str]) -> Any:
+    """The validation report of the config at ``path`` with ``overrides`` applied (a malformed override raises
+    :class:`~coordexp.errors.UserInputError`)."""
     from coordexp.cli.overrides import apply_overrides
     from coordexp.schema.errors import ConfigError
     from coordexp.schema.loader import ValidationReport, load_merged, validate_merged

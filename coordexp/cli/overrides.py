@@ -21,11 +21,13 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Annotated, Any, Optional, Sequence
+
+import typer
 
 from coordexp.errors import UserInputError
 
-__all__ = ["Override", "parse_override", "apply_overrides", "OVERRIDE_ORIGIN", "write_run_record",
+__all__ = ["SetOption", "Override", "parse_override", "apply_overrides", "OVERRIDE_ORIGIN", "write_run_record",
            "append_resume_record", "recorded_overrides", "record_drift", "named_by", "masked_text",
            "RESOLVED_CONFIG_NAME", "SECRET_MASK", "MAX_VALUE_CHARS"]
 
@@ -38,6 +40,11 @@ SECRET_MASK = "*** masked (pass it again) ***"
 MAX_VALUE_CHARS = 4096
 """Longest ``--set`` value (an integer literal of up to 4096 digits still converts at once; the schema then bounds
 it like a file value)."""
+SetOption = Annotated[Optional[list[str]], typer.Option(
+    "--set", metavar="KEY=VALUE", show_default=False,
+    help="Override a config key: dotted.key=value (a YAML 1.2 value, read like the file; list items by index, "
+         "a.0.b=1); repeatable, validated like the file.")]
+"""The ``--set`` option of every command that reads a run config (train, eval, probe, preflight, serve-rollout)."""
 _SET_LINE = re.compile(r'^# --set: (".*")\s*$')
 
 

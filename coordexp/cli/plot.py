@@ -1,4 +1,5 @@
-"""``coordexp plot-run RUN_DIR``: the run's training loss and evaluation curves as one PNG (PIL, no matplotlib)."""
+"""``coordexp plot-run RUN_DIR``: the run's training loss and evaluation curves as one PNG (PIL, no matplotlib),
+figures in percent as the CLI prints them (:func:`coordexp.runtime.train.curves.panels`)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ def plot_run(
                                             show_default=False)],
     png: Annotated[Optional[Path], typer.Option("--out", help="PNG path (default RUN_DIR/curves.png).")] = None,
 ) -> None:
-    """Draw the run's loss and eval curves (AP50, AP, match rate, token accuracy) from its log history to a PNG."""
+    """Draw the run's loss and eval curves from its log history to a PNG: detection figures (AP50, AP, precision,
+    recall, F1, match rate) in percent on their own axis, token accuracy in percent on another."""
     from coordexp.cli.file_guard import check_output_file
     from coordexp.runtime.model.checkpoint_files import read_json_object
     from coordexp.runtime.train.curves import draw_curves, find_trainer_state, run_curves

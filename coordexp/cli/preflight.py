@@ -13,7 +13,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from coordexp.cli.frame import guarded, out, safe, write_result
+from coordexp.cli.frame import guarded, out, safe, validate_with_overrides, write_result
+from coordexp.cli.overrides import SetOption
 
 __all__ = ["register", "preflight"]
 
@@ -33,12 +34,14 @@ def preflight(
     ] = None,
     gpus: Annotated[Optional[int], typer.Option("--gpus", help="GPUs on the node, for the suggested device split "
                                                 "(default: CUDA_VISIBLE_DEVICES, else 4).")] = None,
+    overrides: SetOption = None,
 ) -> None:
     """Validate a run before launch: config, model coord tokens, data sample, servers, topology; print wiring."""
     from coordexp.runtime.train.preflight import EXIT_CODES, run_preflight
 
     report = run_preflight(config, learner_world_size=learner_world_size, health_timeout_s=health_timeout_s,
-                           launch=launch, server_world_size=server_world_size, num_gpus=gpus)
+                           launch=launch, server_world_size=server_world_size, num_gpus=gpus,
+                           validate=lambda path: validate_with_overrides(path, list(overrides or [])))
     if as_json:
         write_result(json.dumps(report.to_dict(), indent=2) + "\n")
     else:

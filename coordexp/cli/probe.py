@@ -13,6 +13,7 @@ import typer
 from coordexp.cli.evaluate import (check_checkpoint_files, check_out_dir, default_out_dir, input_files,
                                    measured_identity, print_set_figures, require_packages, run_with_checkpoint)
 from coordexp.cli.frame import EXIT_OK, err, guarded, load_run, out, safe, write_result
+from coordexp.cli.overrides import SetOption
 
 __all__ = ["register", "probe"]
 
@@ -36,12 +37,14 @@ def probe(
     out_dir: Annotated[Optional[Path], typer.Option(
         "--out", help="Where probe.json and recall_by_rank.png go (default: OUTPUT_DIR/probe_...).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the figures as JSON on stdout.")] = False,
+    overrides: SetOption = None,
 ) -> None:
     """Deletion recovery, Oracle-K recall, the exposure gap and the duplicate probe of a checkpoint, next to the
     set figures of its greedy rollouts; writes probe.json and a PNG of recall by reading-order rank."""
     from coordexp.runtime.train.run_folder import PROBE_RESULT_FILES
 
-    run = load_run(config, as_json=as_json)
+    given = list(overrides or [])
+    run = load_run(config, as_json=as_json, overrides=given)
     run, model_dir, adapter = run_with_checkpoint(run, checkpoint)
     require_packages(run, adapter)
     target = out_dir if out_dir is not None else default_out_dir(run, checkpoint, "val", kind="probe")
@@ -54,7 +57,7 @@ def probe(
     console.print(f"[cyan]probe[/cyan] model {safe(model_dir)}" + (f" + adapter {safe(adapter)}" if adapter else ""))
     figures = run_probe(run, limit=limit, oracle_k=oracle_k, temperature=temperature, adapter=adapter,
                         out_dir=target, log=lambda message: console.print(f"[cyan]probe[/cyan] {safe(message)}"),
-                        measured=measured_identity(config, model_dir, adapter))
+                        measured=measured_identity(config, model_dir, adapter, given))
     if as_json:
         write_result(json.dumps({"ok": True, "model": str(model_dir),
                                  "adapter": None if adapter is None else str(adapter), **figures}, indent=2) + "\n")

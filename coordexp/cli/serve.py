@@ -14,6 +14,7 @@ from typing import Annotated, Optional
 import typer
 
 from coordexp.cli.frame import EXIT_OK, err, fail, guarded, load_run, safe
+from coordexp.cli.overrides import SetOption
 
 __all__ = ["register", "serve_rollout"]
 
@@ -65,11 +66,12 @@ def serve_rollout(
     max_request_tokens: Annotated[int, typer.Option(
         "--max-request-tokens", help="Most sequences x max_tokens one /infer/ may ask for (larger is 400).")
     ] = 1 << 22,
+    overrides: SetOption = None,
 ) -> None:
     """Serve rollouts of the config's model over HTTP (ms-swift `swift rollout` compatible endpoints)."""
     if engine not in (None, "vllm", "hf"):
         fail(f"--engine {engine!r} is not an engine", "Use --engine vllm or --engine hf")
-    run = load_run(config)
+    run = load_run(config, overrides=list(overrides or []))
     if checkpoint is not None:
         from coordexp.cli.evaluate import check_checkpoint_files, run_with_checkpoint
 

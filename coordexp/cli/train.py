@@ -17,9 +17,11 @@ import typer
 from coordexp.cli import signals
 from coordexp.cli.frame import (EXIT_EXTERNAL, EXIT_OK, err, fail, guarded, is_rank_zero, load_run_and_config, out,
                                  safe, write_result)
+from coordexp.cli.overrides import SetOption
 from coordexp.cli.signals import EXIT_TERMINATED, terminate_as_interrupt, watching_for_interrupt
 
-__all__ = ["register", "train", "show_rollouts", "resolve_resume", "check_output_place", "EXIT_TERMINATED"]
+__all__ = ["register", "train", "show_rollouts", "resolve_resume", "check_output_place", "train_command",
+           "EXIT_TERMINATED"]
 
 
 def resolve_resume(resume: Optional[str], output_dir: str) -> Optional[str]:
@@ -196,10 +198,7 @@ def train(
                                     "the run record's --set overrides are reused.")
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the final summary as JSON on stdout.")] = False,
-    overrides: Annotated[Optional[list[str]], typer.Option(
-        "--set", metavar="KEY=VALUE", show_default=False,
-        help="Override a config key: dotted.key=value (a YAML 1.2 value, read like the file; list items by index, "
-             "a.0.b=1); repeatable, validated like the file.")] = None,
+    overrides: SetOption = None,
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Train afresh in a used training.output_dir: once the new run is built, the old run "
                             "(model, checkpoints, logs, record) is moved to OUTPUT_DIR/.previous/<time>.")] = False,
@@ -297,20 +296,25 @@ def _finish_from(checkpoint: str, output_dir: str) -> list[str]:
 
 def resume_advice(config: Path, output_dir: str, overrides: list[str]) -> list[str]:
     """What an interrupted run kept and the exact command that continues it (secrets left for the user to add)."""
-    import shlex
-
-    from coordexp.cli.overrides import SECRET_MASK, masked_text
     from coordexp.runtime.train.checkpoints import choose_resume
 
-    sets = [t for t in (masked_text(text) for text in overrides) if SECRET_MASK not in t]
-    command = " ".join(["coordexp", "train", shlex.quote(str(config)), "--resume", "auto",
-                        *(f"--set {shlex.quote(t)}" for t in sets)])
     newest = choose_resume(output_dir).path
     if newest is None:
         return [f"no complete checkpoint was saved in {output_dir}; start again with: "
-                f"coordexp train {shlex.quote(str(config))} --overwrite "
-                + " ".join(f"--set {shlex.quote(t)}" for t in sets)]
-    return [f"last complete checkpoint: {newest}", f"continue with: {command}"]
+                + train_command(config, overrides, "--overwrite")]
+    return [f"last complete checkpoint: {newest}",
+            f"continue with: {train_command(config, overrides, '--resume', 'auto')}"]
+
+
+def train_command(config: Path, overrides: list[str], *flags: str) -> str:
+    """``coordexp train CONFIG FLAGS --set ...`` as a shell line; secrets left out (the user passes them again)."""
+    import shlex
+
+    from coordexp.cli.overrides import SECRET_MASK, masked_text
+
+    sets = [t for t in (masked_text(text) for text in overrides) if SECRET_MASK not in t]
+    return " ".join(["coordexp", "train", shlex.quote(str(config)), *flags,
+                     *(f"--set {shlex.quote(t)}" for t in sets)])
 
 
 def _prepare_folder(run: Any, *, config: Path, given: list[str], effective: list[str],
@@ -379,6 +383,9 @@ def _train(run: Any, *, config: Path, given: list[str], effective: list[str], re
     summary = summarize_history(outcome.log_history)
     summary["global_step"] = outcome.global_step
     summary["output_dir"] = str(outcome.output_dir)
+    card = _write_model_card(run, summary, config=config, effective=effective)
+    if card is not None:
+        summary["model_card"] = str(card)
     if as_json:
         write_result(json.dumps(summary, indent=2) + "\n")
         raise typer.Exit(EXIT_OK)
@@ -394,6 +401,26 @@ def _train(run: Any, *, config: Path, given: list[str], effective: list[str], re
     rollout_log = Path(outcome.output_dir) / "rollouts.jsonl"
     if rollout_log.is_file():
         out.print(f"  rollouts logged: `coordexp show-rollouts {safe(outcome.output_dir)}`")
+
+
+def _write_model_card(run: Any, summary: dict[str, Any], *, config: Path, effective: list[str]) -> Optional[Path]:
+    """The run folder's ``README.md`` model card (:mod:`coordexp.runtime.train.model_card`), or a line saying why
+    the user's own README.md was left as it is; a card that cannot be written costs a warning, never the run."""
+    from coordexp.runtime.train.model_card import write_model_card
+
+    command = train_command(config.absolute(), effective)
+    world = int(os.environ.get("WORLD_SIZE", "1") or "1")
+    if world > 1:
+        command = f"# under torchrun, {world} processes (python -m coordexp train ...)\n{command}"
+    try:
+        path, written = write_model_card(run.training.output_dir, run, summary, command=command)
+    except OSError as exc:
+        err.print(f"[yellow]![/yellow] the model card was not written ({safe(exc.strerror or exc)})")
+        return None
+    if not written:
+        err.print(f"[yellow]![/yellow] {safe(path)} is not coordexp's: left as it is, no model card written")
+        return None
+    return path
 
 
 def show_rollouts(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, field_validator, model_validator
@@ -337,6 +337,18 @@ class CollapseAlarmConfig(StrictModel):
     action: Literal["warn", "stop"] = Field(
         "warn", description="warn: one line per bound crossed; stop: also save a checkpoint and end the run, the "
         "reason in the run summary.")
+    min_gt_objects: int_in(0, 1_000_000) = Field(
+        20, description="Ground-truth objects a window's rollouts must cover for the window to be judged; a smaller "
+        "window is skipped (one object is 14 points of a 7-object window's rates, so noise would fire the alarm). "
+        "0: judge every window.")
+
+    @field_validator("min_gt_objects", mode="before")
+    @classmethod
+    def _min_gt_objects_range(cls, value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value <= 1_000_000:
+            raise ValueError("min_gt_objects must be 0..1000000 ground-truth objects per logging window; 20 keeps "
+                             "one object under 5 points of a window's rates, 0 judges every window")
+        return value
 
 
 class RepeatUnlikelihoodConfig(StrictModel):

@@ -223,6 +223,30 @@ def test_callback_live_mode_renders_a_table_on_a_terminal():
     assert "eval  step 1  AP50 12.5%  parse valid -  match -  token acc 50.0%" in text  # under the live table
 
 
+@pytest.mark.parametrize("width", [80, 200])
+def test_the_live_stage2_table_fits_the_terminal_whole(width):
+    """Issue 55: at 80 columns every cell of the stage-2 live table was cut to '…'. Under the width the whole
+    table needs, the narrower table (health and time left) shows each value whole; a wide terminal keeps every
+    column. Large values (a long run, a slow step) are the hard case."""
+    from rich.console import Console
+
+    from coordexp.runtime.train.progress import ProgressCallback, ProgressSnapshot
+
+    console = Console(file=io.StringIO(), force_terminal=True, width=width, color_system=None)
+    callback = ProgressCallback(console, live=False, title="stage2_rollout_aligned: my_config.yaml")
+    callback.snapshot = ProgressSnapshot(step=12345, max_steps=20000, loss=12.3456, parse_valid_rate=1.0,
+                                         match_rate=0.987, fn_appended=1234, fill_ratio=0.99, pred_per_gt=12.34,
+                                         duplicates_per_image=10.5, tokens_per_s=123456, elapsed_s=30 * 3600,
+                                         eta_s=99 * 3600, rollouts_seen=True)
+    console.print(callback.renderable())
+    text = console.file.getvalue()
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= width
+    for value in ("12345/20000", "12.3456", "100.0%", "98.7%", "12.34", "10.50", "123456", "99h00m",
+                  "stage2_rollout_aligned: my_config.yaml"):
+        assert value in text
+    assert ("FN appended" in text and "30h00m" in text) == (width == 200)  # what the narrow table leaves out
+
+
 def test_plain_lines_never_wrap_on_a_narrow_pipe():
     """A pipe's console is 80 columns: a stage-2 line is longer and used to end in a bare-number line."""
     from rich.console import Console

@@ -60,6 +60,9 @@ def _adapter_config(directory: Path) -> dict:
 def test_lora_run_saves_dora_adapters_with_the_processor(lora_run, tiny_model_dir):
     _, out, summary = lora_run
     assert summary["global_step"] == 2
+    card = (out / "README.md").read_text(encoding="utf-8")  # issue 55: coordexp's card, not PEFT's empty one
+    assert summary["model_card"] == str(out / "README.md") and "coordexp model card" in card
+    assert "Model Card for Model ID" not in card and "DoRA adapter (r 4" in card and "library_name: peft" in card
     for directory in (out, out / "checkpoint-1", out / "checkpoint-2"):
         config = _adapter_config(directory)
         assert config["use_dora"] is True and config["r"] == 4 and config["peft_type"] == "LORA"

@@ -21,7 +21,8 @@ def test_a_crossed_bound_stops_the_run_with_a_checkpoint_and_says_why(tmp_path, 
     run = tmp_path / "run"
     config = write_config({
         "rollout_matching": {"max_new_tokens": 8, "decode_batch_size": 2,
-                             "collapse_alarm": {"action": "stop", "cut_off_rate_max": 0.0}},
+                             "collapse_alarm": {"action": "stop", "cut_off_rate_max": 0.0,
+                                                "min_gt_objects": 0}},  # 2-image windows
         "training": {"output_dir": str(run), "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1,
                      "logging_steps": 1, "max_steps": 3, "save_steps": 100},
     })

@@ -94,6 +94,7 @@ def test_the_readme_quickstart_runs_as_written(tmp_path, monkeypatch):
             config.write_text(config.read_text(encoding="utf-8").replace("max_steps: 2", "max_steps: 9"))
     assert ran.count("train") == 2 and "eval" in ran
     assert (tmp_path / "runs" / "stage1" / "config.json").is_file()
+    assert "full fine-tune" in (tmp_path / "runs" / "stage1" / "README.md").read_text()  # the run's model card
     for stage in ("stage1", "stage2"):  # --set won over the file's 9 steps
         state = json.loads(next((tmp_path / "runs" / stage).glob("checkpoint-*/trainer_state.json")).read_text())
         assert state["global_step"] == 2

@@ -38,11 +38,28 @@ def test_duplicates_and_parse_validity_have_their_own_bounds():
     assert [("repeat an earlier" in r, "valid" in r) for r in fired] == [(True, False), (False, True)]
 
 
+def test_a_window_under_min_gt_objects_is_not_judged():
+    """A 7-object window fired the alarm in a user's run (one object is 14 points of its rates): under the minimum
+    it is skipped and remembered nowhere; at the minimum it is judged."""
+    watch = CollapseWatch(CollapseAlarmConfig())
+    assert CollapseAlarmConfig().min_gt_objects == 20
+    assert watch.check({**window(trunc=0.9, valid=0.1), "rollout/gt_objects": 7.0}) == []
+    assert watch.best_precision is None and not watch.crossed
+    assert len(watch.check({**window(trunc=0.9, valid=0.1), "rollout/gt_objects": 20.0})) == 2
+    every = CollapseWatch(CollapseAlarmConfig(min_gt_objects=0))
+    assert len(every.check({**window(trunc=0.9), "rollout/gt_objects": 1.0})) == 1
+
+
 def test_bounds_are_validated():
     with pytest.raises(ValidationError):
         CollapseAlarmConfig(duplicate_rate_max=1.5)
     with pytest.raises(ValidationError):
         CollapseAlarmConfig(pred_per_gt_max=float("inf"))
+    for bad in (-1, 1_000_001, 2.5, True):
+        with pytest.raises(ValidationError, match="min_gt_objects"):
+            CollapseAlarmConfig(min_gt_objects=bad)
+    with pytest.raises(ValidationError, match="0 judges every window"):
+        CollapseAlarmConfig(min_gt_objects=-1)
 
 
 def test_stop_saves_ends_the_run_and_the_summary_says_why():

@@ -69,3 +69,24 @@ def test_plot_run_draws_recall_by_object_count_bucket():
     names = [curve.name for curve in evals]
     assert "eval recall_objects_11_plus" in names and "eval recall_objects_1_6" in names
     assert "eval recall_objects_7_10" not in names  # not logged: not drawn
+
+
+def test_plot_run_draws_percent_with_ap_on_its_own_axis():
+    """Issue 55: token accuracy (0.83) and AP (0.003) shared one linear axis in fractions, AP a flat line at zero,
+    while the CLI prints percent. What is drawn: detection figures in percent on one panel, token accuracy in
+    percent on another, each panel scaled to its own values."""
+    from coordexp.runtime.train.curves import panels
+
+    history = [{"step": 5, "loss": 1.5, "eval/AP50": 0.003, "eval/AP": 0.001, "eval/token_acc": 0.83},
+               {"step": 10, "loss": 1.2, "eval/AP50": 0.006, "eval/AP": 0.002, "eval/token_acc": 0.85}]
+    drawn = {panel.title: panel for panel in panels(history)}
+    detection = drawn["evaluation: detection (%)"]
+    tokens = drawn["evaluation: teacher-forced token accuracy (%)"]
+    assert detection.percent and tokens.percent and not drawn["training loss"].percent
+    assert {c.name: c.points for c in detection.curves} == {"eval AP50": ((5.0, 0.3), (10.0, 0.6)),
+                                                            "eval AP": ((5.0, 0.1), (10.0, 0.2))}
+    assert [c.name for c in tokens.curves] == ["eval token_acc"]
+    assert tokens.curves[0].points == ((5.0, 83.0), (10.0, 85.0))
+    assert drawn["training loss"].curves[0].points == ((5.0, 1.5), (10.0, 1.2))  # a loss is no percentage
+    no_tokens = [panel.title for panel in panels([{"step": 1, "eval/AP50": 0.1}])]
+    assert no_tokens == ["training loss", "evaluation: detection (%)"]

@@ -28,12 +28,17 @@ class CollapseWatch:
     crossed: set[str] = field(default_factory=set)
 
     def check(self, window: Mapping[str, Any]) -> list[str]:
-        """The reasons newly crossed by one window's ``rollout/*`` figures (fractions)."""
+        """The reasons newly crossed by one window's ``rollout/*`` figures (fractions); none, and nothing remembered,
+        for a window over fewer than ``min_gt_objects`` ground-truth objects (its rates are noise)."""
         c = self.config
 
         def get(name: str) -> Optional[float]:
             value = window.get(f"rollout/{name}")
             return None if value is None else float(value)
+
+        objects = get("gt_objects")
+        if objects is not None and objects < c.min_gt_objects:
+            return []
 
         per_gt, precision = get("pred_per_gt"), get("match_precision")
         fell = (precision is not None and self.best_precision is not None

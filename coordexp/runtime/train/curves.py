@@ -11,12 +11,17 @@ from typing import Any, Mapping, Sequence
 
 from coordexp.runtime.train.run_folder import save_image
 
-__all__ = ["Curve", "find_trainer_state", "load_log_history", "run_curves", "rollout_curves", "draw_curves",
-           "EVAL_CURVES", "ROLLOUT_CURVES"]
+__all__ = ["Curve", "Panel", "find_trainer_state", "load_log_history", "run_curves", "rollout_curves", "panels",
+           "draw_curves", "EVAL_CURVES", "DETECTION_CURVES", "TOKEN_CURVES", "ROLLOUT_CURVES"]
 
-EVAL_CURVES = ("AP50", "AP", "precision", "recall", "f1", "match_rate", "token_acc", "recall_objects_1_6",
-               "recall_objects_7_10", "recall_objects_11_plus")
-"""The ``eval/<name>`` figures drawn (fractions in [0, 1]), when the run logged them."""
+DETECTION_CURVES = ("AP50", "AP", "precision", "recall", "f1", "match_rate", "recall_objects_1_6",
+                    "recall_objects_7_10", "recall_objects_11_plus")
+"""The ``eval/<name>`` detection figures, drawn in percent on their own axis: early in a run they sit near 0 (AP
+0.3%) where token accuracy already reads 83%, and one linear axis for both showed them as a flat line at zero."""
+TOKEN_CURVES = ("token_acc",)
+"""The teacher-forced ``eval/<name>`` figures, in percent on a panel of their own."""
+EVAL_CURVES = DETECTION_CURVES + TOKEN_CURVES
+"""Every ``eval/<name>`` figure drawn (logged as fractions in [0, 1]), when the run logged it."""
 ROLLOUT_CURVES = ("pred_per_gt", "duplicates_per_image", "cut_off_rate")
 """The stage-2 training windows' ``rollout/<name>`` figures a collapse moves (docs/figures.md)."""
 _COLOURS = ((31, 119, 180), (214, 39, 40), (44, 160, 44), (148, 103, 189), (255, 127, 14), (140, 86, 75),
@@ -28,6 +33,15 @@ _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 class Curve:
     name: str
     points: tuple[tuple[float, float], ...]  # (step, value)
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One panel of the PNG: its curves on one axis scaled to their own range; ``percent``: values are percent."""
+
+    title: str
+    curves: tuple[Curve, ...]
+    percent: bool = False
 
 
 def find_trainer_state(run_dir: Path) -> Path:
@@ -76,10 +90,32 @@ def rollout_curves(history: Sequence[Mapping[str, Any]]) -> list[Curve]:
     return [Curve(name, points) for name in ROLLOUT_CURVES if (points := _series(history, f"rollout/{name}"))]
 
 
-def _panel(draw: Any, box: tuple[int, int, int, int], title: str, curves: Sequence[Curve], font: Any) -> None:
+def _in_percent(curves: Sequence[Curve]) -> tuple[Curve, ...]:
+    return tuple(Curve(c.name, tuple((step, 100.0 * value) for step, value in c.points)) for c in curves)
+
+
+def panels(history: Sequence[Mapping[str, Any]]) -> list[Panel]:
+    """What :func:`draw_curves` draws, value for value: the training loss; the detection figures in percent (the
+    CLI's unit); token accuracy in percent on its own axis (when logged); the stage-2 rollout windows (when
+    logged)."""
+    losses, evals = run_curves(history)
+    named = {curve.name: curve for curve in evals}
+    detection = [named[f"eval {name}"] for name in DETECTION_CURVES if f"eval {name}" in named]
+    tokens = [named[f"eval {name}"] for name in TOKEN_CURVES if f"eval {name}" in named]
+    rollouts = rollout_curves(history)
+    found = [Panel("training loss", tuple(losses)), Panel("evaluation: detection (%)", _in_percent(detection), True)]
+    if tokens:
+        found.append(Panel("evaluation: teacher-forced token accuracy (%)", _in_percent(tokens), True))
+    if rollouts:
+        found.append(Panel("stage-2 rollouts", tuple(rollouts)))
+    return found
+
+
+def _panel(draw: Any, box: tuple[int, int, int, int], panel: Panel, font: Any) -> None:
     left, top, right, bottom = box
+    curves, unit = panel.curves, "%" if panel.percent else ""
     draw.rectangle(box, outline=(90, 90, 90))
-    draw.text((left, top - 16), title, fill=(0, 0, 0), font=font)
+    draw.text((left, top - 16), panel.title, fill=(0, 0, 0), font=font)
     values = [v for c in curves for _, v in c.points]
     steps = [s for c in curves for s, _ in c.points]
     if not values:
@@ -94,7 +130,7 @@ def _panel(draw: Any, box: tuple[int, int, int, int], title: str, curves: Sequen
     def xy(step: float, value: float) -> tuple[float, float]:
         return (left + (step - first) / span * (right - left), bottom - (value - low) / (high - low) * (bottom - top))
 
-    for label, y in ((f"{high:.4g}", top), (f"{low:.4g}", bottom - 10)):
+    for label, y in ((f"{high:.4g}{unit}", top), (f"{low:.4g}{unit}", bottom - 10)):
         draw.text((left - 58, y), label, fill=(60, 60, 60), font=font)
     draw.text((left, bottom + 4), f"step {first:.0f}", fill=(60, 60, 60), font=font)
     draw.text((right - 70, bottom + 4), f"step {last:.0f}", fill=(60, 60, 60), font=font)
@@ -106,27 +142,23 @@ def _panel(draw: Any, box: tuple[int, int, int, int], title: str, curves: Sequen
         for x, y in points:
             draw.ellipse((x - 2, y - 2, x + 2, y + 2), fill=colour)
         row, column = divmod(index, 5)
-        draw.text((left + 8 + 150 * column, top + 6 + 14 * row), f"{curve.name} {curve.points[-1][1]:.4g}",
+        draw.text((left + 8 + 150 * column, top + 6 + 14 * row), f"{curve.name} {curve.points[-1][1]:.4g}{unit}",
                   fill=colour, font=font)
 
 
 def draw_curves(history: Sequence[Mapping[str, Any]], out_png: Path, *, title: str) -> Path:
-    """Panels over steps, each with its range and last values: training loss; evaluation figures; and for stage 2
-    the rollout windows' predictions per GT, duplicates and truncation."""
+    """The :func:`panels` over steps, each with its range and last values."""
     from PIL import Image, ImageDraw, ImageFont
 
-    losses, evals = run_curves(history)
-    rollouts = rollout_curves(history)
-    panels = [("training loss", losses), ("evaluation", evals)] + ([("stage-2 rollouts", rollouts)] if rollouts
-                                                                    else [])
+    drawn = panels(history)
     width, panel_h = 900, 260
-    image = Image.new("RGB", (width, 60 + len(panels) * (panel_h + 50)), "white")
+    image = Image.new("RGB", (width, 60 + len(drawn) * (panel_h + 50)), "white")
     draw = ImageDraw.Draw(image)
     font = ImageFont.load_default()
     draw.text((20, 12), title, fill=(0, 0, 0), font=font)
-    for k, (name, curves) in enumerate(panels):
+    for k, panel in enumerate(drawn):
         top = 60 + k * (panel_h + 50)
-        _panel(draw, (80, top, width - 30, top + panel_h), name, curves, font)
+        _panel(draw, (80, top, width - 30, top + panel_h), panel, font)
     out_png.parent.mkdir(parents=True, exist_ok=True)
     save_image(image, out_png)
     return out_png

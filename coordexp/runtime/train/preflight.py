@@ -26,7 +26,7 @@ import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import urlsplit
 
 from coordexp.errors import EXIT_EXTERNAL, EXIT_INVALID, EXIT_OK, UserInputError
@@ -134,8 +134,9 @@ def _visible_gpus() -> int:
 
 def run_preflight(config_path: str | Path, *, learner_world_size: int = 1, health_timeout_s: float | None = None,
                   launch: bool = False, server_world_size: int = 1, num_gpus: int | None = None,
-                  sample_records: int = 8) -> PreflightReport:
-    """Run every check (module docstring); never raises for user or server problems, the report says what is wrong."""
+                  sample_records: int = 8, validate: Callable[[Any], Any] | None = None) -> PreflightReport:
+    """Run every check (module docstring); never raises for user or server problems, the report says what is wrong.
+    ``validate`` reads the config into a validation report (default: the file as it is; the CLI's applies --set)."""
     from coordexp.schema.contract import VllmServerContract, build_contract
     from coordexp.schema.errors import ConfigError
     from coordexp.schema.loader import validate_config_file
@@ -146,7 +147,7 @@ def run_preflight(config_path: str | Path, *, learner_world_size: int = 1, healt
         return PreflightReport(exit_code_of(checks), tuple(checks), wiring or {})
 
     try:
-        report = validate_config_file(config_path)
+        report = (validate or validate_config_file)(config_path)
         issues = list(report.errors)
         run = None
         if report.ok:

@@ -144,6 +144,16 @@ def _fields(s: ProgressSnapshot) -> list[tuple[str, str]]:
     return fields
 
 
+_NARROW_NAMES = {"step": "step", "loss": "loss", "parse valid": "valid", "match": "match", "pred/GT": "pred/GT",
+                 "dup/img": "dup/img", "tok/s": "tok/s", "ETA": "ETA"}
+
+
+def _narrow_fields(s: ProgressSnapshot) -> list[tuple[str, str]]:
+    """The live table's columns for a narrow terminal, a stage-2 row whole in 80 columns: the run's health and the
+    time left (FN appended, fill and elapsed go; the plain log line and the summary keep them)."""
+    return [(_NARROW_NAMES[name], value) for name, value in _fields(s) if name in _NARROW_NAMES]
+
+
 def format_log_line(snapshot: ProgressSnapshot) -> str:
     """One plain line (no colour, no control codes) for logs, pipes and CI."""
     return "  ".join(f"{name} {value}" for name, value in _fields(snapshot))
@@ -193,23 +203,33 @@ class ProgressCallback(TrainerCallback):
         self.eval_status: Optional[str] = None  # "eval  step N  rolling out d/t images  ETA x" while one runs
 
     # -- rendering --------------------------------------------------------------------------------------------
-    def renderable(self) -> Any:
-        from rich.console import Group
-        from rich.progress_bar import ProgressBar
+    def _table(self, fields: Sequence[tuple[str, str]]) -> Any:
         from rich.table import Table
 
-        s = self.snapshot
         table = Table(title=self.title, show_header=True, header_style="bold", expand=False)
-        fields = _fields(s)
         for name, _ in fields:
             table.add_column(name, justify="right")
         table.add_row(*(value for _, value in fields))
-        bar = ProgressBar(total=max(s.max_steps, 1), completed=min(s.step, max(s.max_steps, 1)), width=60)
+        return table
+
+    def renderable(self) -> Any:
+        """The bar, the table and the eval lines; a terminal too narrow for every column whole (a stage-2 table
+        needs about 100 at 80 columns every cell was cut to ``…``) gets :func:`_narrow_fields` instead."""
+        from rich.console import Group
+        from rich.measure import Measurement
+        from rich.padding import Padding
+        from rich.progress_bar import ProgressBar
         from rich.text import Text
 
+        s = self.snapshot
+        table = self._table(_fields(s))
+        unbounded = self.console.options.update_width(10_000)
+        if Measurement.get(self.console, unbounded, table).maximum > self.console.width:
+            table = self._table(_narrow_fields(s))
+        bar = ProgressBar(total=max(s.max_steps, 1), completed=min(s.step, max(s.max_steps, 1)), width=60)
         lines = [Text(line) for line in (None if self.last_eval is None else format_eval_line(self.last_eval),
                                          self.eval_status) if line]  # plain: no number highlighting
-        return Group(bar, table, *lines)
+        return Group(Padding(bar, 0), table, *lines)  # padded: a bare bar ends no line (the title ran onto it)
 
     def _timed(self, step: int, max_steps: int) -> ProgressSnapshot:
         """The snapshot at ``step`` with elapsed time and the ETA: the training time per step so far (evaluations

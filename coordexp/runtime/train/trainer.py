@@ -505,9 +505,14 @@ class CoordExpTrainer(Trainer):
         self.accelerator.wait_for_everyone()
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """Checkpoints carry the processor too, so a checkpoint loads like any Qwen-VL checkpoint."""
-        super()._save(output_dir, state_dict)
+        """Checkpoints carry the processor too, so a checkpoint loads like any Qwen-VL checkpoint. A README.md of
+        the user's stays as it was (PEFT's ``save_pretrained`` rewrites any README it finds)."""
+        from coordexp.runtime.train.model_card import kept_user_card, restore_user_card
+
         out = Path(output_dir or self.args.output_dir)
+        kept = kept_user_card(out)
+        super()._save(output_dir, state_dict)
+        restore_user_card(out, kept)
         from coordexp.runtime.model.checkpoint_files import share_saved_weights
 
         share_saved_weights(out)  # safetensors writes 0600; 0666 minus the umask, as any file (issue 44)
