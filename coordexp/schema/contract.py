@@ -174,9 +174,9 @@ class RolloutMatchingContract:
 
     @property
     def greedy_evaluation(self) -> bool:
-        """Evaluation rollouts decode greedily while training samples: the reward objective with the HF backend,
-        which takes the greedy flag per request (docs/design.md, decision 19)."""
-        return self.objective == "reward" and isinstance(self.backend, HfBackendContract)
+        """Evaluation rollouts decode greedily while training samples: the reward objective with a backend that
+        takes the greedy flag per request, HF or vLLM colocate (docs/design.md, decision 19)."""
+        return self.objective == "reward" and isinstance(self.backend, (HfBackendContract, VllmColocateContract))
 
     @property
     def is_greedy(self) -> bool:

@@ -375,7 +375,7 @@ class RewardConfig(StrictModel):
         4, description="Rollouts sampled per image (at least 2: the leave-one-out baseline needs a peer; at most 64).")
     include_greedy: bool = Field(
         False, description="Also roll each image out greedily and train that rollout as one more group member "
-        "(rollout_backend: hf only).")
+        "(rollout_backend: hf, or vllm in colocate mode).")
     credit: Literal["sequence", "object"] = Field(
         "object", description="sequence = one reward for the whole rollout on every token (the peers' form); "
         "object = each object's tokens get that object's advantage and the closing tokens the stop advantage.")
@@ -516,12 +516,12 @@ class RolloutMatchingConfig(StrictModel):
                 f"{d.repetition_penalty}",
                 "Set rollout_matching.decoding to temperature: 1.0, top_p: 1.0, top_k: -1, num_beams: 1, "
                 "repetition_penalty: 1.0 (the greedy rollout comes from reward.include_greedy)."))
-        if self.reward.include_greedy and self.rollout_backend != "hf":
+        if self.reward.include_greedy and self.rollout_backend == "vllm" and self.vllm.mode == "server":
             violations.append(RuleViolation(
                 "reward.include_greedy",
-                f"include_greedy: true needs a backend that decodes one request greedily among sampled ones; "
-                f"rollout_backend {self.rollout_backend} decodes a call with one setting",
-                "Use rollout_backend: hf, or set reward.include_greedy: false."))
+                "include_greedy: true needs a backend that decodes one request greedily among sampled ones; a "
+                "vLLM server request carries one decoding setting for the whole call",
+                "Use rollout_backend: hf or vllm.mode: colocate, or set reward.include_greedy: false."))
         if self.overlap.enabled:
             violations.append(RuleViolation(
                 "overlap.enabled",

@@ -266,3 +266,18 @@ def test_infer_with_logprobs_on_the_vllm_engine(engine, processor, vllm_dataset,
         without = client.post("/infer/", json={**body, "request_config": {"max_tokens": 8, "temperature": 0.0}})
         assert without.status_code == 200 and without.json()[0]["response"]["choices"][0]["logprobs"] is None
 
+
+@pytest.mark.vllm
+@needs_vllm
+def test_a_request_flagged_greedy_decodes_greedily_among_sampled_ones(engine, rollout_requests):
+    """The reward objective's greedy group member on vLLM colocate: in a sampling call, a request flagged
+    ``greedy`` gets the greedy output whatever its seed; its unflagged twin samples."""
+    import dataclasses
+
+    request = rollout_requests[0]
+    greedy = engine.generate([request], _params(GREEDY, None))[0]
+    flagged = [dataclasses.replace(request, index=k, seed=1000 + k, greedy=True) for k in range(2)]
+    sampled = [dataclasses.replace(request, index=2 + k, seed=2000 + k) for k in range(2)]
+    outputs = engine.generate(flagged + sampled, _params(DecodingConfig(temperature=1.0), None))
+    assert [o.response_token_ids for o in outputs[:2]] == [greedy.response_token_ids] * 2
+    assert outputs[2].response_token_ids != outputs[3].response_token_ids  # sampling went on beside them

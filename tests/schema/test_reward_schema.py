@@ -102,11 +102,14 @@ def test_the_reward_objective_needs_the_policys_own_distribution(stage2_config, 
     assert "rollout_matching.decoding" not in _error_paths(config)  # sft decodes as it likes
 
 
-def test_greedy_members_need_the_hf_backend_and_overlap_is_refused(stage2_config):
+def test_greedy_members_need_a_per_request_backend_and_overlap_is_refused(stage2_config):
     config = _reward_config(stage2_config, include_greedy=True)
     assert validate_mapping(config).ok
-    config["rollout_matching"]["rollout_backend"] = "vllm"
-    assert f"{_RW}.include_greedy" in _error_paths(config)
+    config["rollout_matching"]["rollout_backend"] = "vllm"  # colocate: the engine takes a decoding per request
+    assert f"{_RW}.include_greedy" not in _error_paths(config)
+    config["rollout_matching"]["vllm"] = {"mode": "server", "server": {"servers": [
+        {"base_url": "http://127.0.0.1:8000", "group_port": 51216}]}}
+    assert f"{_RW}.include_greedy" in _error_paths(config)  # one decoding setting per server call
     model = RolloutMatchingConfig.model_validate({"rollout_backend": "vllm", "objective": "reward",
                                                   "decoding": SAMPLING})
     assert model.reward.group_size == 4 and model.reward.credit == "object"

@@ -341,7 +341,8 @@ class VllmEngine:
     def generate(self, requests: Sequence[RolloutRequest], params: Any = None, *,
                  decoding: "DecodingConfig | None" = None, max_new_tokens: int | None = None) -> list[RolloutOutput]:
         """Roll out ``requests`` in one engine call (vLLM batches them), with the current adapter if any; outputs
-        in request order. ``params`` is the server's GenerationParams (or pass ``decoding`` and ``max_new_tokens``);
+        in request order; a request flagged ``greedy`` decodes greedily whatever ``decoding`` samples. ``params``
+        is the server's GenerationParams (or pass ``decoding`` and ``max_new_tokens``);
         ``params.logprobs`` set: the logprobs are kept for :meth:`token_logprobs`."""
         logprobs = None
         if params is not None:
@@ -356,7 +357,9 @@ class VllmEngine:
         llm = self._live()
         adapter = self.adapter
         prompts = [self.vllm_prompt(r) for r in requests]
-        params = [self.sampling_params(decoding, max_new_tokens, r.seed, logprobs) for r in requests]
+        greedy = decoding.model_copy(update={"temperature": 0.0})  # a reward group's greedy member (request flag)
+        params = [self.sampling_params(greedy if r.greedy else decoding, max_new_tokens, r.seed, logprobs)
+                  for r in requests]
         results = llm.generate(prompts, params, use_tqdm=False,
                                lora_request=adapter.request if adapter is not None else None)
         outputs = []
