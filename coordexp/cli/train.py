@@ -242,6 +242,8 @@ def train(
                    "nothing to train (train on with --resume auto --set training.max_steps=N)")
         if written:
             message += f"; the run's final model was missing and is now written from it to {run.training.output_dir}"
+            _write_model_card(run, _checkpoint_summary(resume_from, done, run.training.output_dir), config=config,
+                              effective=effective)
         if as_json:
             write_result(json.dumps({"ok": True, "already_finished": True, "global_step": done,
                                      "checkpoint": resume_from, "final_model_written": bool(written)},
@@ -272,6 +274,19 @@ def _restretch_note(checkpoint: str, training: Any) -> Optional[str]:
     return (f"training.max_steps is {now} where the checkpoint's run had {before}: the {training.lr_scheduler_type} "
             f"learning-rate schedule is re-stretched over {now} steps (the optimizer's step is kept), so the rate "
             "jumps to where the new schedule stands at this step")
+
+
+def _checkpoint_summary(checkpoint: str, step: int, output_dir: str) -> dict[str, Any]:
+    """The run summary of a run finished from ``checkpoint`` (its ``trainer_state.json`` log), for the model card."""
+    from coordexp.runtime.train.progress import summarize_history
+
+    try:
+        history = json.loads((Path(checkpoint) / "trainer_state.json").read_text(encoding="utf-8")).get("log_history")
+    except (OSError, ValueError, AttributeError):
+        history = None
+    summary = summarize_history(history if isinstance(history, list) else [])
+    summary.update(global_step=step, output_dir=str(output_dir))
+    return summary
 
 
 def _finish_from(checkpoint: str, output_dir: str) -> list[str]:

@@ -86,6 +86,24 @@ def test_resume_auto_of_a_finished_checkpoint_writes_the_final_model_and_eval_th
     assert json.loads(again.stdout[again.stdout.index("{"):])["final_model_written"] is False
 
 
+@pytest.mark.parametrize("own_readme", [False, True])
+def test_finishing_from_a_checkpoint_writes_a_card_and_never_copies_the_checkpoints_readme(tmp_path, tiny_model_dir,
+                                                                                           own_readme):
+    """The model card also for a run finished from its checkpoint; the checkpoint's README.md (PEFT's template in
+    a LoRA checkpoint) is no model file: copying it replaced the user's README.md in the run folder."""
+    config, run = _unfinished_run(tmp_path, tiny_model_dir)
+    (run / "checkpoint-2" / "README.md").write_text("---\nlibrary_name: peft\n---\n# Model Card for Model ID\n")
+    if own_readme:
+        (run / "README.md").write_text("my notes on this run\n")
+    result = _run("train", str(config), "--resume", "auto")
+    assert result.exit_code == 0, result.output
+    card = (run / "README.md").read_text(encoding="utf-8")
+    if own_readme:
+        assert card == "my notes on this run\n" and "left as it is" in _text(result)
+    else:
+        assert "Model Card for Model ID" not in card and str(config) in card and "2" in card
+
+
 def test_a_finished_checkpoint_with_broken_weights_is_not_made_the_final_model(tmp_path, tiny_model_dir):
     config, run = _unfinished_run(tmp_path, tiny_model_dir)
     (run / "checkpoint-2" / "model.safetensors").write_bytes(b"x" * 10)
