@@ -41,7 +41,6 @@ processor fits those images). Everything is written under ``--workdir``.
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import json
 import shutil
@@ -55,6 +54,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _learning_options import SAME_FOR_ADDED, merge_runs, override  # noqa: E402
+from _learning_options import parse_setting as _setting, parse_variant as _variant, reward_decoding  # noqa: E402
 from _learning_report import CONTROL, FIGURES, print_tables, summarize, write_png  # noqa: E402
 
 # (min objects, max objects, image side, max new tokens) per task; grid: from --grid and the tokenizer
@@ -75,45 +76,6 @@ SPEC_STAGE2 = [(["rollout_matching", "gt_step_share"], 0.0), (["rollout_matching
                *_SPEC_CE]
 # decision 17's stage2_drop: rollouts at every step, the prefix cut after the last match (recipe CE weights)
 DROP_STAGE2 = [(["rollout_matching", "gt_step_share"], 0.0), (["rollout_matching", "trailing_unmatched"], "drop")]
-
-
-def _variant(text: str) -> tuple[str, list[tuple[list[str], Any]]]:
-    """``NAME=dotted.key:value;...`` -> (NAME, [(key path, value)]); values are YAML scalars, a number in the path
-    indexes a list (``rollout_matching.pipeline.objective.0.config.rollout_fn_desc_weight:0``)."""
-    name, _, spec = text.partition("=")
-    if not name or not spec:
-        raise argparse.ArgumentTypeError(f"--variant {text!r}: write NAME=dotted.key:value[;dotted.key:value]")
-    overrides = []
-    for item in spec.split(";"):
-        key, sep, value = item.partition(":")
-        if not sep or not key.strip():
-            raise argparse.ArgumentTypeError(f"--variant {text!r}: {item!r} is not dotted.key:value")
-        overrides.append((key.strip().split("."), yaml.safe_load(value)))
-    return name, overrides
-
-
-def _setting(text: str) -> tuple[list[str], Any]:
-    """``dotted.key:value`` -> (key path, YAML value), for ``--set``."""
-    return _variant(f"set={text}")[1][0]
-
-
-def _override(config: dict[str, Any], base: dict[str, Any], keys: list[str], value: Any) -> None:
-    """Set ``keys`` in ``config``; a list on the way is first copied whole from the merged ``base`` (``extends``
-    replaces lists), so one entry of the base's pipeline can change."""
-    node: Any = config
-    ref: Any = base
-    for depth, key in enumerate(keys):
-        index: Any = int(key) if isinstance(node, list) else key
-        if depth == len(keys) - 1:
-            node[index] = value
-            return
-        if isinstance(ref, list):
-            ref = ref[index] if isinstance(index, int) and index < len(ref) else None
-        else:
-            ref = ref.get(index) if isinstance(ref, dict) else None
-        if isinstance(node, dict) and index not in node:
-            node[index] = copy.deepcopy(ref) if isinstance(ref, list) else {}
-        node = node[index]
 
 
 def _args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -270,35 +232,16 @@ def _config(args: argparse.Namespace, work: Path, name: str, base: str, model: P
         config["data"]["object_order"] = args.object_order
     if args.decode_batch is not None:
         config["rollout_matching"]["decode_batch_size"] = args.decode_batch
-    overrides = [*getattr(args, "sized", []), *args.settings, *_reward_decoding(overrides), *overrides]
+    overrides = [*getattr(args, "sized", []), *args.settings, *reward_decoding(overrides), *overrides]
     if overrides:
         from coordexp.schema.loader import load_merged
 
         merged = load_merged(EXAMPLES / base).data
         for keys, value in overrides:
-            _override(config, merged, keys, value)
+            override(config, merged, keys, value)
     path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
     return path
-
-
-# what the reward objective samples with (docs/design.md, decision 19): the policy's own distribution
-REWARD_DECODING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "num_beams": 1, "repetition_penalty": 1.0,
-                   "coord_group_greedy": False}
-
-
-REWARD_PACKING_BUFFER = 64
-"""A reward arm's carry buffer: the continuation batch (4) x group_size (4) new segments a step, and as many carried
-(validation refuses less; the recipe's 16 holds one SFT step)."""
-
-
-def _reward_decoding(overrides: Any) -> list[tuple[list[str], Any]]:
-    """An arm that sets ``rollout_matching.objective: reward`` trains with sampling decoding and a carry buffer its
-    groups fit (its own overrides win, coming after); evaluation keeps the one evaluation config's decoding."""
-    if ["rollout_matching", "objective"] not in [keys for keys, value in overrides if value == "reward"]:
-        return []
-    return [*((["rollout_matching", "decoding", key], value) for key, value in REWARD_DECODING.items()),
-            (["training", "packing_buffer"], REWARD_PACKING_BUFFER)]
 
 
 def _progress(every: int = 50) -> Any:
@@ -407,14 +350,6 @@ def _data_order(work: Path, names: list[str]) -> dict[str, Any]:
     return {"equal": not differ and bool(reference), "steps": len(reference), "differ": differ}
 
 
-# options an added arm must share with the run it joins (what its data, stage-1 checkpoint and evaluation came from)
-SAME_FOR_ADDED = ("task", "grid", "object_order", "probe_images", "eval_batch", "n_train", "n_val", "image_size",
-                  "min_objects", "max_objects", "shapes", "position_code", "family", "hidden", "layers", "rope_theta",
-                  "vision_depth", "vision_width", "vision_init_std", "stage1_steps", "stage1_lr", "stage1_batch", "k",
-                  "continue_lr", "continue_batch", "max_new_tokens", "decode_batch", "score", "settings",
-                  "train_jsonl", "val_jsonl", "model")
-
-
 def add_arms(args: argparse.Namespace, saved: dict[str, Any]) -> None:
     """Train and evaluate the ``--variant`` arms on every seed of a finished run (``saved``, its summary.json) from
     that seed's stage-1 checkpoint, under the seed's one evaluation config; the seed's data order is checked again
@@ -446,26 +381,6 @@ def add_arms(args: argparse.Namespace, saved: dict[str, Any]) -> None:
             runs[name] = _train_and_evaluate(args, work, seed, name, config, eval_config, added=True)
         out["data_order"] = _data_order(work, [n for n in runs if n != "stage1"])
     saved["args"]["variant"] = saved["args"].get("variant", []) + printable["variant"]
-
-
-def merge_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One run of the seeds of several (summary.json contents): their options must agree (``SAME_FOR_ADDED`` and the
-    arms) and their seeds must differ; the wall time is the sum."""
-    first = runs[0]
-    keys = SAME_FOR_ADDED + ("variant",)
-    for other in runs[1:]:
-        differ = [k for k in keys if other["args"].get(k) != first["args"].get(k)]
-        if differ:
-            raise SystemExit("--report: runs made with other options cannot be summarized as one: " + ", ".join(differ))
-    seeds = [s for run in runs for s in run["seeds"]]
-    numbers = [s["seed"] for s in seeds]
-    if len(set(numbers)) != len(numbers):
-        raise SystemExit(f"--report: a seed appears twice among {numbers}")
-    if len(runs) == 1:
-        return first
-    merged = {**first, "args": {**first["args"], "seed": min(numbers), "n_seeds": len(numbers)}, "seeds": seeds}
-    merged["total_s"] = sum(run.get("total_s", 0.0) for run in runs)
-    return merged
 
 
 def _seed_inputs(args: argparse.Namespace, work: Path, seed: int) -> tuple[Path, Path, Path, Path]:
