@@ -54,6 +54,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _campaign_report import DENSE_GRID, extend_summary, print_campaign  # noqa: E402
 from _learning_options import SAME_FOR_ADDED, merge_runs, override  # noqa: E402
 from _learning_options import parse_setting as _setting, parse_variant as _variant, reward_decoding  # noqa: E402
 from _learning_report import CONTROL, FIGURES, print_tables, summarize, write_png  # noqa: E402
@@ -62,9 +63,6 @@ from _learning_report import CONTROL, FIGURES, print_tables, summarize, write_pn
 TASKS = {"shapes": (1, 2, 112, 128), "dense": (3, 6, 112, 384), "grid": (4, 12, 112, None)}
 # the treatment of each continuation: overrides of the stage-2 config (demo_stage2.yaml)
 CONTROL_KEYS = [(["rollout_matching", "gt_step_share"], 1.0)]
-DENSE_GRID = "5:10-20"
-"""``--dense``: 5 x 5 cells, 10-20 boxes per image (issue 53's dense scenes; the 4:4-12 default sits near its
-ceiling and barely exercises premature stops)."""
 # the second control (docs/design.md, decision 18): the same steps of stage 1 with gap-augmented ground truth at
 # upstream's ET-RMP-CE mixture (empty / random subset / leave-one-out / full prefix = 30 / 45 / 20 / 5)
 GAP_KEYS = CONTROL_KEYS + [(["data", "gt_prefix_mix"], {"none": 0.3, "random_subset": 0.45, "leave_one_out": 0.2,
@@ -288,11 +286,13 @@ def _evaluate(args: argparse.Namespace, work: Path, eval_config: Path, name: str
 
         return evaluate_arm(run, out_dir=work / f"eval_{name}", cells=args.cells, score=args.score,
                             probe_images=args.probe_images)
-    report = run_evaluation(run, split="val", score=args.score, out_dir=work / f"eval_{name}", png_count=2)
+    report = run_evaluation(run, split="val", score=args.score, out_dir=work / f"eval_{name}", png_count=2,
+                            dedup=True)
     ratios = report.counters.ratios()
     return {"AP": report.bbox["AP"], "AP50": report.bbox["AP50"], "AR100": report.bbox["AR100"],
             "mask_AP50": None if report.segm is None else report.segm["AP50"],
-            **{k: ratios[k] for k in FIGURES[2:]},
+            **{k: ratios[k] for k in FIGURES[2:]}, "dedup": report.dedup,
+            **{k: v for k, v in report.figures.items() if k != "recall_by_rank"},  # count_buckets included
             "dropped": dict(report.counters.dropped_by_reason),
             "valid_objects": report.counters.pred_valid, "gt_objects": report.counters.gt_objects,
             "eval_s": time.perf_counter() - started}
@@ -478,6 +478,8 @@ def _report(per_seed: list[dict[str, Any]], args: Any, workdir: Path) -> dict[st
     print_tables(per_seed, summary, f"task {args['task']}; held-out images per seed: {args['n_val']}; box AP in "
                  f"percent (COCO); continuations: {args['k']} optimizer steps of {args['continue_batch']} records at "
                  f"lr {args['continue_lr']:g} (constant) each; one evaluation config for every run")
+    extend_summary(per_seed, summary, args)
+    print_campaign(per_seed, summary)
     png = write_png(per_seed, workdir / "recall_by_rank.png")
     if png is not None:
         print(f"figure: {png}")
