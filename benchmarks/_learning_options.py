@@ -74,7 +74,7 @@ SAME_FOR_ADDED = ("task", "grid", "object_order", "probe_images", "eval_batch", 
                   "min_objects", "max_objects", "shapes", "position_code", "family", "hidden", "layers", "rope_theta",
                   "vision_depth", "vision_width", "vision_init_std", "stage1_steps", "stage1_lr", "stage1_batch", "k",
                   "continue_lr", "continue_batch", "max_new_tokens", "decode_batch", "score", "settings",
-                  "train_jsonl", "val_jsonl", "model")
+                  "train_jsonl", "val_jsonl", "model", "tune_decoding", "tune_jsonl")
 
 
 def merge_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -24,6 +24,13 @@ trailing_unmatched keep, both recipe CE weights 0), ``stage2_drop`` (decision 17
 (:mod:`coordexp.runtime.core.set_figures`, :mod:`coordexp.runtime.train.probe`), stage 1 is held to a pilot gate,
 paired differences are taken against both controls and ``stage2_drop`` with decision 18's rule, and
 ``recall_by_rank.png`` is written.
+Issue 53's campaign: ``--dense`` (the grid at 5:10-20), ``--long-multiple K`` (``stage1_long``, the control at K x
+the steps) and ``--tune-decoding N``: every arm's repetition_penalty (1.0 / 1.05 / 1.1) and near-repeat removal
+chosen on N held-out tuning images generated apart from the test images, its ``tuned`` figures on the test images
+beside the default decoding's (docs/figures.md). Every evaluation carries recall and premature EOS per ground-truth
+object count (``count_buckets``: 1-6, 7-10, 11+). The report names the arm ``coordexp init --stage 2`` writes
+``stage2_shipped`` (``stage2_recipe``; an alias, not another run) and applies the part of issue 53's rule its setting
+decides (``beats_detector``; ``benchmarks/_campaign_report.py``).
 ``--train-jsonl/--val-jsonl`` run it on any converted COCO-style set (then ``--model`` must name a checkpoint whose
 processor fits those images). Everything is written under ``--workdir``.
 
@@ -36,6 +43,7 @@ processor fits those images). Everything is written under ``--workdir``.
     python benchmarks/bench_learning.py --report WORKDIR/summary.json            # re-summarize a finished run
     python benchmarks/bench_learning.py --report A/summary.json B/summary.json --workdir AB   # two runs' seeds as one
     python benchmarks/bench_learning.py --task grid --workdir W --add-arms --variant NAME=KEY:VALUE  # one more arm
+    python benchmarks/bench_learning.py --task grid --dense --tune-decoding 64   # dense scenes, decoding tuned per arm
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _decoding_tuning as decoding_tuning  # noqa: E402
 from _campaign_report import DENSE_GRID, extend_summary, print_campaign  # noqa: E402
 from _learning_options import SAME_FOR_ADDED, merge_runs, override  # noqa: E402
 from _learning_options import parse_setting as _setting, parse_variant as _variant, reward_decoding  # noqa: E402
@@ -150,6 +159,14 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="grid task: the default arms to train besides the control (stage1_continued, always), e.g. "
                    "stage2_recipe; default: stage1_gap, stage2, stage2_drop, stage2_recipe (a screen of --variant "
                    "arms can leave the others out)")
+    p.add_argument("--tune-decoding", type=int, default=None, metavar="N",
+                   help="issue 53: choose every arm's decoding (repetition_penalty 1.0 / 1.05 / 1.1, near repeats "
+                   "removed or not) on N held-out tuning images apart from the test images (a split generated with "
+                   "seed -(seed+1); --tune-jsonl with --val-jsonl), and report the test figures at it under 'tuned', "
+                   "beside the default decoding's (benchmarks/_decoding_tuning.py)")
+    p.add_argument("--tune-jsonl", type=Path, default=None,
+                   help="with --val-jsonl and --tune-decoding N: the tuning split (its first N records), used neither "
+                   "for training nor as --val-jsonl")
     p.add_argument("--no-stage1-continued", action="store_true", help="skip the stage-1 continuation")
     p.add_argument("--no-rollout-only", action="store_true",
                    help="skip stage2_rollout_only (the recipe's stage 2 with rollouts at every step, gt_step_share 0)")
@@ -163,6 +180,7 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
         args.grid = DENSE_GRID
     if args.long_multiple is not None and not 1.0 < args.long_multiple <= 100.0:
         p.error(f"--long-multiple {args.long_multiple}: give a multiple of --k above 1 (at most 100)")
+    decoding_tuning.check_args(args, p.error)
     args.max_new_tokens_given = args.max_new_tokens is not None
     low, high, side, tokens = TASKS[args.task]
     if args.task == "grid":
@@ -375,10 +393,11 @@ def add_arms(args: argparse.Namespace, saved: dict[str, Any]) -> None:
         if not (stage1_dir / "config.json").is_file():
             raise SystemExit(f"--add-arms: {stage1_dir} holds no saved stage-1 checkpoint")
         _, train, val, eval_config = _seed_inputs(args, work, seed)
+        tuning = decoding_tuning.prepare(args, work, seed, eval_config)
         for name, overrides in args.variant:
             config = _config(args, work, name, "demo_stage2.yaml", stage1_dir, train, val, seed, _continued(args),
                              list(overrides))
-            runs[name] = _train_and_evaluate(args, work, seed, name, config, eval_config, added=True)
+            runs[name] = _train_and_evaluate(args, work, seed, name, config, eval_config, added=True, tuning=tuning)
         out["data_order"] = _data_order(work, [n for n in runs if n != "stage1"])
     saved["args"]["variant"] = saved["args"].get("variant", []) + printable["variant"]
 
@@ -395,8 +414,9 @@ def _seed_inputs(args: argparse.Namespace, work: Path, seed: int) -> tuple[Path,
 
 
 def _train_and_evaluate(args: argparse.Namespace, work: Path, seed: int, name: str, config: Path, eval_config: Path,
-                        *, added: bool = False) -> dict[str, Any]:
-    """One arm: trained from ``config``, evaluated under the seed's ``eval_config``, its figures printed."""
+                        *, added: bool = False, tuning: decoding_tuning.Tuning | None = None) -> dict[str, Any]:
+    """One arm: trained from ``config``, evaluated under the seed's ``eval_config``, its figures printed; with
+    ``tuning`` (``--tune-decoding``) also its decoding chosen on the tuning split and its test figures there."""
     print(f"[bench_learning] seed {seed}: training {name}{' (added)' if added else ''} ...", flush=True)
     run = {"train": _train(config)}
     run["eval"] = e = _evaluate(args, work, eval_config, name)
@@ -408,6 +428,9 @@ def _train_and_evaluate(args: argparse.Namespace, work: Path, seed: int, name: s
                 "recall", "precision", "f1", "duplicates_per_image", "premature_eos_rate", "count_error",
                 "exposure_gap", "deletion_recovery", "duplicate_probe", "backtracks_per_image",
                 "backtrack_recovery_rate")), flush=True)
+    if tuning is not None:
+        run["tuned"] = decoding_tuning.tune_arm(tuning, work, name, e, args.score)
+        print(decoding_tuning.line(seed, name, run["tuned"]), flush=True)
     return run
 
 
@@ -433,6 +456,7 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     work = args.workdir / f"seed{seed}"
     work.mkdir(parents=True, exist_ok=True)
     model, train, val, eval_config = _seed_inputs(args, work, seed)
+    tuning = decoding_tuning.prepare(args, work, seed, eval_config)
     if args.task == "grid":
         print(f"[bench_learning] grid {args.grid}: max_new_tokens {args.max_new_tokens}, repeat guard "
               f"max_object_keys {args.sized[0][1]}", flush=True)
@@ -446,8 +470,11 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
                                    overrides)))
     runs: dict[str, dict[str, Any]] = {}
     out: dict[str, Any] = {"seed": seed, "runs": runs}
+    if tuning is not None:
+        out["tuning_split"] = {"jsonl": str(tuning.split), "images": tuning.images,
+                               "seed": None if args.tune_jsonl else decoding_tuning.tuning_seed(seed)}
     for name, config in plan:
-        runs[name] = _train_and_evaluate(args, work, seed, name, config, eval_config)
+        runs[name] = _train_and_evaluate(args, work, seed, name, config, eval_config, tuning=tuning)
         if name == "stage1" and args.task == "grid":
             out["gate"] = g = gate(runs[name]["eval"])
             print(f"[bench_learning] seed {seed} {g.line()}", flush=True)
