@@ -89,9 +89,11 @@ def write_split(args: Any, work: Path, seed: int) -> Path:
     return folder / "val.jsonl"
 
 
-def _derived(eval_config: Path, path: Path, penalty: float, *, val: Path | None = None,
-             limit: int | None = None) -> Path:
-    """The one evaluation config at ``penalty`` (and, for the tuning split, reading ``val``'s first ``limit``)."""
+def _derived(eval_config: Path, path: Path, penalty: float, *, val: Path | None = None, limit: int | None = None,
+             image_root: Path | None = None) -> Path:
+    """The one evaluation config at ``penalty`` (and, for the tuning split, reading ``val``'s first ``limit``, its
+    images under ``image_root`` when given: a config's image root defaults to its TRAINING jsonl's folder, which
+    holds the seed's test images under the same names as a generated split's)."""
     config = yaml.safe_load(eval_config.read_text(encoding="utf-8"))
     node = config
     for key in PENALTY_KEY[:-1]:
@@ -99,6 +101,8 @@ def _derived(eval_config: Path, path: Path, penalty: float, *, val: Path | None 
     node[PENALTY_KEY[-1]] = penalty
     if val is not None:
         config.setdefault("data", {}).update({"val_jsonl": str(val), "max_val_samples": limit})
+        if image_root is not None:
+            config["data"]["image_root"] = str(image_root)
     path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
     return path
 
@@ -108,8 +112,10 @@ def prepare(args: Any, work: Path, seed: int, eval_config: Path) -> Tuning | Non
     if getattr(args, "tune_decoding", None) is None:
         return None
     split = write_split(args, work, seed)
-    tune = {p: _derived(eval_config, work / f"eval_tune_rp{p:g}.yaml", p, val=split, limit=args.tune_decoding)
-            for p in PENALTIES}
+    # a generated split's images sit beside it; --tune-jsonl's resolve as the test split's do (the config's root)
+    root = None if args.tune_jsonl is not None else split.parent
+    tune = {p: _derived(eval_config, work / f"eval_tune_rp{p:g}.yaml", p, val=split, limit=args.tune_decoding,
+                        image_root=root) for p in PENALTIES}
     test = {p: _derived(eval_config, work / f"eval_rp{p:g}.yaml", p) for p in PENALTIES if p != 1.0}
     return Tuning(split, args.tune_decoding, tune, test)
 

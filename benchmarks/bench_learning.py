@@ -166,7 +166,7 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
                    "beside the default decoding's (benchmarks/_decoding_tuning.py)")
     p.add_argument("--tune-jsonl", type=Path, default=None,
                    help="with --val-jsonl and --tune-decoding N: the tuning split (its first N records), used neither "
-                   "for training nor as --val-jsonl")
+                   "for training nor as --val-jsonl; its image paths resolve as --val-jsonl's do")
     p.add_argument("--no-stage1-continued", action="store_true", help="skip the stage-1 continuation")
     p.add_argument("--no-rollout-only", action="store_true",
                    help="skip stage2_rollout_only (the recipe's stage 2 with rollouts at every step, gt_step_share 0)")

@@ -119,7 +119,10 @@ def test_the_tuning_split_is_apart_from_the_seeds_images_and_its_configs_only_ch
     for p in tuning.PENALTIES:
         data = yaml.safe_load(prepared.tune_configs[p].read_text())
         assert data["rollout_matching"] == {"max_new_tokens": 9, "decoding": {"repetition_penalty": p}}
-        assert data["data"] == {"val_jsonl": str(prepared.split), "max_val_samples": 6}
+        # regression: without image_root the split's images/val_00000.png resolved against the training jsonl's
+        # folder, i.e. the seed's TEST images under the tuning split's labels
+        assert data["data"] == {"val_jsonl": str(prepared.split), "max_val_samples": 6,
+                                "image_root": str(tmp_path / "tune_data")}
     assert sorted(prepared.test_configs) == [1.05, 1.1]
     assert yaml.safe_load(prepared.test_configs[1.1].read_text())["data"] == {"val_jsonl": "test.jsonl"}
     assert tuning.prepare(argparse.Namespace(tune_decoding=None), tmp_path, 0, eval_config) is None

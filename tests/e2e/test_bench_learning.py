@@ -147,8 +147,10 @@ def test_tune_decoding_reports_every_arm_at_its_setting_chosen_on_held_out_image
         assert set(tuned["count_buckets"]) == set(run["eval"]["count_buckets"]) == {"1-6", "7-10", "11+"}
         if (tuned["repetition_penalty"], tuned["near_repeat_removal"]) == (1.0, False):
             assert tuned["AP50"] == run["eval"]["AP50"]  # the default decoding: the test figures themselves
-        for p in (1.0, 1.05, 1.1):  # each penalty decoded the tuning split, not the test images
-            assert (tmp_path / "seed7" / f"tune_{name}" / f"rp{p:g}" / "predictions.jsonl").is_file()
+        for p in (1.0, 1.05, 1.1):  # each penalty decoded the tuning split's images, not the test images
+            lines = (tmp_path / "seed7" / f"tune_{name}" / f"rp{p:g}" / "predictions.jsonl").read_text().splitlines()
+            assert [json.loads(line)["image"] for line in lines] == [
+                str(tmp_path / "seed7" / "tune_data" / "images" / f"val_{k:05d}.png") for k in range(2)]
     config = yaml.safe_load((tmp_path / "seed7" / "eval_tune_rp1.05.yaml").read_text())
     assert config["rollout_matching"]["decoding"]["repetition_penalty"] == 1.05
     assert config["data"]["val_jsonl"] == seed["tuning_split"]["jsonl"]
