@@ -79,10 +79,10 @@ def summarize(per_seed: Sequence[dict[str, Any]]) -> dict[str, Any]:
             if name == reference or name in REFERENCES[:REFERENCES.index(reference) + 1] or (
                     reference != CONTROL and name.startswith("stage1")):
                 continue
-            summary[f"{name} - {reference}"] = {k: _paired_of(per_seed, name, reference, k) for k in figures}
+            summary[f"{name} - {reference}"] = {k: paired_of(per_seed, name, reference, k) for k in figures}
     if RECIPE in names:
         for name in (n for n in names if n not in DEFAULT_ARMS):
-            summary[f"{name} - {RECIPE}"] = {k: _paired_of(per_seed, name, RECIPE, k) for k in figures}
+            summary[f"{name} - {RECIPE}"] = {k: paired_of(per_seed, name, RECIPE, k) for k in figures}
     bound = _dedup_bound(per_seed, names)
     if bound:
         summary["dedup_bound"] = bound
@@ -105,11 +105,12 @@ def summarize(per_seed: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return summary
 
 
-def _paired_of(per_seed: Sequence[dict[str, Any]], name: str, reference: str, key: str) -> dict[str, Any]:
-    """``name`` minus ``reference`` seed by seed (a seed missing either figure is left out)."""
-    runs = [s["runs"] for s in per_seed]
-    return paired([None if r[name]["eval"].get(key) is None or r[reference]["eval"].get(key) is None
-                   else r[name]["eval"][key] - r[reference]["eval"][key] for r in runs])
+def paired_of(per_seed: Sequence[dict[str, Any]], name: str, reference: str, key: str, source: str = "eval"
+              ) -> dict[str, Any]:
+    """``name`` minus ``reference`` seed by seed, of the figures under ``source`` (``eval``: the default decoding;
+    ``tuned``: each arm's tuned decoding); a seed missing either figure is left out."""
+    rows = [(s["runs"][name].get(source) or {}, s["runs"][reference].get(source) or {}) for s in per_seed]
+    return paired([None if a.get(key) is None or b.get(key) is None else a[key] - b[key] for a, b in rows])
 
 
 DEDUP_FIGURES = ("AP50", "precision", "f1")
@@ -131,7 +132,8 @@ def _dedup_bound(per_seed: Sequence[dict[str, Any]], names: Sequence[str]) -> di
             continue
         out[name] = {kind: {k: spread([r[kind].get(k) for r in rows]) for k in DEDUP_FIGURES}
                      for kind in DEDUP_KINDS if all(kind in r for r in rows)}
-        out[name]["gain"] = {kind: {k: paired([r[kind][k] - r["raw"][k] for r in rows]) for k in DEDUP_FIGURES}
+        out[name]["gain"] = {kind: {k: paired([None if r[kind][k] is None or r["raw"][k] is None
+                                               else r[kind][k] - r["raw"][k] for r in rows]) for k in DEDUP_FIGURES}
                              for kind in DEDUP_KINDS[1:] if all(kind in r for r in rows)}
     return out
 
@@ -224,17 +226,7 @@ def print_tables(per_seed: Sequence[dict[str, Any]], summary: dict[str, Any], he
                  else "-" for k in FIGURES[:4]]
         print(f"{name:<20}" + "".join(f"{c:>14}" for c in cells))
     print("\npaired differences (same seed): mean, standard error, 95% t interval, seeds up/down")
-    for name, figures in summary.items():
-        if " - " not in name:
-            continue
-        print(f"  {name}")
-        for k, d in figures.items():
-            if d["mean"] is None:
-                continue
-            scale = 1 if k in PER_IMAGE else 100
-            ci = "-" if d["ci95"] is None else f"[{scale * d['ci95'][0]:+.2f}, {scale * d['ci95'][1]:+.2f}]"
-            se = "-" if d["se"] is None else f"{scale * d['se']:.2f}"
-            print(f"    {k:<26}{scale * d['mean']:>+9.2f}  se {se:>6}  CI {ci:<20} {d['up']} up / {d['down']} down")
+    print_paired(summary)
     if summary.get("dedup_bound"):
         print("\nrepeats removed without training: AP50 / precision / F1 in percent, mean over seeds; near repeats "
               "removed (the label-free heuristic, a decoding option), certified duplicates removed by the ground-truth "
@@ -256,6 +248,21 @@ def print_tables(per_seed: Sequence[dict[str, Any]], summary: dict[str, Any], he
         print(f"\npilot gate: {verdict}")
     if "data_order_equal" in summary:
         print(f"data order of every continuation equal to the control's step for step: {summary['data_order_equal']}")
+
+
+def print_paired(pairs: dict[str, Any]) -> None:
+    """Every ``"A - B"`` entry of ``pairs``: each figure's mean, standard error, 95% t interval and sign counts."""
+    for name, figures in pairs.items():
+        if " - " not in name:
+            continue
+        print(f"  {name}")
+        for k, d in figures.items():
+            if d["mean"] is None:
+                continue
+            scale = 1 if k in PER_IMAGE else 100
+            ci = "-" if d["ci95"] is None else f"[{scale * d['ci95'][0]:+.2f}, {scale * d['ci95'][1]:+.2f}]"
+            se = "-" if d["se"] is None else f"{scale * d['se']:.2f}"
+            print(f"    {k:<26}{scale * d['mean']:>+9.2f}  se {se:>6}  CI {ci:<20} {d['up']} up / {d['down']} down")
 
 
 def write_png(per_seed: Sequence[dict[str, Any]], path: Path, names: Sequence[str] = ("stage1", CONTROL, "stage2")

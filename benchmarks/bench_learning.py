@@ -24,6 +24,13 @@ trailing_unmatched keep, both recipe CE weights 0), ``stage2_drop`` (decision 17
 (:mod:`coordexp.runtime.core.set_figures`, :mod:`coordexp.runtime.train.probe`), stage 1 is held to a pilot gate,
 paired differences are taken against both controls and ``stage2_drop`` with decision 18's rule, and
 ``recall_by_rank.png`` is written.
+Issue 53's campaign: ``--dense`` (the grid at 5:10-20), ``--long-multiple K`` (``stage1_long``, the control at K x
+the steps) and ``--tune-decoding N``: every arm's repetition_penalty (1.0 / 1.05 / 1.1) and near-repeat removal
+chosen on N held-out tuning images generated apart from the test images, its ``tuned`` figures on the test images
+beside the default decoding's (docs/figures.md). Every evaluation carries recall and premature EOS per ground-truth
+object count (``count_buckets``: 1-6, 7-10, 11+). The report names the arm ``coordexp init --stage 2`` writes
+``stage2_shipped`` (``stage2_recipe``; an alias, not another run) and applies the part of issue 53's rule its setting
+decides (``beats_detector``; ``benchmarks/_campaign_report.py``).
 ``--train-jsonl/--val-jsonl`` run it on any converted COCO-style set (then ``--model`` must name a checkpoint whose
 processor fits those images). Everything is written under ``--workdir``.
 
@@ -36,12 +43,12 @@ processor fits those images). Everything is written under ``--workdir``.
     python benchmarks/bench_learning.py --report WORKDIR/summary.json            # re-summarize a finished run
     python benchmarks/bench_learning.py --report A/summary.json B/summary.json --workdir AB   # two runs' seeds as one
     python benchmarks/bench_learning.py --task grid --workdir W --add-arms --variant NAME=KEY:VALUE  # one more arm
+    python benchmarks/bench_learning.py --task grid --dense --tune-decoding 64   # dense scenes, decoding tuned per arm
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import json
 import shutil
@@ -55,15 +62,16 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _decoding_tuning as decoding_tuning  # noqa: E402
+from _campaign_report import DENSE_GRID, extend_summary, print_campaign  # noqa: E402
+from _learning_options import SAME_FOR_ADDED, merge_runs, override  # noqa: E402
+from _learning_options import parse_setting as _setting, parse_variant as _variant, reward_decoding  # noqa: E402
 from _learning_report import CONTROL, FIGURES, print_tables, summarize, write_png  # noqa: E402
 
 # (min objects, max objects, image side, max new tokens) per task; grid: from --grid and the tokenizer
 TASKS = {"shapes": (1, 2, 112, 128), "dense": (3, 6, 112, 384), "grid": (4, 12, 112, None)}
 # the treatment of each continuation: overrides of the stage-2 config (demo_stage2.yaml)
 CONTROL_KEYS = [(["rollout_matching", "gt_step_share"], 1.0)]
-DENSE_GRID = "5:10-20"
-"""``--dense``: 5 x 5 cells, 10-20 boxes per image (issue 53's dense scenes; the 4:4-12 default sits near its
-ceiling and barely exercises premature stops)."""
 # the second control (docs/design.md, decision 18): the same steps of stage 1 with gap-augmented ground truth at
 # upstream's ET-RMP-CE mixture (empty / random subset / leave-one-out / full prefix = 30 / 45 / 20 / 5)
 GAP_KEYS = CONTROL_KEYS + [(["data", "gt_prefix_mix"], {"none": 0.3, "random_subset": 0.45, "leave_one_out": 0.2,
@@ -75,45 +83,6 @@ SPEC_STAGE2 = [(["rollout_matching", "gt_step_share"], 0.0), (["rollout_matching
                *_SPEC_CE]
 # decision 17's stage2_drop: rollouts at every step, the prefix cut after the last match (recipe CE weights)
 DROP_STAGE2 = [(["rollout_matching", "gt_step_share"], 0.0), (["rollout_matching", "trailing_unmatched"], "drop")]
-
-
-def _variant(text: str) -> tuple[str, list[tuple[list[str], Any]]]:
-    """``NAME=dotted.key:value;...`` -> (NAME, [(key path, value)]); values are YAML scalars, a number in the path
-    indexes a list (``rollout_matching.pipeline.objective.0.config.rollout_fn_desc_weight:0``)."""
-    name, _, spec = text.partition("=")
-    if not name or not spec:
-        raise argparse.ArgumentTypeError(f"--variant {text!r}: write NAME=dotted.key:value[;dotted.key:value]")
-    overrides = []
-    for item in spec.split(";"):
-        key, sep, value = item.partition(":")
-        if not sep or not key.strip():
-            raise argparse.ArgumentTypeError(f"--variant {text!r}: {item!r} is not dotted.key:value")
-        overrides.append((key.strip().split("."), yaml.safe_load(value)))
-    return name, overrides
-
-
-def _setting(text: str) -> tuple[list[str], Any]:
-    """``dotted.key:value`` -> (key path, YAML value), for ``--set``."""
-    return _variant(f"set={text}")[1][0]
-
-
-def _override(config: dict[str, Any], base: dict[str, Any], keys: list[str], value: Any) -> None:
-    """Set ``keys`` in ``config``; a list on the way is first copied whole from the merged ``base`` (``extends``
-    replaces lists), so one entry of the base's pipeline can change."""
-    node: Any = config
-    ref: Any = base
-    for depth, key in enumerate(keys):
-        index: Any = int(key) if isinstance(node, list) else key
-        if depth == len(keys) - 1:
-            node[index] = value
-            return
-        if isinstance(ref, list):
-            ref = ref[index] if isinstance(index, int) and index < len(ref) else None
-        else:
-            ref = ref.get(index) if isinstance(ref, dict) else None
-        if isinstance(node, dict) and index not in node:
-            node[index] = copy.deepcopy(ref) if isinstance(ref, list) else {}
-        node = node[index]
 
 
 def _args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -190,6 +159,14 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="grid task: the default arms to train besides the control (stage1_continued, always), e.g. "
                    "stage2_recipe; default: stage1_gap, stage2, stage2_drop, stage2_recipe (a screen of --variant "
                    "arms can leave the others out)")
+    p.add_argument("--tune-decoding", type=int, default=None, metavar="N",
+                   help="issue 53: choose every arm's decoding (repetition_penalty 1.0 / 1.05 / 1.1, near repeats "
+                   "removed or not) on N held-out tuning images apart from the test images (a split generated with "
+                   "seed -(seed+1); --tune-jsonl with --val-jsonl), and report the test figures at it under 'tuned', "
+                   "beside the default decoding's (benchmarks/_decoding_tuning.py)")
+    p.add_argument("--tune-jsonl", type=Path, default=None,
+                   help="with --val-jsonl and --tune-decoding N: the tuning split (its first N records), used neither "
+                   "for training nor as --val-jsonl; its image paths resolve as --val-jsonl's do")
     p.add_argument("--no-stage1-continued", action="store_true", help="skip the stage-1 continuation")
     p.add_argument("--no-rollout-only", action="store_true",
                    help="skip stage2_rollout_only (the recipe's stage 2 with rollouts at every step, gt_step_share 0)")
@@ -203,6 +180,7 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
         args.grid = DENSE_GRID
     if args.long_multiple is not None and not 1.0 < args.long_multiple <= 100.0:
         p.error(f"--long-multiple {args.long_multiple}: give a multiple of --k above 1 (at most 100)")
+    decoding_tuning.check_args(args, p.error)
     args.max_new_tokens_given = args.max_new_tokens is not None
     low, high, side, tokens = TASKS[args.task]
     if args.task == "grid":
@@ -270,35 +248,16 @@ def _config(args: argparse.Namespace, work: Path, name: str, base: str, model: P
         config["data"]["object_order"] = args.object_order
     if args.decode_batch is not None:
         config["rollout_matching"]["decode_batch_size"] = args.decode_batch
-    overrides = [*getattr(args, "sized", []), *args.settings, *_reward_decoding(overrides), *overrides]
+    overrides = [*getattr(args, "sized", []), *args.settings, *reward_decoding(overrides), *overrides]
     if overrides:
         from coordexp.schema.loader import load_merged
 
         merged = load_merged(EXAMPLES / base).data
         for keys, value in overrides:
-            _override(config, merged, keys, value)
+            override(config, merged, keys, value)
     path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
     return path
-
-
-# what the reward objective samples with (docs/design.md, decision 19): the policy's own distribution
-REWARD_DECODING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "num_beams": 1, "repetition_penalty": 1.0,
-                   "coord_group_greedy": False}
-
-
-REWARD_PACKING_BUFFER = 64
-"""A reward arm's carry buffer: the continuation batch (4) x group_size (4) new segments a step, and as many carried
-(validation refuses less; the recipe's 16 holds one SFT step)."""
-
-
-def _reward_decoding(overrides: Any) -> list[tuple[list[str], Any]]:
-    """An arm that sets ``rollout_matching.objective: reward`` trains with sampling decoding and a carry buffer its
-    groups fit (its own overrides win, coming after); evaluation keeps the one evaluation config's decoding."""
-    if ["rollout_matching", "objective"] not in [keys for keys, value in overrides if value == "reward"]:
-        return []
-    return [*((["rollout_matching", "decoding", key], value) for key, value in REWARD_DECODING.items()),
-            (["training", "packing_buffer"], REWARD_PACKING_BUFFER)]
 
 
 def _progress(every: int = 50) -> Any:
@@ -345,11 +304,13 @@ def _evaluate(args: argparse.Namespace, work: Path, eval_config: Path, name: str
 
         return evaluate_arm(run, out_dir=work / f"eval_{name}", cells=args.cells, score=args.score,
                             probe_images=args.probe_images)
-    report = run_evaluation(run, split="val", score=args.score, out_dir=work / f"eval_{name}", png_count=2)
+    report = run_evaluation(run, split="val", score=args.score, out_dir=work / f"eval_{name}", png_count=2,
+                            dedup=True)
     ratios = report.counters.ratios()
     return {"AP": report.bbox["AP"], "AP50": report.bbox["AP50"], "AR100": report.bbox["AR100"],
             "mask_AP50": None if report.segm is None else report.segm["AP50"],
-            **{k: ratios[k] for k in FIGURES[2:]},
+            **{k: ratios[k] for k in FIGURES[2:]}, "dedup": report.dedup,
+            **{k: v for k, v in report.figures.items() if k != "recall_by_rank"},  # count_buckets included
             "dropped": dict(report.counters.dropped_by_reason),
             "valid_objects": report.counters.pred_valid, "gt_objects": report.counters.gt_objects,
             "eval_s": time.perf_counter() - started}
@@ -407,14 +368,6 @@ def _data_order(work: Path, names: list[str]) -> dict[str, Any]:
     return {"equal": not differ and bool(reference), "steps": len(reference), "differ": differ}
 
 
-# options an added arm must share with the run it joins (what its data, stage-1 checkpoint and evaluation came from)
-SAME_FOR_ADDED = ("task", "grid", "object_order", "probe_images", "eval_batch", "n_train", "n_val", "image_size",
-                  "min_objects", "max_objects", "shapes", "position_code", "family", "hidden", "layers", "rope_theta",
-                  "vision_depth", "vision_width", "vision_init_std", "stage1_steps", "stage1_lr", "stage1_batch", "k",
-                  "continue_lr", "continue_batch", "max_new_tokens", "decode_batch", "score", "settings",
-                  "train_jsonl", "val_jsonl", "model")
-
-
 def add_arms(args: argparse.Namespace, saved: dict[str, Any]) -> None:
     """Train and evaluate the ``--variant`` arms on every seed of a finished run (``saved``, its summary.json) from
     that seed's stage-1 checkpoint, under the seed's one evaluation config; the seed's data order is checked again
@@ -440,32 +393,13 @@ def add_arms(args: argparse.Namespace, saved: dict[str, Any]) -> None:
         if not (stage1_dir / "config.json").is_file():
             raise SystemExit(f"--add-arms: {stage1_dir} holds no saved stage-1 checkpoint")
         _, train, val, eval_config = _seed_inputs(args, work, seed)
+        tuning = decoding_tuning.prepare(args, work, seed, eval_config)
         for name, overrides in args.variant:
             config = _config(args, work, name, "demo_stage2.yaml", stage1_dir, train, val, seed, _continued(args),
                              list(overrides))
-            runs[name] = _train_and_evaluate(args, work, seed, name, config, eval_config, added=True)
+            runs[name] = _train_and_evaluate(args, work, seed, name, config, eval_config, added=True, tuning=tuning)
         out["data_order"] = _data_order(work, [n for n in runs if n != "stage1"])
     saved["args"]["variant"] = saved["args"].get("variant", []) + printable["variant"]
-
-
-def merge_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One run of the seeds of several (summary.json contents): their options must agree (``SAME_FOR_ADDED`` and the
-    arms) and their seeds must differ; the wall time is the sum."""
-    first = runs[0]
-    keys = SAME_FOR_ADDED + ("variant",)
-    for other in runs[1:]:
-        differ = [k for k in keys if other["args"].get(k) != first["args"].get(k)]
-        if differ:
-            raise SystemExit("--report: runs made with other options cannot be summarized as one: " + ", ".join(differ))
-    seeds = [s for run in runs for s in run["seeds"]]
-    numbers = [s["seed"] for s in seeds]
-    if len(set(numbers)) != len(numbers):
-        raise SystemExit(f"--report: a seed appears twice among {numbers}")
-    if len(runs) == 1:
-        return first
-    merged = {**first, "args": {**first["args"], "seed": min(numbers), "n_seeds": len(numbers)}, "seeds": seeds}
-    merged["total_s"] = sum(run.get("total_s", 0.0) for run in runs)
-    return merged
 
 
 def _seed_inputs(args: argparse.Namespace, work: Path, seed: int) -> tuple[Path, Path, Path, Path]:
@@ -480,8 +414,9 @@ def _seed_inputs(args: argparse.Namespace, work: Path, seed: int) -> tuple[Path,
 
 
 def _train_and_evaluate(args: argparse.Namespace, work: Path, seed: int, name: str, config: Path, eval_config: Path,
-                        *, added: bool = False) -> dict[str, Any]:
-    """One arm: trained from ``config``, evaluated under the seed's ``eval_config``, its figures printed."""
+                        *, added: bool = False, tuning: decoding_tuning.Tuning | None = None) -> dict[str, Any]:
+    """One arm: trained from ``config``, evaluated under the seed's ``eval_config``, its figures printed; with
+    ``tuning`` (``--tune-decoding``) also its decoding chosen on the tuning split and its test figures there."""
     print(f"[bench_learning] seed {seed}: training {name}{' (added)' if added else ''} ...", flush=True)
     run = {"train": _train(config)}
     run["eval"] = e = _evaluate(args, work, eval_config, name)
@@ -493,6 +428,9 @@ def _train_and_evaluate(args: argparse.Namespace, work: Path, seed: int, name: s
                 "recall", "precision", "f1", "duplicates_per_image", "premature_eos_rate", "count_error",
                 "exposure_gap", "deletion_recovery", "duplicate_probe", "backtracks_per_image",
                 "backtrack_recovery_rate")), flush=True)
+    if tuning is not None:
+        run["tuned"] = decoding_tuning.tune_arm(tuning, work, name, e, args.score)
+        print(decoding_tuning.line(seed, name, run["tuned"]), flush=True)
     return run
 
 
@@ -518,6 +456,7 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     work = args.workdir / f"seed{seed}"
     work.mkdir(parents=True, exist_ok=True)
     model, train, val, eval_config = _seed_inputs(args, work, seed)
+    tuning = decoding_tuning.prepare(args, work, seed, eval_config)
     if args.task == "grid":
         print(f"[bench_learning] grid {args.grid}: max_new_tokens {args.max_new_tokens}, repeat guard "
               f"max_object_keys {args.sized[0][1]}", flush=True)
@@ -531,8 +470,11 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
                                    overrides)))
     runs: dict[str, dict[str, Any]] = {}
     out: dict[str, Any] = {"seed": seed, "runs": runs}
+    if tuning is not None:
+        out["tuning_split"] = {"jsonl": str(tuning.split), "images": tuning.images,
+                               "seed": None if args.tune_jsonl else decoding_tuning.tuning_seed(seed)}
     for name, config in plan:
-        runs[name] = _train_and_evaluate(args, work, seed, name, config, eval_config)
+        runs[name] = _train_and_evaluate(args, work, seed, name, config, eval_config, tuning=tuning)
         if name == "stage1" and args.task == "grid":
             out["gate"] = g = gate(runs[name]["eval"])
             print(f"[bench_learning] seed {seed} {g.line()}", flush=True)
@@ -563,6 +505,8 @@ def _report(per_seed: list[dict[str, Any]], args: Any, workdir: Path) -> dict[st
     print_tables(per_seed, summary, f"task {args['task']}; held-out images per seed: {args['n_val']}; box AP in "
                  f"percent (COCO); continuations: {args['k']} optimizer steps of {args['continue_batch']} records at "
                  f"lr {args['continue_lr']:g} (constant) each; one evaluation config for every run")
+    extend_summary(per_seed, summary, args)
+    print_campaign(per_seed, summary)
     png = write_png(per_seed, workdir / "recall_by_rank.png")
     if png is not None:
         print(f"figure: {png}")

@@ -3,6 +3,7 @@ ships) to per-seed figures; the expectations here are computed from the seeds wi
 
 from __future__ import annotations
 
+import statistics
 import sys
 from pathlib import Path
 
@@ -130,3 +131,113 @@ def test_the_rule_and_what_ships_never_read_a_seed_that_failed_the_gate():
     with_failed = summarize([*seeds, failed])
     assert with_failed["rule"] == gated_only["rule"] and with_failed["ships"] == gated_only["ships"]
     assert with_failed["ships"]["arm"] == RECIPE and with_failed["rule_left_out_seeds"] == [299]
+
+
+# issue 53's rule (benchmarks/_campaign_report.py): hand-built seeds of the dense and the 4:4-12 grid settings
+from _campaign_report import DEFAULT_GRID, DENSE_GRID, beats_detector, extend_summary  # noqa: E402
+
+DENSE = {"task": "grid", "grid": DENSE_GRID}
+BASE = {"AP50": 0.80, "f1": 0.85}
+JITTER = (0.003, -0.002, 0.001, -0.003, 0.002, 0.0, -0.001, 0.003, -0.002, 0.001, 0.002, -0.003)
+
+
+def _campaign(n: int, gain: dict[str, tuple[float, ...]], *, arms=("stage1", "stage1_continued", "stage1_long"),
+              source: str = "eval", passed: bool = True) -> list[dict]:
+    """``n`` seeds: the stage-1 baselines at BASE (each with its own jitter) and stage2_recipe at stage1_long plus
+    ``gain[figure][seed]``, under ``source`` (``eval`` or ``tuned``)."""
+    seeds = []
+    for i in range(n):
+        runs = {}
+        for k, name in enumerate(arms):
+            runs[name] = {source: {f: v + JITTER[(i + 3 * k) % 12] / 3 for f, v in BASE.items()}}
+        reference = runs[arms[-1]][source]
+        runs[RECIPE] = {source: {f: reference[f] + gain.get(f, (0.0,) * n)[i] for f in BASE}}
+        seeds.append({"seed": 300 + i, "gate": {"passed": passed}, "runs": runs})
+    return seeds
+
+
+UP = tuple(0.01 + j for j in JITTER)  # +1 point, every seed up: every interval above 0
+
+
+def test_the_rule_needs_12_gated_seeds_of_the_dense_setting():
+    verdict = beats_detector(_campaign(3, {"AP50": UP, "f1": UP}), DENSE)
+    arm = verdict["arms"][RECIPE]
+    assert verdict["setting"] == "dense" and verdict["gated_seeds"] == 3 and verdict["needs_seeds"] == 12
+    assert not arm["met"] and arm["reasons"][0] == "needs 12 gated seeds, has 3"
+    assert all(c["ok"] for c in arm["checks"]) and len(arm["checks"]) == 6  # AP50 and F1 against each baseline
+    # twelve seeds whose stage 1 failed the gate count for nothing
+    failed = beats_detector(_campaign(12, {"AP50": UP, "f1": UP}, passed=False), DENSE)
+    assert failed["gated_seeds"] == 0 and "needs 12 gated seeds, has 0" in failed["arms"][RECIPE]["reasons"]
+
+
+def test_the_rule_is_met_on_12_gated_seeds_with_every_interval_above_zero():
+    seeds = _campaign(12, {"AP50": UP, "f1": UP})
+    arm = beats_detector(seeds, DENSE)["arms"][RECIPE]
+    assert arm["met"] and arm["reasons"] == []
+    long_ap = next(c for c in arm["checks"] if (c["against"], c["figure"]) == ("stage1_long", "AP50"))
+    assert long_ap["n"] == 12 and long_ap["ci95"][0] == pytest.approx(_ci_low(list(UP)))
+    assert long_ap["ci95"][0] > 0
+
+
+def test_an_interval_crossing_zero_against_one_baseline_fails_the_rule():
+    crossing = tuple(0.004 if i % 2 else -0.003 for i in range(12))
+    seeds = _campaign(12, {"AP50": UP, "f1": crossing})  # the recipe at stage1_long's F1, within noise
+    for seed in seeds:  # the other two baselines 2 points lower: above them on every seed
+        for name in ("stage1", "stage1_continued"):
+            seed["runs"][name]["eval"] = {k: v - 0.02 for k, v in seed["runs"][name]["eval"].items()}
+    arm = beats_detector(seeds, DENSE)["arms"][RECIPE]
+    failing = [c for c in arm["checks"] if not c["ok"]]
+    assert not arm["met"] and [(c["against"], c["figure"]) for c in failing] == [("stage1_long", "f1")]
+    assert failing[0]["ci95"][0] < 0 < failing[0]["ci95"][1] and "crosses 0" in arm["reasons"][0]
+    assert failing[0]["ci95"][0] == pytest.approx(_ci_low(list(crossing)))
+
+
+def test_a_missing_baseline_arm_fails_the_rule_and_says_so():
+    seeds = _campaign(12, {"AP50": UP, "f1": UP}, arms=("stage1", "stage1_continued"))
+    arm = beats_detector(seeds, DENSE)["arms"][RECIPE]
+    assert not arm["met"] and "AP50 - stage1_long: no stage1_long arm in this run" in arm["reasons"]
+
+
+def test_the_default_setting_asks_only_not_below_stage1_on_8_seeds():
+    args = {"task": "grid", "grid": DEFAULT_GRID}
+    crossing = tuple(0.004 if i % 2 else -0.004 for i in range(8))
+    level = beats_detector(_campaign(8, {"AP50": crossing}, arms=("stage1",)), args)
+    assert level["needs_seeds"] == 8 and level["arms"][RECIPE]["met"]  # an interval across 0 is not below
+    below = beats_detector(_campaign(8, {"AP50": tuple(-u for u in UP)}, arms=("stage1",)), args)
+    assert not below["arms"][RECIPE]["met"] and "entirely below 0" in below["arms"][RECIPE]["reasons"][0]
+    other = beats_detector(_campaign(8, {"AP50": UP}), {"task": "grid", "grid": "6:8-20"})
+    assert other["setting"] is None and "arms" not in other
+
+
+def test_the_rule_reads_the_tuned_figures_when_every_arm_has_them():
+    seeds = _campaign(12, {"AP50": tuple(-u for u in UP), "f1": tuple(-u for u in UP)})  # default decoding: below
+    tuned = _campaign(12, {"AP50": UP, "f1": UP}, source="tuned")
+    for seed, better in zip(seeds, tuned):
+        for name, run in seed["runs"].items():
+            run["tuned"] = {**better["runs"][name]["tuned"], "repetition_penalty": 1.05, "near_repeat_removal": True}
+    verdict = beats_detector(seeds, DENSE)
+    assert verdict["figures"] == "tuned" and verdict["arms"][RECIPE]["met"]
+    del seeds[0]["runs"]["stage1"]["tuned"]  # one arm of one seed without tuned figures: the default decoding's
+    fallback = beats_detector(seeds, DENSE)
+    assert fallback["figures"] == "default decoding" and not fallback["arms"][RECIPE]["met"]
+
+
+def test_the_summary_names_the_shipped_arm_and_pairs_the_tuned_figures():
+    seeds = _campaign(4, {"AP50": UP[:4], "f1": UP[:4]})
+    for seed in seeds:
+        for run in seed["runs"].values():
+            run["eval"]["count_buckets"] = {"1-6": {"recall": 0.9, "premature_eos_rate": 0.1}}
+            run["tuned"] = {**run["eval"], "repetition_penalty": 1.0, "near_repeat_removal": False,
+                            **{k: 0.5 for k in ("recall", "precision", "duplicates_per_image", "premature_eos_rate")}}
+        seed["runs"][RECIPE]["tuned"]["AP50"] += 0.02
+    summary: dict = {}
+    extend_summary(seeds, summary, DENSE)
+    assert summary["aliases"] == {"stage2_shipped": RECIPE}
+    assert summary["count_buckets"][RECIPE]["1-6"] == {"recall": pytest.approx(0.9),
+                                                       "premature_eos_rate": pytest.approx(0.1)}
+    paired = summary["tuned"]["paired"][f"{RECIPE} - stage1_long"]["AP50"]
+    assert paired["mean"] == pytest.approx(statistics.fmean(u + 0.02 for u in UP[:4]))
+    assert summary["tuned"]["chosen"][RECIPE] == {"rp 1, near repeats kept": 4}
+    pairs = summary["tuned"]["paired"]
+    assert "stage1_long - stage1" in pairs and "stage1 - stage1_long" not in pairs
+    assert summary["beats_detector"]["arms"][RECIPE]["reasons"][0] == "needs 12 gated seeds, has 4"

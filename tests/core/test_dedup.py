@@ -48,3 +48,16 @@ def test_the_ground_truth_rule_is_no_bound_on_ap_under_score_order_matching():
     from coordexp.runtime.core import dedup
 
     assert "no bound on AP" in " ".join(dedup.__doc__.split())  # the docs say so instead of calling it a bound
+
+
+def test_the_figures_after_removal_judge_early_stops_on_the_predictions_kept():
+    """Issue 53: a decoding choice reports premature EOS and recall per object count after near repeats are removed
+    (the predictions a user keeps): an image whose only extra prediction was a near repeat now holds fewer
+    predictions than objects."""
+    gt = (box(0), box(300), box(600))
+    image = ScoredImage(1000, 1000, gt, (box(0), box(2), box(300)), (0.9, 0.8, 0.7), eos_stopped=True)
+    f = dedup_figures([image], ("raw", "label_free"))
+    assert f["raw"]["premature_eos_rate"] == 0.0 and f["label_free"]["premature_eos_rate"] == 1.0
+    assert f["label_free"]["count_buckets"]["1-6"] == {"images": 1, "objects": 3, "recall": pytest.approx(2 / 3),
+                                                       "premature_eos_rate": 1.0}
+    assert f["label_free"]["count_buckets"]["11+"]["recall"] is None

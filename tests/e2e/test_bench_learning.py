@@ -117,3 +117,48 @@ def test_learning_benchmark_reports_every_run_of_every_seed_from_one_checkpoint(
         capture_output=True, text=True, timeout=900, cwd=ROOT,
     )
     assert ungated.returncode != 0 and "no pilot gate" in ungated.stderr
+
+
+@pytest.mark.slow
+def test_tune_decoding_reports_every_arm_at_its_setting_chosen_on_held_out_images(tmp_path):
+    """Issue 53: --tune-decoding N decodes a tuning split apart from the test images at each repetition penalty,
+    and every arm (stage 1 included) carries its tuned figures beside the default decoding's, with recall and
+    premature EOS per object count; --report prints them, names stage2_shipped and applies the rule's part."""
+    bench = str(ROOT / "benchmarks" / "bench_learning.py")
+    out = subprocess.run(
+        [sys.executable, bench, "--task", "grid", "--workdir", str(tmp_path), "--seed", "7", "--n-seeds", "1",
+         "--stage1-steps", "2", "--k", "1", "--n-train", "8", "--n-val", "2", "--max-new-tokens", "24",
+         "--probe-images", "1", "--grid-arms", "stage2_recipe", "--score", "constant", "--tune-decoding", "2"],
+        capture_output=True, text=True, timeout=900, cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("JSON "))[len("JSON "):])
+    seed = result["seeds"][0]
+    assert seed["tuning_split"] == {"jsonl": str(tmp_path / "seed7" / "tune_data" / "val.jsonl"), "images": 2,
+                                    "seed": -8}
+    assert list(seed["runs"]) == ["stage1", "stage1_continued", "stage2_recipe"]
+    for name, run in seed["runs"].items():
+        tuned = run["tuned"]
+        assert [(r["repetition_penalty"], r["near_repeat_removal"]) for r in tuned["tuning"]] == [
+            (p, removal) for p in (1.0, 1.05, 1.1) for removal in (False, True)]
+        assert tuned["test_decoded_again"] == (tuned["repetition_penalty"] != 1.0)
+        for key in ("AP50", "f1", "recall", "precision", "duplicates_per_image", "premature_eos_rate"):
+            assert key in tuned and key in tuned["tuning"][0]
+        assert set(tuned["count_buckets"]) == set(run["eval"]["count_buckets"]) == {"1-6", "7-10", "11+"}
+        if (tuned["repetition_penalty"], tuned["near_repeat_removal"]) == (1.0, False):
+            assert tuned["AP50"] == run["eval"]["AP50"]  # the default decoding: the test figures themselves
+        for p in (1.0, 1.05, 1.1):  # each penalty decoded the tuning split's images, not the test images
+            lines = (tmp_path / "seed7" / f"tune_{name}" / f"rp{p:g}" / "predictions.jsonl").read_text().splitlines()
+            assert [json.loads(line)["image"] for line in lines] == [
+                str(tmp_path / "seed7" / "tune_data" / "images" / f"val_{k:05d}.png") for k in range(2)]
+    config = yaml.safe_load((tmp_path / "seed7" / "eval_tune_rp1.05.yaml").read_text())
+    assert config["rollout_matching"]["decoding"]["repetition_penalty"] == 1.05
+    assert config["data"]["val_jsonl"] == seed["tuning_split"]["jsonl"]
+    summary = result["summary"]
+    assert summary["aliases"] == {"stage2_shipped": "stage2_recipe"}
+    assert set(summary["tuned"]["arms"]) == set(seed["runs"]) and "stage2_recipe - stage1" in summary["tuned"]["paired"]
+    assert summary["beats_detector"]["setting"] == "default" and summary["beats_detector"]["needs_seeds"] == 8
+    report = subprocess.run([sys.executable, bench, "--report", str(tmp_path / "summary.json")],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT, check=True).stdout
+    assert "tuned decoding (chosen per arm" in report and "stage2_shipped: stage2_recipe" in report
+    assert "1-6 objects" in report and "issue 53's rule, the default setting's part" in report

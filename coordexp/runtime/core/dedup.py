@@ -24,9 +24,12 @@ from coordexp.runtime.core.coco_metrics import evaluate_coco
 from coordexp.runtime.core.objects import DetObject
 from coordexp.runtime.core.set_figures import aggregate_figures, certified_duplicates, image_figures, near_repeats
 
-__all__ = ["ScoredImage", "DEDUP_MODES", "dedup_figures"]
+__all__ = ["ScoredImage", "DEDUP_MODES", "DEDUP_SET_FIGURES", "dedup_figures"]
 
 DEDUP_MODES = ("raw", "label_free", "oracle", "oracle_lowest")
+# the set figures of the predictions kept, beside box AP: an early stop is judged on what is left (a removed repeat
+# can make an image hold fewer predictions than objects), by object count too
+DEDUP_SET_FIGURES = ("precision", "recall", "f1", "duplicates_per_image", "premature_eos_rate", "count_buckets")
 
 
 @dataclass(frozen=True)
@@ -55,13 +58,12 @@ def _evaluate(images: Sequence[ScoredImage], keep: Sequence[Sequence[bool]], low
     figures = aggregate_figures([image_figures([p for p, ok in zip(im.predictions, kept) if ok], im.gt,
                                                eos_stopped=im.eos_stopped) for im, kept in zip(images, keep)])
     removed = sum(len(k) - sum(k) for k in keep)
-    return {"AP": boxes["AP"], "AP50": boxes["AP50"], **{k: figures[k] for k in ("precision", "recall", "f1",
-                                                                                 "duplicates_per_image")},
+    return {"AP": boxes["AP"], "AP50": boxes["AP50"], **{k: figures[k] for k in DEDUP_SET_FIGURES},
             "removed": removed}
 
 
 def dedup_figures(images: Sequence[ScoredImage], modes: Sequence[str] = DEDUP_MODES) -> dict[str, dict[str, Any]]:
-    """Box AP, AP50, precision, recall, F1 and duplicates per image of ``images`` under each of ``modes``."""
+    """Box AP, AP50 and the :data:`DEDUP_SET_FIGURES` of ``images`` under each of ``modes``."""
     unknown = [m for m in modes if m not in DEDUP_MODES]
     if unknown:
         raise ValueError(f"unknown dedup modes {unknown}; choose from {list(DEDUP_MODES)}")

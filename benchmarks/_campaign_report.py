@@ -1,0 +1,207 @@
+"""Issue 53's campaign in bench_learning's report: the tuned figures (``--tune-decoding``) with their spread and paired
+differences, recall and premature EOS per object-count bucket, the arm ``coordexp init --stage 2`` writes named
+``stage2_shipped``, and the part of the issue's rule that one run's seeds decide.
+
+The rule (issue 53, item 5): an arm "beats the detector you have" if its AP50 and its F1 minus EACH of ``stage1``,
+``stage1_continued`` and ``stage1_long`` have a 95% t interval above 0 on at least 12 gated seeds of the dense setting
+(``--grid 5:10-20``), and it is not below ``stage1`` on the 4:4-12 setting over 8 gated seeds (the interval of AP50
+minus ``stage1`` not entirely below 0). One run holds one setting, so :func:`beats_detector` decides that setting's
+part, on the tuned figures when every arm of every gated seed has them, else on the default decoding's (it says
+which); the other part is read from a run of the other setting. The paired differences and intervals are
+:func:`_learning_report.paired_of`'s.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from _decoding_tuning import TUNED_FIGURES
+from _learning_report import CONTROL, RECIPE, paired_of, print_paired, spread
+
+DEFAULT_GRID = "4:4-12"
+DENSE_GRID = "5:10-20"
+"""``--dense``: 5 x 5 cells, 10-20 boxes per image (issue 53's dense scenes; the 4:4-12 default sits near its
+ceiling and barely exercises premature stops)."""
+SHIPPED = "stage2_shipped"
+SHIPPED_ARM = RECIPE
+"""The arm whose config is what ``coordexp init --stage 2`` writes (tests/e2e/test_bench_learning_arms.py ties the
+two): the report names it ``stage2_shipped`` too, an alias of its figures (nothing is trained twice)."""
+BASELINES = ("stage1", CONTROL, "stage1_long")
+# per setting: gated seeds needed, and (baseline, figure, test) checks; "above": the interval's low end above 0,
+# "not below": its high end at or above 0
+RULE = {"dense": (12, tuple((b, k, "above") for b in BASELINES for k in ("AP50", "f1"))),
+        "default": (8, (("stage1", "AP50", "not below"),))}
+BUCKET_KEYS = ("recall", "premature_eos_rate")
+
+
+def setting_of(args: dict[str, Any]) -> str | None:
+    """``dense`` or ``default`` for the rule's two grid settings, None for any other run."""
+    if args.get("task") != "grid":
+        return None
+    return {DENSE_GRID: "dense", DEFAULT_GRID: "default"}.get(args.get("grid"))
+
+
+def source_of(per_seed: Sequence[dict[str, Any]]) -> str:
+    """``tuned`` when every arm of every seed has tuned figures, else ``eval`` (the default decoding)."""
+    tuned = all("tuned" in run for s in per_seed for run in s["runs"].values())
+    return "tuned" if per_seed and tuned else "eval"
+
+
+def _gated(per_seed: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [s for s in per_seed if not s.get("stopped") and (s.get("gate") or {}).get("passed") is True]
+
+
+def _check(per_seed: Sequence[dict[str, Any]], name: str, names: Sequence[str], reference: str, key: str, test: str,
+           source: str) -> dict[str, Any]:
+    shown = f"{key} - {reference}"
+    if reference not in names:
+        return {"against": reference, "figure": key, "n": 0, "ci95": None, "ok": False,
+                "why": f"{shown}: no {reference} arm in this run"}
+    d = paired_of(per_seed, name, reference, key, source)
+    ci = d["ci95"]
+    ok = ci is not None and (ci[0] > 0 if test == "above" else ci[1] >= 0)
+    if ci is None:
+        why = f"{shown}: no interval ({d['n']} seed{'s' if d['n'] != 1 else ''})"
+    else:
+        where = "above 0" if ci[0] > 0 else "entirely below 0" if ci[1] < 0 else "crosses 0"
+        why = f"{shown}: {100 * d['mean']:+.2f} [{100 * ci[0]:+.2f}, {100 * ci[1]:+.2f}] points, {where}"
+    return {"against": reference, "figure": key, "test": test, "n": d["n"], "mean": d["mean"], "ci95": ci, "ok": ok,
+            "why": why}
+
+
+def beats_detector(per_seed: Sequence[dict[str, Any]], args: dict[str, Any]) -> dict[str, Any]:
+    """The part of issue 53's rule this run decides (module doc), per arm that is no stage-1 baseline: every
+    check, the gated seeds it needs and has, and the reasons it is not met."""
+    setting = setting_of(args)
+    if setting is None:
+        return {"setting": None, "why": f"the rule reads the grid task at --grid {DENSE_GRID} (dense) and "
+                f"{DEFAULT_GRID}; this run is --task {args.get('task')} --grid {args.get('grid')}"}
+    need, rule = RULE[setting]
+    gated = _gated(per_seed)
+    source = source_of(gated or per_seed)
+    names = list(per_seed[0]["runs"]) if per_seed else []
+    arms: dict[str, Any] = {}
+    for name in (n for n in names if not n.startswith("stage1")):
+        checks = [_check(gated, name, names, ref, key, test, source) for ref, key, test in rule]
+        reasons = [] if len(gated) >= need else [f"needs {need} gated seeds, has {len(gated)}"]
+        reasons += [c["why"] for c in checks if not c["ok"]]
+        arms[name] = {"met": not reasons, "checks": checks, "reasons": reasons}
+    other = "default" if setting == "dense" else "dense"
+    return {"setting": setting, "grid": args.get("grid"), "figures": "tuned" if source == "tuned" else
+            "default decoding", "gated_seeds": len(gated), "needs_seeds": need, "arms": arms,
+            "other_part": f"the {other} setting's part ({RULE[other][0]} gated seeds) is decided by a run of "
+                          f"--grid {DENSE_GRID if other == 'dense' else DEFAULT_GRID}"}
+
+
+def tuned_summary(per_seed: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The tuned figures' spread over seeds per arm, the settings chosen (seeds per setting) and their paired
+    differences against the stage-1 baselines and decision 18's references."""
+    names = list(per_seed[0]["runs"])
+    out: dict[str, Any] = {"arms": {}, "chosen": {}, "paired": {}}
+    for name in names:
+        rows = [s["runs"][name]["tuned"] for s in per_seed]
+        out["arms"][name] = {k: spread([r.get(k) for r in rows]) for k in TUNED_FIGURES}
+        chosen: dict[str, int] = {}
+        for r in rows:
+            label = f"rp {r['repetition_penalty']:g}, near repeats {'removed' if r['near_repeat_removal'] else 'kept'}"
+            chosen[label] = chosen.get(label, 0) + 1
+        out["chosen"][name] = chosen
+    for reference in (r for r in (*BASELINES, "stage1_gap", "stage2_drop") if r in names):
+        for name in names:
+            if name != reference and (reference == "stage1" or not name.startswith("stage1")):
+                out["paired"][f"{name} - {reference}"] = {k: paired_of(per_seed, name, reference, k, "tuned")
+                                                          for k in TUNED_FIGURES}
+    return out
+
+
+def bucket_summary(per_seed: Sequence[dict[str, Any]], source: str = "eval") -> dict[str, Any]:
+    """Per arm and object-count bucket: recall and premature EOS, mean over the seeds that have the bucket."""
+    out: dict[str, Any] = {}
+    for name in per_seed[0]["runs"]:
+        rows = [(s["runs"][name].get(source) or {}).get("count_buckets") or {} for s in per_seed]
+        buckets = list(dict.fromkeys(b for r in rows for b in r))
+        out[name] = {b: {k: spread([r[b].get(k) for r in rows if b in r])["mean"] for k in BUCKET_KEYS}
+                     for b in buckets}
+    return out
+
+
+def extend_summary(per_seed: Sequence[dict[str, Any]], summary: dict[str, Any], args: dict[str, Any]) -> None:
+    """Add the campaign's keys to ``summary``: ``aliases`` (stage2_shipped), ``count_buckets`` (and
+    ``tuned_count_buckets``), ``tuned`` when every arm has tuned figures, and ``beats_detector``."""
+    if not per_seed:
+        return
+    names = list(per_seed[0]["runs"])
+    if SHIPPED_ARM in names:
+        summary["aliases"] = {SHIPPED: SHIPPED_ARM}
+    summary["count_buckets"] = bucket_summary(per_seed)
+    if source_of(per_seed) == "tuned":
+        summary["tuned"] = tuned_summary(per_seed)
+        summary["tuned_count_buckets"] = bucket_summary(per_seed, "tuned")
+    summary["beats_detector"] = beats_detector(per_seed, args)
+
+
+def _pct(value: Any) -> str:
+    return "-" if value is None else f"{100 * value:.1f}"
+
+
+def _cell(key: str, value: Any) -> str:
+    """A rate in percent, a count per image as it is."""
+    if value is None or key != "duplicates_per_image":
+        return _pct(value)
+    return f"{value:.2f}"
+
+
+def _shown(name: str, summary: dict[str, Any]) -> str:
+    aliases = {arm: alias for alias, arm in (summary.get("aliases") or {}).items()}
+    return f"{name} = {aliases[name]}" if name in aliases else name
+
+
+def _print_buckets(title: str, buckets: dict[str, Any], summary: dict[str, Any]) -> None:
+    order = list(dict.fromkeys(b for arm in buckets.values() for b in arm))
+    if not order:
+        return
+    print(f"\n{title}: recall% / premature EOS% per ground-truth object count, mean over seeds")
+    print(f"{'run':<34}" + "".join(f"{b + ' objects':>18}" for b in order))
+    for name, arm in buckets.items():
+        cells = [f"{_pct(arm[b]['recall'])} / {_pct(arm[b]['premature_eos_rate'])}" if b in arm else "-"
+                 for b in order]
+        print(f"{_shown(name, summary):<34}" + "".join(f"{c:>18}" for c in cells))
+
+
+def print_campaign(per_seed: Sequence[dict[str, Any]], summary: dict[str, Any]) -> None:
+    """The tables of :func:`extend_summary`'s keys and the rule's verdict per arm with its reasons."""
+    if not per_seed:
+        return
+    for alias, arm in (summary.get("aliases") or {}).items():
+        print(f"\n{alias}: {arm} (the arm `coordexp init --stage 2` writes; its figures, not another run)")
+    _print_buckets("default decoding", summary.get("count_buckets") or {}, summary)
+    tuned = summary.get("tuned")
+    if tuned:
+        print("\ntuned decoding (chosen per arm and seed on the held-out tuning split; figures on the test images)")
+        print(f"{'seed':>5} {'run':<22}{'rp':>6}{'nrr':>5}" + "".join(f"{k[:9]:>10}" for k in TUNED_FIGURES))
+        for s in per_seed:
+            for name, run in s["runs"].items():
+                t = run["tuned"]
+                removal = "on" if t["near_repeat_removal"] else "off"
+                print(f"{s['seed']:>5} {name:<22}{t['repetition_penalty']:>6g}{removal:>5}"
+                      + "".join(f"{_cell(k, t[k]):>10}" for k in TUNED_FIGURES))
+        print("\nmean over seeds of the tuned figures (AP50, F1 in percent) and the settings chosen")
+        for name, arm in tuned["arms"].items():
+            chosen = "; ".join(f"{label}: {n}" for label, n in tuned["chosen"][name].items())
+            print(f"  {_shown(name, summary):<34} AP50 {_pct(arm['AP50']['mean'])} F1 {_pct(arm['f1']['mean'])} "
+                  f"({chosen})")
+        print("\npaired differences of the tuned figures (same seed): mean, standard error, 95% t interval, seeds "
+              "up/down")
+        print_paired(tuned["paired"])
+        _print_buckets("tuned decoding", summary.get("tuned_count_buckets") or {}, summary)
+    verdict = summary.get("beats_detector") or {}
+    if verdict.get("setting") is None:
+        if verdict:
+            print(f"\nissue 53's rule: not decided by this run ({verdict['why']})")
+        return
+    print(f"\nissue 53's rule, the {verdict['setting']} setting's part (--grid {verdict['grid']}), on the "
+          f"{verdict['figures']} figures of {verdict['gated_seeds']} gated seeds (needs {verdict['needs_seeds']}); "
+          f"{verdict['other_part']}")
+    for name, arm in verdict["arms"].items():
+        state = "MET" if arm["met"] else "not met"
+        print(f"  {_shown(name, summary)}: {state}" + ("" if arm["met"] else f" ({'; '.join(arm['reasons'])})"))
