@@ -2,9 +2,10 @@
 differences, recall and premature EOS per object-count bucket, the arm ``coordexp init --stage 2`` writes named
 ``stage2_shipped``, and the part of the issue's rule that one run's seeds decide.
 
-The rule (issue 53, item 5): an arm "beats the detector you have" if its AP50 and its F1 minus EACH of ``stage1``,
-``stage1_continued`` and ``stage1_long`` have a 95% t interval above 0 on at least 12 gated seeds of the dense setting
-(``--grid 5:10-20``), and it is not below ``stage1`` on the 4:4-12 setting over 8 gated seeds (the interval of AP50
+The rule (issue 53, item 5, as decision 20 pre-registered it): an arm "beats the detector you have" if its AP50 and
+its F1 minus EACH of ``stage1``, ``stage1_continued``, ``stage1_annealed`` and ``stage1_long`` have a 95% t interval
+above 0 on at least 12 gated seeds of the dense setting (the first of ``DENSE_GRIDS`` the calibration seeds accept),
+and it is not below ``stage1`` on the 4:4-12 setting over 8 gated seeds (the interval of AP50
 minus ``stage1`` not entirely below 0). One run holds one setting, so :func:`beats_detector` decides that setting's
 part, on the tuned figures when every arm of every gated seed has them, else on the default decoding's (it says
 which); the other part is read from a run of the other setting. The paired differences and intervals are
@@ -26,7 +27,9 @@ SHIPPED = "stage2_shipped"
 SHIPPED_ARM = RECIPE
 """The arm whose config is what ``coordexp init --stage 2`` writes (tests/e2e/test_bench_learning_arms.py ties the
 two): the report names it ``stage2_shipped`` too, an alias of its figures (nothing is trained twice)."""
-BASELINES = ("stage1", CONTROL, "stage1_long")
+DENSE_GRIDS = (DENSE_GRID, "5:8-16", "4:6-14")
+"""Decision 20's dense candidates, in the order calibration seeds 200-201 try them."""
+BASELINES = ("stage1", CONTROL, "stage1_annealed", "stage1_long")
 # per setting: gated seeds needed, and (baseline, figure, test) checks; "above": the interval's low end above 0,
 # "not below": its high end at or above 0
 RULE = {"dense": (12, tuple((b, k, "above") for b in BASELINES for k in ("AP50", "f1"))),
@@ -38,7 +41,8 @@ def setting_of(args: dict[str, Any]) -> str | None:
     """``dense`` or ``default`` for the rule's two grid settings, None for any other run."""
     if args.get("task") != "grid":
         return None
-    return {DENSE_GRID: "dense", DEFAULT_GRID: "default"}.get(args.get("grid"))
+    grid = args.get("grid")
+    return "dense" if grid in DENSE_GRIDS else "default" if grid == DEFAULT_GRID else None
 
 
 def source_of(per_seed: Sequence[dict[str, Any]]) -> str:

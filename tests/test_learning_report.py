@@ -141,7 +141,8 @@ BASE = {"AP50": 0.80, "f1": 0.85}
 JITTER = (0.003, -0.002, 0.001, -0.003, 0.002, 0.0, -0.001, 0.003, -0.002, 0.001, 0.002, -0.003)
 
 
-def _campaign(n: int, gain: dict[str, tuple[float, ...]], *, arms=("stage1", "stage1_continued", "stage1_long"),
+def _campaign(n: int, gain: dict[str, tuple[float, ...]], *,
+              arms=("stage1", "stage1_continued", "stage1_annealed", "stage1_long"),
               source: str = "eval", passed: bool = True) -> list[dict]:
     """``n`` seeds: the stage-1 baselines at BASE (each with its own jitter) and stage2_recipe at stage1_long plus
     ``gain[figure][seed]``, under ``source`` (``eval`` or ``tuned``)."""
@@ -164,7 +165,7 @@ def test_the_rule_needs_12_gated_seeds_of_the_dense_setting():
     arm = verdict["arms"][RECIPE]
     assert verdict["setting"] == "dense" and verdict["gated_seeds"] == 3 and verdict["needs_seeds"] == 12
     assert not arm["met"] and arm["reasons"][0] == "needs 12 gated seeds, has 3"
-    assert all(c["ok"] for c in arm["checks"]) and len(arm["checks"]) == 6  # AP50 and F1 against each baseline
+    assert all(c["ok"] for c in arm["checks"]) and len(arm["checks"]) == 8  # AP50 and F1 against each baseline
     # twelve seeds whose stage 1 failed the gate count for nothing
     failed = beats_detector(_campaign(12, {"AP50": UP, "f1": UP}, passed=False), DENSE)
     assert failed["gated_seeds"] == 0 and "needs 12 gated seeds, has 0" in failed["arms"][RECIPE]["reasons"]
@@ -182,8 +183,8 @@ def test_the_rule_is_met_on_12_gated_seeds_with_every_interval_above_zero():
 def test_an_interval_crossing_zero_against_one_baseline_fails_the_rule():
     crossing = tuple(0.004 if i % 2 else -0.003 for i in range(12))
     seeds = _campaign(12, {"AP50": UP, "f1": crossing})  # the recipe at stage1_long's F1, within noise
-    for seed in seeds:  # the other two baselines 2 points lower: above them on every seed
-        for name in ("stage1", "stage1_continued"):
+    for seed in seeds:  # the other three baselines 2 points lower: above them on every seed
+        for name in ("stage1", "stage1_continued", "stage1_annealed"):
             seed["runs"][name]["eval"] = {k: v - 0.02 for k, v in seed["runs"][name]["eval"].items()}
     arm = beats_detector(seeds, DENSE)["arms"][RECIPE]
     failing = [c for c in arm["checks"] if not c["ok"]]
@@ -193,7 +194,7 @@ def test_an_interval_crossing_zero_against_one_baseline_fails_the_rule():
 
 
 def test_a_missing_baseline_arm_fails_the_rule_and_says_so():
-    seeds = _campaign(12, {"AP50": UP, "f1": UP}, arms=("stage1", "stage1_continued"))
+    seeds = _campaign(12, {"AP50": UP, "f1": UP}, arms=("stage1", "stage1_continued", "stage1_annealed"))
     arm = beats_detector(seeds, DENSE)["arms"][RECIPE]
     assert not arm["met"] and "AP50 - stage1_long: no stage1_long arm in this run" in arm["reasons"]
 
