@@ -189,6 +189,34 @@ def _refuse_drift(config: Path, output_dir: str, effective: list[str], given: li
              "afresh with --overwrite")
 
 
+def _start_point(run: Any, config: Path, *, resume: Optional[str], given: list[str], overwrite: bool,
+                 as_json: bool) -> tuple[Any, list[str], Optional[str]]:
+    """This rank's start checks (exit 2/3 naming what to fix): with ``--resume`` the run record's overrides are
+    replayed and drift refused; packages, the output folder and the checkpoint to resume are checked. Returns the
+    run, its effective overrides and the checkpoint (None: a fresh start)."""
+    effective = given
+    if resume is not None:
+        effective = _replayed_overrides(run.training.output_dir, given)
+        if effective != given:
+            run, _ = load_run_and_config(config, as_json=as_json, overrides=effective)
+        _refuse_drift(config, run.training.output_dir, effective, given)
+    from coordexp.optional_deps import require_installed
+    require_installed(run, "train")  # a missing optional package (peft, deepspeed, ...): exit 3 before any load
+    check_output_place(run, config, overwrite=overwrite, resume=resume is not None)
+    try:
+        resume_from = resolve_resume(resume, run.training.output_dir)
+    except FileNotFoundError as exc:
+        fail(str(exc))
+    if resume_from is not None:
+        from coordexp.runtime.train.checkpoints import resume_files_problem
+
+        problem = resume_files_problem(resume_from, run.tuner.train_type)
+        if problem is not None:
+            fail(f"--resume {resume_from}: {problem}", "Resume from an earlier checkpoint-N (--resume PATH), or "
+                 "train afresh with --overwrite")
+    return run, effective, resume_from
+
+
 def train(
     config: Annotated[Path, typer.Argument(help="YAML run config.", show_default=False)],
     resume: Annotated[
@@ -210,31 +238,17 @@ def train(
     if resume is not None and overwrite:
         fail("--resume and --overwrite contradict each other", "Pass --resume to continue the run, or --overwrite "
              "to start it afresh")
-    effective = given
-    if resume is not None:
-        effective = _replayed_overrides(run.training.output_dir, given)
-        if effective != given:
-            run, _ = load_run_and_config(config, as_json=as_json, overrides=effective)
-        _refuse_drift(config, run.training.output_dir, effective, given)
-    from coordexp.optional_deps import require_installed
-    require_installed(run, "train")  # a missing optional package (peft, deepspeed, ...): exit 3 before any load
-    check_output_place(run, config, overwrite=overwrite, resume=resume is not None)
-    try:
-        resume_from = resolve_resume(resume, run.training.output_dir)
-    except FileNotFoundError as exc:
-        fail(str(exc))
-    if resume_from is not None:
-        from coordexp.runtime.train.checkpoints import resume_files_problem
+    from coordexp.cli.rank_start import agreed_start
 
-        problem = resume_files_problem(resume_from, run.tuner.train_type)
-        if problem is not None:
-            fail(f"--resume {resume_from}: {problem}", "Resume from an earlier checkpoint-N (--resume PATH), or "
-                 "train afresh with --overwrite")
-        if is_rank_zero():
-            err.print(f"resuming from {safe(resume_from)}")
-            note = _restretch_note(resume_from, run.training)
-            if note:
-                err.print(f"[yellow]![/yellow] {safe(note)}")
+    # Every rank checks how it would start; under torchrun they agree (one checkpoint) before the model loads.
+    run, effective, resume_from = agreed_start(
+        lambda: _start_point(run, config, resume=resume, given=given, overwrite=overwrite, as_json=as_json),
+        lambda outcome: outcome[2])
+    if resume_from is not None and is_rank_zero():
+        err.print(f"resuming from {safe(resume_from)}")
+        note = _restretch_note(resume_from, run.training)
+        if note:
+            err.print(f"[yellow]![/yellow] {safe(note)}")
 
     done = _finished(resume_from, run.training.max_steps)
     if done is not None:
