@@ -113,11 +113,12 @@ def _sentence(message: str, hint: str = "") -> str:
 
 
 class Failure(typer.Exit):
-    """What :func:`fail` raises: the exit ``code`` with its ``message`` and ``hint``."""
+    """What :func:`fail` raises: the exit ``code`` with its ``message`` and ``hint``; ``shown`` when this rank has
+    already printed it (an invalid config's full report)."""
 
-    def __init__(self, message: str, hint: str = "", code: int = EXIT_INVALID) -> None:
+    def __init__(self, message: str, hint: str = "", code: int = EXIT_INVALID, *, shown: bool = False) -> None:
         super().__init__(code)
-        self.message, self.hint = message, hint
+        self.message, self.hint, self.shown = message, hint, shown
 
 
 _deferred: list[bool] = []
@@ -196,15 +197,17 @@ def load_run_and_config(path: Path, *, as_json: bool = False, overrides: Sequenc
             return build_contract(report.config), report.config
         except ConfigError as exc:  # a rule only the contract checks: report it like the schema's own
             errors = list(exc.issues)
-    if is_rank_zero():
-        err.print(f"[red]✗[/red] {safe(path)}: {len(errors)} problem(s)")
-        for issue in errors:
-            err.print("  [red]•[/red] " + issue_line(issue, report.path))
-        err.print(f"[dim]Nothing was loaded. Fix the file (`coordexp validate {safe(path)}`).[/dim]")
-        if as_json:
-            write_result(json.dumps({"ok": False, "exit_code": EXIT_INVALID, "path": str(path),
-                                         "errors": [i.to_dict() for i in errors]}, indent=2) + "\n")
-    raise typer.Exit(EXIT_INVALID)
+    summary = f"{path}: {len(errors)} problem(s)" + (f", the first: {errors[0].render()}" if errors else "")
+    if not is_rank_zero():
+        fail(summary)  # one line on another rank (its node may lack a file the config names)
+    err.print(f"[red]✗[/red] {safe(path)}: {len(errors)} problem(s)")
+    for issue in errors:
+        err.print("  [red]•[/red] " + issue_line(issue, report.path))
+    err.print(f"[dim]Nothing was loaded. Fix the file (`coordexp validate {safe(path)}`).[/dim]")
+    if as_json:
+        write_result(json.dumps({"ok": False, "exit_code": EXIT_INVALID, "path": str(path),
+                                 "errors": [i.to_dict() for i in errors]}, indent=2) + "\n")
+    raise Failure(summary, shown=True)
 
 
 def _validate_with_overrides(path: Path, overrides: Sequence[str]) -> Any:

@@ -47,7 +47,7 @@ def agreed_start(checks: Callable[[], T], checkpoint_of: Callable[[T], Optional[
         except (typer.Exit, Exception) as exc:  # noqa: BLE001 - every rank must hear why this one stops
             failure = exc
     if world_size <= 1:
-        if isinstance(failure, Failure):
+        if isinstance(failure, Failure) and not failure.shown:
             print_failure(failure.message, failure.hint)
         if failure is not None:
             raise failure
@@ -70,7 +70,7 @@ def agreed_start(checks: Callable[[], T], checkpoint_of: Callable[[T], Optional[
             err.print(f"  {safe(line)}")
         err.print(f"[dim]{safe(hint)}[/dim]")
     else:
-        own = next((line for line in problem.lines if line.startswith(f"rank {rank}:")), problem.lines[0])
+        own = problem.own_line(rank)
         err.print(f"[red]✗[/red] {safe(own)}. [dim]{safe(hint)}[/dim]")  # one line, the rank already named
     if failure is not None and not isinstance(failure, typer.Exit) and exit_code_for(
             as_external_error(failure) or failure) == 1:

@@ -189,11 +189,12 @@ def _refuse_drift(config: Path, output_dir: str, effective: list[str], given: li
              "afresh with --overwrite")
 
 
-def _start_point(run: Any, config: Path, *, resume: Optional[str], given: list[str], overwrite: bool,
+def _start_point(config: Path, *, resume: Optional[str], given: list[str], overwrite: bool,
                  as_json: bool) -> tuple[Any, list[str], Optional[str]]:
-    """This rank's start checks (exit 2/3 naming what to fix): with ``--resume`` the run record's overrides are
-    replayed and drift refused; packages, the output folder and the checkpoint to resume are checked. Returns the
-    run, its effective overrides and the checkpoint (None: a fresh start)."""
+    """This rank's start checks (exit 2/3 naming what to fix): the config validates (with ``--set``); with
+    ``--resume`` the run record's overrides are replayed and drift refused; packages, the output folder and the
+    checkpoint to resume are checked. Returns the run, its effective overrides and the checkpoint (None: fresh)."""
+    run, _ = load_run_and_config(config, as_json=as_json, overrides=given)
     effective = given
     if resume is not None:
         effective = _replayed_overrides(run.training.output_dir, given)
@@ -234,7 +235,6 @@ def train(
 ) -> None:
     """Train from a YAML config (stage 1 or stage 2); everything else comes from the file (and --set)."""
     given = list(overrides or [])
-    run, _ = load_run_and_config(config, as_json=as_json, overrides=given)
     if resume is not None and overwrite:
         fail("--resume and --overwrite contradict each other", "Pass --resume to continue the run, or --overwrite "
              "to start it afresh")
@@ -242,7 +242,7 @@ def train(
 
     # Every rank checks how it would start; under torchrun they agree (one checkpoint) before the model loads.
     run, effective, resume_from = agreed_start(
-        lambda: _start_point(run, config, resume=resume, given=given, overwrite=overwrite, as_json=as_json),
+        lambda: _start_point(config, resume=resume, given=given, overwrite=overwrite, as_json=as_json),
         lambda outcome: outcome[2])
     if resume_from is not None and is_rank_zero():
         err.print(f"resuming from {safe(resume_from)}")

@@ -136,7 +136,7 @@ def test_interrupt_exits_130(monkeypatch):
     assert result.exit_code == 130 and "interrupted" in result.stderr
 
 
-def test_other_ranks_say_their_user_errors_in_one_line_and_report_bugs_in_full(monkeypatch):
+def test_other_ranks_say_their_user_errors_in_one_line_and_report_bugs_in_full(monkeypatch, write_config):
     """A rank's reason may be its own (a file its node lacks, issue 55): every rank says it, rank 0 in full."""
     monkeypatch.setenv("RANK", "1")
     monkeypatch.delenv("COORDEXP_DEBUG", raising=False)
@@ -144,6 +144,11 @@ def test_other_ranks_say_their_user_errors_in_one_line_and_report_bugs_in_full(m
     assert short.exit_code == 2 and short.stderr.startswith("[rank 1] ✗ ") and short.stderr.count("\n") == 1
     failed = runner.invoke(_app_failing(), ["boom"], catch_exceptions=False)
     assert failed.exit_code == 2 and failed.stderr == "[rank 1] ✗ no checkpoint here. Pass one\n"
+    # a config that does not validate: one line naming the first problem (rank 0 lists them all)
+    invalid = runner.invoke(app, ["train", str(write_config({"rollout_matching": {"decode_batch_size": -3}}))],
+                            catch_exceptions=False)
+    assert invalid.exit_code == 2 and invalid.stderr.count("\n") == 1, invalid.stderr
+    assert invalid.stderr.startswith("[rank 1] ✗ ") and "problem(s), the first: rollout_matching." in invalid.stderr
     bug = runner.invoke(_app_raising(RuntimeError("rank-local bug")), ["boom"], catch_exceptions=False)
     assert bug.exit_code == 1 and "[rank 1]" in bug.stderr and "rank-local bug" in bug.stderr
 

@@ -70,3 +70,10 @@ def test_views_travel_through_the_store_and_a_silent_rank_is_bounded(tmp_path, m
     views = exchange_views(checkpoint_view(0, path), 2, timeout_s=1)
     assert views[1].code == 3 and "did not say how it starts within 1 s" in views[1].reason
     assert disagreement(views).lines == (f"rank 1: {views[1].reason}",)
+
+
+def test_ranks_that_fail_alike_share_one_line_and_each_rank_has_its_own(tmp_path):
+    views = [failure_view(r, "cfg.yaml: 1 problem(s)", 2) for r in range(12)] + [failure_view(12, "other", 3)]
+    problem = disagreement(views)
+    assert problem.lines == ("ranks 0, 1, 2, 3, 4, 5, 6, 7 and 4 more: cfg.yaml: 1 problem(s)", "rank 12: other")
+    assert problem.own_line(12) == "rank 12: other" and problem.own_line(3) == problem.lines[0]

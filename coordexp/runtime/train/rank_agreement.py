@@ -66,11 +66,17 @@ class StartView:
 
 @dataclass(frozen=True)
 class Disagreement:
-    """Why the ranks cannot start together: one ``rank k: reason`` line per failing rank, and the exit code."""
+    """Why the ranks cannot start together: one ``rank k: reason`` line per failing rank (``ranks a, b: reason``
+    for ranks that failed alike), the exit code, and each rank's own line (``line_of``)."""
 
     lines: tuple[str, ...]
     code: int
     hint: str
+    line_of: dict[int, str]
+
+    def own_line(self, rank: int) -> str:
+        """The line naming ``rank`` (else the first reason): what that rank prints."""
+        return self.line_of.get(rank, self.lines[0])
 
 
 def launch_world() -> tuple[int, int]:
@@ -159,15 +165,26 @@ def disagreement(views: list[StartView]) -> Optional[Disagreement]:
     shared_dir = ("training.output_dir must be one folder every node mounts at the same path (a shared file "
                   "system: docs/training.md, 'Several nodes')")
     if failed:
-        lines = tuple(f"rank {v.rank}: {v.reason}" for v in failed)
+        alike: dict[str, list[int]] = {}
+        for v in failed:
+            alike.setdefault(str(v.reason), []).append(v.rank)
+        line_of = {rank: f"{_ranks(ranks)}: {reason}" for reason, ranks in alike.items() for rank in ranks}
         code = 2 if any(v.code == 2 for v in failed) else max(v.code for v in failed)
         sees = [v for v in views if v.reason is None and v.checkpoint is not None]
         hint = shared_dir if sees else "Fix what each named rank reports, then launch again"
-        return Disagreement(lines, code, hint)
+        return Disagreement(tuple(dict.fromkeys(line_of[v.rank] for v in failed)), code, hint, line_of)
     first = views[0]
     if all((v.checkpoint, v.step, v.digest) == (first.checkpoint, first.step, first.digest) for v in views):
         return None
-    lines = tuple(f"rank {v.rank}: sees {v.shown()}" + (
+    line_of = {v.rank: f"rank {v.rank}: sees {v.shown()}" + (
         " (another copy of the same name)" if v.checkpoint == first.checkpoint and v.digest != first.digest
-        and v.rank else "") for v in views)
-    return Disagreement(("the ranks would not start from the same checkpoint",) + lines, 2, shared_dir)
+        and v.rank else "") for v in views}
+    return Disagreement(("the ranks would not start from the same checkpoint", *line_of.values()), 2, shared_dir,
+                        line_of)
+
+
+def _ranks(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    shown = ", ".join(map(str, ranks[:8]))
+    return f"ranks {shown}" + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
