@@ -52,7 +52,10 @@ def agreed_start(checks: Callable[[], T], checkpoint_of: Callable[[T], Optional[
         if failure is not None:
             raise failure
         return outcome
-    view = failure_view(rank, *_reason(failure)) if failure is not None else checkpoint_view(rank, checkpoint_of(outcome))
+    if failure is not None:
+        view = failure_view(rank, *_reason(failure))
+    else:
+        view = checkpoint_view(rank, checkpoint_of(outcome))
     try:
         views = exchange_views(view, world_size)
     except ConnectionError as exc:
