@@ -287,3 +287,47 @@ def read_until_ready(process: subprocess.Popen, prefix: str, timeout_s: float) -
             return line[len(prefix):].strip(), lines
     process.kill()
     raise AssertionError("the server did not become ready:\n" + "".join(lines))
+
+
+SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def launch_bounded(commands: list[list[str]], guard_s: float) -> list[tuple[int, str]]:
+    """Start every command at once (each in its own process group, single-threaded) and return each one's (exit
+    code, stdout+stderr); all are killed, and the test fails naming a hang, if one still runs after ``guard_s``."""
+    import os
+    import signal
+
+    procs = [subprocess.Popen(cmd, env={**os.environ, **SINGLE_THREAD_ENV}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True) for cmd in commands]
+    results = []
+    deadline = time.monotonic() + guard_s
+    try:
+        for proc in procs:
+            output, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            results.append((proc.returncode, output))
+    except subprocess.TimeoutExpired:
+        outputs = []
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            outputs.append(proc.communicate(timeout=30)[0][-3000:])
+        raise AssertionError(f"a process still ran after {guard_s} s (a hang):\n" + "\n---\n".join(outputs))
+    return results
+
+
+def torchrun_two_agents(target: list[str], per_node: tuple[list[str], list[str]] = ([], []), *,
+                        static: bool = False, guard_s: float = 300) -> list[tuple[int, str]]:
+    """Two torchrun agents on 127.0.0.1 as two "nodes" (``--nnodes 2 --nproc_per_node 1``) running ``target`` plus
+    each node's own arguments: a c10d rendezvous like examples/slurm_2nodes.sbatch, or ``static`` (``--node_rank``
+    makes the first agent rank 0). Each agent's (exit code, output)."""
+    import sys
+
+    port = free_port()
+    commands = []
+    for node, extra in enumerate(per_node):
+        where = (["--node_rank", str(node), "--master_addr", "127.0.0.1", "--master_port", str(port)] if static else
+                 ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "two-nodes"])
+        commands.append([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+                         *where, *target, *extra])
+    return launch_bounded(commands, guard_s)

@@ -9,7 +9,9 @@ The API other command modules use (stable names; light imports only: typer, rich
 - ``safe(value)``: a user-supplied string (key, value, path, a message quoting user input) made safe to embed in
   Rich markup: control characters escaped (ESC prints as ``\\x1b``), then markup escaped. ``plain(value)`` escapes
   the control characters only (for text written without Rich).
-- ``is_rank_zero()``; ``fail(message, hint, code)`` prints ``✗ message. hint`` on rank 0 and exits with ``code``.
+- ``is_rank_zero()``; ``fail(message, hint, code)`` prints ``✗ message. hint`` (on rank 0; another rank prints it as
+  one line prefixed ``[rank k]``) and exits with ``code``; inside ``failures_deferred()`` it only raises its
+  ``Failure`` (message, hint, code) for the caller to report with ``print_failure``.
 - ``issue_line`` / ``print_invalid_report``: how a config problem and an invalid file's report are printed.
 - ``load_run(path, as_json=...)``: validate a config and build its run contract, or print the report and exit 2.
 - ``guarded(command)``: wrap a command function (``app.command("name")(guarded(fn))``). An exception escaping it
@@ -20,6 +22,7 @@ The API other command modules use (stable names; light imports only: typer, rich
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -27,7 +30,7 @@ import re
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, Callable, NoReturn, Optional, Sequence, TextIO, TypeVar
+from typing import Any, Callable, Iterator, NoReturn, Optional, Sequence, TextIO, TypeVar
 
 import typer
 from rich.console import Console
@@ -46,8 +49,8 @@ from coordexp.optional_deps import as_external_error
 
 __all__ = [
     "EXIT_OK", "EXIT_INTERNAL", "EXIT_INVALID", "EXIT_EXTERNAL", "EXIT_INTERRUPTED", "DEBUG_ENV",
-    "out", "err", "safe", "plain", "is_rank_zero", "fail", "issue_line", "print_invalid_report", "load_run",
-    "load_run_and_config", "validate_with_overrides",
+    "out", "err", "safe", "plain", "is_rank_zero", "fail", "Failure", "failures_deferred", "print_failure",
+    "issue_line", "print_invalid_report", "load_run", "load_run_and_config", "validate_with_overrides",
     "guarded", "report_exception", "error_payload", "write_result",
 ]
 
@@ -108,11 +111,48 @@ def _sentence(message: str, hint: str = "") -> str:
     return text
 
 
-def fail(message: str, hint: str = "", code: int = EXIT_INVALID) -> NoReturn:
-    """Print ``✗ message. hint`` on stderr (rank 0) and exit with ``code`` (default 2, user input)."""
+class Failure(typer.Exit):
+    """What :func:`fail` raises: the exit ``code`` with its ``message`` and ``hint``; ``shown`` when this rank has
+    already printed it (an invalid config's full report)."""
+
+    def __init__(self, message: str, hint: str = "", code: int = EXIT_INVALID, *, shown: bool = False) -> None:
+        super().__init__(code)
+        self.message, self.hint, self.shown = message, hint, shown
+
+
+_deferred: list[bool] = []
+
+
+@contextlib.contextmanager
+def failures_deferred() -> Iterator[None]:
+    """Inside, :func:`fail` raises its :class:`Failure` without printing it (the caller reports it, e.g. once every
+    rank's outcome is known)."""
+    _deferred.append(True)
+    try:
+        yield
+    finally:
+        _deferred.pop()
+
+
+def print_failure(message: str, hint: str = "") -> None:
+    """``✗ message. hint`` on stderr: in full on rank 0, as one line prefixed ``[rank k]`` on any other rank (a
+    rank's reason may be its own: a file its node lacks)."""
     if is_rank_zero():
         err.print(f"[red]✗[/red] {_sentence(message, hint)}")
-    raise typer.Exit(code)
+    else:
+        err.print(f"{_rank_prefix()}[red]✗[/red] {_sentence(' '.join(message.split()), hint)}")
+
+
+def _rank_prefix() -> str:
+    rank = os.environ.get("RANK", "0") or "0"
+    return "" if rank == "0" else safe(f"[rank {rank}] ")
+
+
+def fail(message: str, hint: str = "", code: int = EXIT_INVALID) -> NoReturn:
+    """Print ``✗ message. hint`` on stderr (:func:`print_failure`) and exit with ``code`` (default 2, user input)."""
+    if not _deferred:
+        print_failure(message, hint)
+    raise Failure(message, hint, code)
 
 
 def issue_line(issue: Any, top_file: Optional[str]) -> str:
@@ -156,15 +196,17 @@ def load_run_and_config(path: Path, *, as_json: bool = False, overrides: Sequenc
             return build_contract(report.config), report.config
         except ConfigError as exc:  # a rule only the contract checks: report it like the schema's own
             errors = list(exc.issues)
-    if is_rank_zero():
-        err.print(f"[red]✗[/red] {safe(path)}: {len(errors)} problem(s)")
-        for issue in errors:
-            err.print("  [red]•[/red] " + issue_line(issue, report.path))
-        err.print(f"[dim]Nothing was loaded. Fix the file (`coordexp validate {safe(path)}`).[/dim]")
-        if as_json:
-            write_result(json.dumps({"ok": False, "exit_code": EXIT_INVALID, "path": str(path),
-                                         "errors": [i.to_dict() for i in errors]}, indent=2) + "\n")
-    raise typer.Exit(EXIT_INVALID)
+    summary = f"{path}: {len(errors)} problem(s)" + (f", the first: {errors[0].render()}" if errors else "")
+    if not is_rank_zero():
+        fail(summary)  # one line on another rank (its node may lack a file the config names)
+    err.print(f"[red]✗[/red] {safe(path)}: {len(errors)} problem(s)")
+    for issue in errors:
+        err.print("  [red]•[/red] " + issue_line(issue, report.path))
+    err.print(f"[dim]Nothing was loaded. Fix the file (`coordexp validate {safe(path)}`).[/dim]")
+    if as_json:
+        write_result(json.dumps({"ok": False, "exit_code": EXIT_INVALID, "path": str(path),
+                                 "errors": [i.to_dict() for i in errors]}, indent=2) + "\n")
+    raise Failure(summary, shown=True)
 
 
 def validate_with_overrides(path: Path, overrides: Sequence[str]) -> Any:
@@ -199,11 +241,13 @@ def report_exception(exc: BaseException, *, as_json: bool = False) -> int:
     """Print ``exc`` the way the CLI reports errors (see the module docstring) and return its exit code."""
     code = exit_code_for(exc)
     debug = os.environ.get(DEBUG_ENV) == "1"
-    rank = os.environ.get("RANK", "0") or "0"
-    # A user or external error is the same on every rank: rank 0 says it. A bug may be rank-specific: all say it.
+    # Rank 0 says it in full; another rank in one line (its reason may be its own: a file its node lacks), a bug
+    # in full on every rank.
     if not is_rank_zero() and code != EXIT_INTERNAL and not debug:
+        message = getattr(exc, "message", None)
+        print_failure(message if isinstance(message, str) else str(exc), getattr(exc, "hint", "") or "")
         return code
-    prefix = "" if rank == "0" else safe(f"[rank {rank}] ")
+    prefix = _rank_prefix()
     if debug:
         err.print(plain("".join(traceback.format_exception(exc)), multiline=True), markup=False)
     if code == EXIT_INTERNAL:

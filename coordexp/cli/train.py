@@ -191,24 +191,12 @@ def _refuse_drift(config: Path, output_dir: str, effective: list[str], given: li
              "afresh with --overwrite")
 
 
-def train(
-    config: Annotated[Path, typer.Argument(help="YAML run config.", show_default=False)],
-    resume: Annotated[
-        Optional[str], typer.Option("--resume", help="Checkpoint directory to resume from, or 'auto' (newest); "
-                                    "the run record's --set overrides are reused.")
-    ] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the final summary as JSON on stdout.")] = False,
-    overrides: SetOption = None,
-    overwrite: Annotated[bool, typer.Option(
-        "--overwrite", help="Train afresh in a used training.output_dir: once the new run is built, the old run "
-                            "(model, checkpoints, logs, record) is moved to OUTPUT_DIR/.previous/<time>.")] = False,
-) -> None:
-    """Train from a YAML config (stage 1 or stage 2); everything else comes from the file (and --set)."""
-    given = list(overrides or [])
+def _start_point(config: Path, *, resume: Optional[str], given: list[str], overwrite: bool,
+                 as_json: bool) -> tuple[Any, list[str], Optional[str]]:
+    """This rank's start checks (exit 2/3 naming what to fix): the config validates (with ``--set``); with
+    ``--resume`` the run record's overrides are replayed and drift refused; packages, the output folder and the
+    checkpoint to resume are checked. Returns the run, its effective overrides and the checkpoint (None: fresh)."""
     run, _ = load_run_and_config(config, as_json=as_json, overrides=given)
-    if resume is not None and overwrite:
-        fail("--resume and --overwrite contradict each other", "Pass --resume to continue the run, or --overwrite "
-             "to start it afresh")
     effective = given
     if resume is not None:
         effective = _replayed_overrides(run.training.output_dir, given)
@@ -229,11 +217,37 @@ def train(
         if problem is not None:
             fail(f"--resume {resume_from}: {problem}", "Resume from an earlier checkpoint-N (--resume PATH), or "
                  "train afresh with --overwrite")
-        if is_rank_zero():
-            err.print(f"resuming from {safe(resume_from)}")
-            note = _restretch_note(resume_from, run.training)
-            if note:
-                err.print(f"[yellow]![/yellow] {safe(note)}")
+    return run, effective, resume_from
+
+
+def train(
+    config: Annotated[Path, typer.Argument(help="YAML run config.", show_default=False)],
+    resume: Annotated[
+        Optional[str], typer.Option("--resume", help="Checkpoint directory to resume from, or 'auto' (newest); "
+                                    "the run record's --set overrides are reused.")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the final summary as JSON on stdout.")] = False,
+    overrides: SetOption = None,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Train afresh in a used training.output_dir: once the new run is built, the old run "
+                            "(model, checkpoints, logs, record) is moved to OUTPUT_DIR/.previous/<time>.")] = False,
+) -> None:
+    """Train from a YAML config (stage 1 or stage 2); everything else comes from the file (and --set)."""
+    given = list(overrides or [])
+    if resume is not None and overwrite:
+        fail("--resume and --overwrite contradict each other", "Pass --resume to continue the run, or --overwrite "
+             "to start it afresh")
+    from coordexp.cli.rank_start import agreed_start
+
+    # Every rank checks how it would start; under torchrun they agree (one checkpoint) before the model loads.
+    run, effective, resume_from = agreed_start(
+        lambda: _start_point(config, resume=resume, given=given, overwrite=overwrite, as_json=as_json),
+        lambda outcome: outcome[2])
+    if resume_from is not None and is_rank_zero():
+        err.print(f"resuming from {safe(resume_from)}")
+        note = _restretch_note(resume_from, run.training)
+        if note:
+            err.print(f"[yellow]![/yellow] {safe(note)}")
 
     done = _finished(resume_from, run.training.max_steps)
     if done is not None:

@@ -86,6 +86,14 @@ def _app_raising(exc: BaseException) -> typer.Typer:
     return test_app
 
 
+def _app_failing() -> typer.Typer:
+    """A one-command app whose command calls ``frame.fail``."""
+    test_app = typer.Typer()
+    test_app.command("boom")(frame.guarded(lambda: frame.fail("no checkpoint here", "Pass one")))
+    test_app.command("other")(lambda: None)
+    return test_app
+
+
 @pytest.mark.parametrize(("build", "code"), CASES, ids=[b.__name__ for b, _ in CASES])
 def test_each_error_class_exits_with_its_code_and_no_traceback(build, code, monkeypatch):
     monkeypatch.delenv("COORDEXP_DEBUG", raising=False)
@@ -128,11 +136,19 @@ def test_interrupt_exits_130(monkeypatch):
     assert result.exit_code == 130 and "interrupted" in result.stderr
 
 
-def test_other_ranks_stay_quiet_for_user_errors_but_report_bugs(monkeypatch):
+def test_other_ranks_say_their_user_errors_in_one_line_and_report_bugs_in_full(monkeypatch, write_config):
+    """A rank's reason may be its own (a file its node lacks, issue 55): every rank says it, rank 0 in full."""
     monkeypatch.setenv("RANK", "1")
     monkeypatch.delenv("COORDEXP_DEBUG", raising=False)
-    quiet = runner.invoke(_app_raising(CASES[6][0]()), ["boom"], catch_exceptions=False)
-    assert quiet.exit_code == 2 and quiet.stderr == ""
+    short = runner.invoke(_app_raising(CASES[6][0]()), ["boom"], catch_exceptions=False)
+    assert short.exit_code == 2 and short.stderr.startswith("[rank 1] ✗ ") and short.stderr.count("\n") == 1
+    failed = runner.invoke(_app_failing(), ["boom"], catch_exceptions=False)
+    assert failed.exit_code == 2 and failed.stderr == "[rank 1] ✗ no checkpoint here. Pass one\n"
+    # a config that does not validate: one line naming the first problem (rank 0 lists them all)
+    invalid = runner.invoke(app, ["train", str(write_config({"rollout_matching": {"decode_batch_size": -3}}))],
+                            catch_exceptions=False)
+    assert invalid.exit_code == 2 and invalid.stderr.count("\n") == 1, invalid.stderr
+    assert invalid.stderr.startswith("[rank 1] ✗ ") and "problem(s), the first: rollout_matching." in invalid.stderr
     bug = runner.invoke(_app_raising(RuntimeError("rank-local bug")), ["boom"], catch_exceptions=False)
     assert bug.exit_code == 1 and "[rank 1]" in bug.stderr and "rank-local bug" in bug.stderr
 

@@ -22,7 +22,7 @@ import yaml
 pytest.importorskip("coordexp.runtime.server.app", reason="coordexp serve-rollout is not part of this build yet")
 
 
-from testkit import REPO, ServeRolloutProcess, free_port, server_rollout  # noqa: E402
+from testkit import REPO, ServeRolloutProcess, free_port, server_rollout, torchrun_two_agents  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -92,6 +92,8 @@ def run_torchrun(config: Path, out_dir: Path) -> tuple[int, str, float]:
 
 
 def test_two_rank_learner_trains_three_steps_against_one_server(tmp_path, write_config, start_server):
+    """One agent's 2-process learner, then the same config as two torchrun agents on 127.0.0.1 (``--nnodes 2``,
+    two "nodes", issue 55): the same losses and weights, both rolled out by the server."""
     server = start_server()
     code, stderr, _ = run_torchrun(learner_config(write_config, tmp_path, server), tmp_path)
     assert code == 0, stderr[-4000:]
@@ -107,6 +109,18 @@ def test_two_rank_learner_trains_three_steps_against_one_server(tmp_path, write_
     assert status["weights_version"] == 3
     assert [op["op"] for op in status["recent"]] == ["init_communicator"] + ["update_flattened_params"] * 3
     assert all(op["ok"] for op in status["recent"])
+
+    nodes = tmp_path / "two_agents"  # its own weight-sync group port and output folder; the first push resets
+    nodes.mkdir()                    # the server to the initial weights
+    config = learner_config(write_config, tmp_path, server, training={"output_dir": str(nodes / "run")})
+    for agent_code, output in torchrun_two_agents([str(ENTRY), str(config), str(nodes)]):
+        assert agent_code == 0, output[-4000:]
+    two = [json.loads((nodes / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [(r["world_size"], r["global_step"]) for r in two] == [(2, 3), (2, 3)]
+    assert two[0]["losses"] == ranks[0]["losses"] and len(two[0]["losses"]) == 3
+    assert two[0]["params_sha256"] == two[1]["params_sha256"] == ranks[0]["params_sha256"]
+    assert two[0]["rollout_samples"] == [4, 4, 4]
+    assert server.sync_status()["failed"] == 0
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])

@@ -42,6 +42,7 @@ def main(config_path: str, out_dir: str) -> int:
         "world_size": int(os.environ.get("WORLD_SIZE", "1")),
         "distributed": torch.distributed.is_initialized(),
         "global_step": trainer.state.global_step,
+        "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
         "rollout_samples": [h.get("rollout/samples") for h in trainer.state.log_history if "loss" in h],
         "staleness_max": [h.get("rollout/staleness_max") for h in trainer.state.log_history if "loss" in h],
         "params_sha256": digest.hexdigest(),

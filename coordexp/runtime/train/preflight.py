@@ -134,17 +134,22 @@ def _visible_gpus() -> int:
 
 def run_preflight(config_path: str | Path, *, learner_world_size: int = 1, health_timeout_s: float | None = None,
                   launch: bool = False, server_world_size: int = 1, num_gpus: int | None = None,
-                  sample_records: int = 8, validate: Callable[[Any], Any] | None = None) -> PreflightReport:
+                  sample_records: int = 8, validate: Callable[[Any], Any] | None = None,
+                  nnodes: int | None = None) -> PreflightReport:
     """Run every check (module docstring); never raises for user or server problems, the report says what is wrong.
-    ``validate`` reads the config into a validation report (default: the file as it is; the CLI's applies --set)."""
+    ``validate`` reads the config into a validation report (default: the file as it is; the CLI's applies --set).
+    ``nnodes``: the launch's node count (``learner_world_size`` ranks in all, the same number on each node) adds
+    what each node needs (:mod:`coordexp.runtime.train.preflight_nodes`)."""
     from coordexp.schema.contract import VllmServerContract, build_contract
     from coordexp.schema.errors import ConfigError
     from coordexp.schema.loader import validate_config_file
 
     checks: list[PreflightCheck] = []
 
+    nodes: dict[str, Any] = {}
+
     def done(wiring: dict | None = None) -> PreflightReport:
-        return PreflightReport(exit_code_of(checks), tuple(checks), wiring or {})
+        return PreflightReport(exit_code_of(checks), tuple(checks), {**nodes, **(wiring or {})})
 
     try:
         report = (validate or validate_config_file)(config_path)
@@ -179,6 +184,11 @@ def run_preflight(config_path: str | Path, *, learner_world_size: int = 1, healt
     except ConfigError as exc:
         checks.extend(_failed("sync mode", i.render(), EXIT_INVALID) for i in exc.issues)
 
+    if nnodes is not None:
+        from coordexp.runtime.train.preflight_nodes import node_checks
+
+        node_report, nodes["nodes"] = node_checks(run, nnodes, learner_world_size // nnodes)
+        checks.extend(node_report)
     _check_model(Path(run.model.path), checks)
     if stage2:
         checks.extend(stage2_start_checks(run))
