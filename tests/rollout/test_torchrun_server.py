@@ -9,11 +9,6 @@ a loopback server. Everything listens on 127.0.0.1; every wait is bounded and ev
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,13 +17,12 @@ import yaml
 pytest.importorskip("coordexp.runtime.server.app", reason="coordexp serve-rollout is not part of this build yet")
 
 
-from testkit import REPO, ServeRolloutProcess, free_port, server_rollout  # noqa: E402
+from testkit import REPO, SINGLE_THREAD, ServeRolloutProcess, free_port, server_rollout, torchrun_process  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 ENTRY = Path(__file__).with_name("torchrun_server_entry.py")
 TORCHRUN_TIMEOUT_S = 300
-SINGLE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 TRAINING = {
     "per_device_train_batch_size": 2,
     "gradient_accumulation_steps": 1,
@@ -77,18 +71,7 @@ def learner_config(write_config, tmp_path: Path, server: ServeRolloutProcess, *,
 
 def run_torchrun(config: Path, out_dir: Path) -> tuple[int, str, float]:
     """(exit code, combined stderr, seconds) of a 2-process torchrun; the whole process group dies on timeout."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ENTRY), str(config), str(out_dir)]
-    start = time.monotonic()
-    proc = subprocess.Popen(cmd, env={**os.environ, **SINGLE_THREAD}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        _, stderr = proc.communicate(timeout=TORCHRUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        _, stderr = proc.communicate(timeout=30)
-        raise AssertionError(f"torchrun did not finish within {TORCHRUN_TIMEOUT_S} s (deadlock?):\n{stderr[-4000:]}")
-    return proc.returncode, stderr, time.monotonic() - start
+    return torchrun_process(ENTRY, config, out_dir, TORCHRUN_TIMEOUT_S)
 
 
 def test_two_rank_learner_trains_three_steps_against_one_server(tmp_path, write_config, start_server):
