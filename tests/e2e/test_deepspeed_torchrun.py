@@ -63,14 +63,15 @@ def assert_multi_row_with_padding(ranks: list[dict]) -> None:
     assert sum(r["padding_rows"] for r in ranks) > 0  # and the ranks' row counts differed somewhere
 
 
-def test_stage1_packed_zero2_and_zero3_train_like_ddp(tmp_path, write_config):
+def test_stage1_packed_zero2_trains_like_ddp(tmp_path, write_config):
+    """ZeRO-3's packed rows (the same row loop, padding rows and losses, on rollouts' targets) are checked against
+    DDP by the stage-2 test below: a third launch here checked nothing more."""
     stage1 = {"custom": {"trainer_variant": "stage1_sft"}}
     ddp = run(write_config, tmp_path, "ddp", None, **stage1)
     assert all(r["padding_rows"] == 0 for r in ddp)  # DDP rows need no padding
-    for preset in ("zero2", "zero3"):
-        ranks = run(write_config, tmp_path, preset, preset, **stage1)
-        assert_same_training(ddp, ranks)
-        assert_multi_row_with_padding(ranks)
+    zero2 = run(write_config, tmp_path, "zero2", "zero2", **stage1)
+    assert_same_training(ddp, zero2)
+    assert_multi_row_with_padding(zero2)
 
 
 def test_stage2_zero3_hf_rollouts_and_evaluation_on_gathered_weights_like_ddp(tmp_path, write_config, dataset):

@@ -74,30 +74,13 @@ def run_torchrun(config: Path, out_dir: Path) -> tuple[int, str, float]:
     return torchrun_process(ENTRY, config, out_dir, TORCHRUN_TIMEOUT_S)
 
 
-def test_two_rank_learner_trains_three_steps_against_one_server(tmp_path, write_config, start_server):
-    server = start_server()
-    code, stderr, _ = run_torchrun(learner_config(write_config, tmp_path, server), tmp_path)
-    assert code == 0, stderr[-4000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert all(r["distributed"] and r["world_size"] == 2 for r in ranks)
-    assert [r["global_step"] for r in ranks] == [3, 3]
-    assert ranks[0]["params_sha256"] == ranks[1]["params_sha256"]  # DDP replicas agree after every step
-    assert ranks[0]["rollout_samples"] == [4, 4, 4]  # 2 ranks x batch 2, every one rolled out by the server
-    status = server.sync_status()
-    # Rank 0 alone pushed before each of the 3 steps' rollouts (initial weights, after step 1, after step 2):
-    # one communicator set-up, then one full-weight receive per push (the tiny model fits in one bucket).
-    assert status["communicator"] == "ready" and status["failed"] == 0 and status["last_error"] is None
-    assert status["weights_version"] == 3
-    assert [op["op"] for op in status["recent"]] == ["init_communicator"] + ["update_flattened_params"] * 3
-    assert all(op["ok"] for op in status["recent"])
-
-
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 def test_two_ranks_evaluate_an_odd_validation_set_every_step(tmp_path, write_config, start_server, dataset, overlap):
-    """Evaluation under torchrun: 5 validation images on 2 ranks (shards of 3 and 2, chunks of 2: 2 vs 1 backend
-    calls) with ``eval_steps: 1``. Each rank rolls out its own shard, the weights are pushed once per optimizer step
-    (never per evaluation chunk, so no rank issues a collective the other does not), and the scored rollouts are
-    gathered for AP over all 5 images (the gathered counters once crashed pickling a read-only mapping)."""
+    """A 2-rank learner against one server, evaluating 5 validation images on 2 ranks (shards of 3 and 2, chunks
+    of 2: 2 vs 1 backend calls) with ``eval_steps: 1``. Each rank rolls out its training batch and its own
+    evaluation shard through the server, rank 0 alone pushes the weights once per optimizer step (never per
+    evaluation chunk, so no rank issues a collective the other does not), and the scored rollouts are gathered for
+    AP over all 5 images (the gathered counters once crashed pickling a read-only mapping)."""
     val = tmp_path / "val5.jsonl"  # 5 of the dataset's images (the server may read only under its image root)
     val.write_text("".join(line + "\n" for line in dataset.train_jsonl.read_text().splitlines()[:5]))
     steps = 2
@@ -108,14 +91,21 @@ def test_two_ranks_evaluate_an_odd_validation_set_every_step(tmp_path, write_con
     code, stderr, _ = run_torchrun(config, tmp_path)
     assert code == 0, stderr[-4000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert all(r["distributed"] and r["world_size"] == 2 for r in ranks)
     assert [r["global_step"] for r in ranks] == [steps, steps]
-    assert ranks[0]["params_sha256"] == ranks[1]["params_sha256"]
+    assert ranks[0]["params_sha256"] == ranks[1]["params_sha256"]  # DDP replicas agree after every step
+    assert ranks[0]["rollout_samples"] == [4] * steps  # 2 ranks x batch 2, every one rolled out by the server
     # one evaluation per step on both ranks, each over all 5 images (gathered from both shards)
     assert [r["eval_images"] for r in ranks] == [[5.0] * steps] * 2
     # one weight-sync point per optimizer step (0 for step 0's rollouts, then each evaluated step), the same on both
     assert ranks[0]["sync_points"] == ranks[1]["sync_points"] == list(range(steps + 1))
     status = server.sync_status()
-    assert status["failed"] == 0 and status["weights_version"] == steps + 1
+    # rank 0 alone pushed at each sync point: one communicator set-up, then one full-weight receive per push (the
+    # tiny model fits in one bucket)
+    assert status["communicator"] == "ready" and status["failed"] == 0 and status["last_error"] is None
+    assert status["weights_version"] == steps + 1
+    assert [op["op"] for op in status["recent"]] == ["init_communicator"] + ["update_flattened_params"] * (steps + 1)
+    assert all(op["ok"] for op in status["recent"])
 
 
 def test_two_ranks_stay_in_lockstep_with_overlap_on(tmp_path, write_config, start_server, dataset):
