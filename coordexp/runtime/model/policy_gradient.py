@@ -53,9 +53,10 @@ def policy_gradient_loss(logits: torch.Tensor, batch: SupervisionBatch, coord_id
                          reference_log_p: torch.Tensor | None = None, kl_weight: float = 0.0
                          ) -> tuple[torch.Tensor, dict[str, float]]:
     """``-sum(A * log p) / tokens`` over ``batch``'s policy-gradient tokens (``tokens``: the micro-step's count,
-    per rank under DDP or ZeRO, :attr:`LossDenominators.policy_normaliser`; default this batch's own), plus ``kl_weight * sum(k3) / tokens`` with ``reference_log_p`` (module doc), and its
-    figures: the token-mean advantage, log-probability, entropy (nats) and k3 of the trained tokens. Exactly 0,
-    still backpropagating, when the batch has none."""
+    per rank under DDP or ZeRO, :attr:`LossDenominators.policy_normaliser`; default this batch's own), plus
+    ``kl_weight * sum(k3) / tokens`` with ``reference_log_p`` (module doc), and its figures: the token-mean
+    advantage, log-probability, entropy (nats) and k3 of the trained tokens. Exactly 0, still backpropagating, when
+    the batch has none."""
     index = batch.pg_logit_index.to(logits.device)
     count = int(index.numel())
     if count == 0:
