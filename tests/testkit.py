@@ -323,3 +323,8 @@ def torchrun_two_ranks(config: Path, out_dir: Path, timeout_s: float = 420) -> l
     assert all(r["distributed"] and r["world_size"] == 2 for r in ranks)
     assert ranks[0]["params_sha256"] == ranks[1]["params_sha256"]  # every rank ends with the same whole weights
     return ranks
+
+
+def rank_shared_logs(logs: list[dict]) -> list[dict]:
+    """The logged values every rank shares (all but the wall-clock timings, which are each rank's own)."""
+    return [{k: v for k, v in log.items() if not k.startswith("time/") and k != "tokens/trained_per_s"} for log in logs]

@@ -1,4 +1,5 @@
-"""The reward objective trains the same under DDP and ZeRO-2 as in one process (issue 52; docs/design.md, decision 19).
+"""The reward objective trains the same under DDP and ZeRO-2 as in one process (issue 52; docs/design.md, decision 19),
+and its two ranks stay in lockstep: its figures are collectives every rank calls in the same order.
 
 One process at batch 2b against two torchrun ranks (gloo on CPU) at batch b, same records, seeds and steps:
 - the same rollouts: each request's seed is its position in the step's expanded request list (micro-step major,
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from testkit import DDP_ENTRY, torchrun_two_ranks
+from testkit import DDP_ENTRY, rank_shared_logs, torchrun_two_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -97,7 +98,12 @@ def test_reward_objective_under_ddp_and_zero2_trains_like_one_process(tmp_path, 
         if deepspeed and importlib.util.find_spec("deepspeed") is None:
             pytest.skip("deepspeed is not installed (bash scripts/install_deepspeed.sh): DDP checked, ZeRO-2 not")
         ranks_config, ranks_dir = config(name, PER_RANK, deepspeed)
-        ranks = torchrun_two_ranks(ranks_config, tmp_path / f"out_{name}")
+        ranks = torchrun_two_ranks(ranks_config, tmp_path / f"out_{name}")  # both ranks end with the same weights
+        assert [r["global_step"] for r in ranks] == [steps, steps]
+        # the reward figures are collectives every rank calls in the same order: both ranks log the same numbers
+        assert rank_shared_logs(ranks[0]["logs"]) == rank_shared_logs(ranks[1]["logs"]), name
+        for log in ranks[0]["logs"]:  # a rank's groups are its own images' (2 micro-steps x 2 ranks x 2 images)
+            assert log["reward/groups"] == 8 and log["reward/samples"] == log["rollout/samples"] == 16
         per_rank = [_requests(ranks_dir, rank) for rank in (0, 1)]
         # the same requests with the same seeds drew the same rollouts: rank 0's then rank 1's are the one process's
         assert {key: per_rank[0][key] + per_rank[1][key] for key in requests} == requests, name
