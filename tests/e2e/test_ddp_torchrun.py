@@ -1,4 +1,5 @@
-"""Two learner processes under real torchrun (gloo on CPU): stage 2 trains without deadlock and stays in sync."""
+"""Two learner processes under real torchrun (gloo on CPU): stage 2 trains without deadlock and stays in sync (the
+reward objective's two-rank runs: tests/e2e/test_reward_distributed.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from testkit import rank_shared_logs
 
 pytestmark = pytest.mark.slow
 
@@ -23,11 +26,6 @@ def _two_ranks(config: Path, tmp_path: Path) -> list[dict]:
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-
-
-def _reduced(logs: list[dict]) -> list[dict]:
-    """The logged values every rank shares (all but the wall-clock timings, which are each rank's own)."""
-    return [{k: v for k, v in log.items() if not k.startswith("time/") and k != "tokens/trained_per_s"} for log in logs]
 
 
 def test_two_process_stage2_trains_in_lockstep(tmp_path, write_config):
@@ -53,27 +51,5 @@ def test_two_process_stage2_trains_in_lockstep(tmp_path, write_config):
     # DDP all-reduces gradients, so both replicas hold identical weights after every step.
     assert ranks[0]["params_sha256"] == ranks[1]["params_sha256"]
     # Logged values are reduced across ranks (loss, rollout counters, packing): both ranks log the same numbers.
-    assert _reduced(ranks[0]["logs"]) == _reduced(ranks[1]["logs"])
+    assert rank_shared_logs(ranks[0]["logs"]) == rank_shared_logs(ranks[1]["logs"])
     assert all(log["rollout/samples"] == 4 for log in ranks[0]["logs"])  # 2 ranks x batch 2
-
-
-def test_two_process_reward_objective_trains_in_lockstep_with_reduced_reward_figures(tmp_path, write_config):
-    """The reward objective under two learner processes (issue 52): its figures are collectives every rank calls
-    in the same order (no deadlock), both ranks log the same reduced numbers and hold the same weights, and a
-    rank's groups are its own images' (2 ranks x 2 images)."""
-    config = write_config({
-        "training": {"output_dir": str(tmp_path / "run"), "per_device_train_batch_size": 2,
-                     "gradient_accumulation_steps": 1, "max_steps": 2, "logging_steps": 1, "save_steps": 1000,
-                     "packing": False},
-        "global_max_length": 1024,
-        "rollout_matching": {"rollout_backend": "hf", "decode_batch_size": 4, "max_new_tokens": 16,
-                             "objective": "reward", "decoding": {"temperature": 1.0}, "gt_step_share": 0.0,
-                             "reward": {"group_size": 2}},
-    })
-    ranks = _two_ranks(config, tmp_path)
-    assert [r["global_step"] for r in ranks] == [2, 2]
-    assert ranks[0]["params_sha256"] == ranks[1]["params_sha256"]
-
-    assert _reduced(ranks[0]["logs"]) == _reduced(ranks[1]["logs"])
-    for log in ranks[0]["logs"]:
-        assert log["reward/groups"] == 4 and log["reward/samples"] == log["rollout/samples"] == 8

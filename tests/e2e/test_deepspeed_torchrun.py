@@ -12,14 +12,11 @@
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from testkit import SINGLE_THREAD, torchrun_two_ranks
 
 pytestmark = [
     pytest.mark.slow,
@@ -27,9 +24,7 @@ pytestmark = [
                        reason="deepspeed is not installed (bash scripts/install_deepspeed.sh)"),
 ]
 
-ENTRY = Path(__file__).with_name("ddp_entry.py")
 TORCHRUN_TIMEOUT_S = 420
-SINGLE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 # 4 samples of about 360 tokens per rank and micro-step in rows of 512: 1 to 3 rows per micro-step, not the same on
 # both ranks; two micro-steps per optimizer step; no warmup, so every step changes the weights.
 TRAINING = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "max_steps": 2, "logging_steps": 1,
@@ -39,32 +34,12 @@ LOGGED = ("loss", "grad_norm", "loss/token_ce", "loss/coord_reg", "tokens/traine
 REL = 1e-5
 
 
-def torchrun(config: Path, out_dir: Path) -> list[dict]:
-    """Both ranks' reports of a 2-process torchrun of ``config`` (the process group dies on timeout)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ENTRY), str(config), str(out_dir)]
-    proc = subprocess.Popen(cmd, env={**os.environ, **SINGLE_THREAD}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        _, stderr = proc.communicate(timeout=TORCHRUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        _, stderr = proc.communicate(timeout=30)
-        raise AssertionError(f"torchrun did not finish within {TORCHRUN_TIMEOUT_S} s (deadlock?):\n{stderr[-4000:]}")
-    assert proc.returncode == 0, stderr[-4000:]
-    ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert all(r["distributed"] and r["world_size"] == 2 for r in ranks)
-    assert ranks[0]["params_sha256"] == ranks[1]["params_sha256"]  # every rank ends with the same whole weights
-    return ranks
-
-
 def run(write_config, tmp_path: Path, name: str, deepspeed: str | None, **sections) -> list[dict]:
     training = {**TRAINING, "output_dir": str(tmp_path / name), **sections.pop("training", {})}
     if deepspeed is not None:
         training["deepspeed"] = deepspeed
     config = write_config({"global_max_length": 512, "training": training, **sections}, name=f"{name}.yaml")
-    return torchrun(config, tmp_path / f"out_{name}")
+    return torchrun_two_ranks(config, tmp_path / f"out_{name}", TORCHRUN_TIMEOUT_S)
 
 
 def assert_same_training(reference: list[dict], other: list[dict]) -> None:
@@ -88,14 +63,15 @@ def assert_multi_row_with_padding(ranks: list[dict]) -> None:
     assert sum(r["padding_rows"] for r in ranks) > 0  # and the ranks' row counts differed somewhere
 
 
-def test_stage1_packed_zero2_and_zero3_train_like_ddp(tmp_path, write_config):
+def test_stage1_packed_zero2_trains_like_ddp(tmp_path, write_config):
+    """ZeRO-3's packed rows (the same row loop, padding rows and losses, on rollouts' targets) are checked against
+    DDP by the stage-2 test below: a third launch here checked nothing more."""
     stage1 = {"custom": {"trainer_variant": "stage1_sft"}}
     ddp = run(write_config, tmp_path, "ddp", None, **stage1)
     assert all(r["padding_rows"] == 0 for r in ddp)  # DDP rows need no padding
-    for preset in ("zero2", "zero3"):
-        ranks = run(write_config, tmp_path, preset, preset, **stage1)
-        assert_same_training(ddp, ranks)
-        assert_multi_row_with_padding(ranks)
+    zero2 = run(write_config, tmp_path, "zero2", "zero2", **stage1)
+    assert_same_training(ddp, zero2)
+    assert_multi_row_with_padding(zero2)
 
 
 def test_stage2_zero3_hf_rollouts_and_evaluation_on_gathered_weights_like_ddp(tmp_path, write_config, dataset):

@@ -1,6 +1,7 @@
 """The reward objective's loss (issue 52): on a hand-built batch of two images with three rollouts each and known
 rewards, the gradient on every logit equals the closed form ``-A_t / N * (onehot(y_t) - softmax(z_t))``; a group
-of equal rewards moves nothing; rows of a packed step add up to the step; the SFT part adds at its weight."""
+of equal rewards moves nothing; rows of a packed step add up to the step, and ranks' averaged gradients to one
+process's; the SFT part adds at its weight."""
 
 from __future__ import annotations
 
@@ -169,3 +170,37 @@ def test_policy_tokens_are_checked_like_every_other_supervision():
     nan = replace(_pg_supervision(2, 0.0), pg_advantages=np.array([0.0, np.nan], np.float32))
     with pytest.raises(ValueError, match="pg_advantages must be finite"):
         SupervisionBatch.from_segments([SupervisionSegment(nan, [1, 2], 0, 1)], SEQ_LEN)
+
+
+def test_ranks_dividing_by_the_tokens_of_all_ranks_average_to_one_process(stage2_config):
+    """DDP and ZeRO average the ranks' gradients: with the step's policy tokens over all ranks (the trainer's
+    reduction), two ranks holding 11 and 7 of the 18 tokens average to the one-process loss and gradient; each
+    rank's own count would not (decision 19)."""
+    from coordexp.schema.pipeline import PipelineConfig
+
+    pipeline = PipelineConfig.model_validate(stage2_config["rollout_matching"]["pipeline"])
+    advantages = _production_advantages()
+    whole_batch = SupervisionBatch.from_segments(_segments(advantages), SEQ_LEN)
+    logits = _logits(4).requires_grad_(True)
+    whole = reward_objective(logits, whole_batch, COORD_IDS, pipeline, None, 0.0)
+    whole.total.backward()
+    ranks = [SupervisionBatch.from_segments(_segments(advantages, part), SEQ_LEN) for part in (LAYOUT[:4], LAYOUT[4:])]
+    own = [LossDenominators.of(rank) for rank in ranks]
+    assert [d.policy_tokens for d in own] == [11, 7]
+    every = replace(own[0] + own[1], policy_ranks=2)
+
+    def averaged(denominators: list[LossDenominators]) -> tuple[float, torch.Tensor, dict[str, float]]:
+        split = _logits(4).requires_grad_(True)
+        results = [reward_objective(split, rank, COORD_IDS, pipeline, d, 0.0) for rank, d in zip(ranks, denominators)]
+        mean = sum(r.total for r in results) / 2
+        mean.backward()  # the ranks' gradients, averaged
+        terms = {k: sum(r.terms[k] for r in results) / 2 for k in whole.terms}  # the logged mean over ranks
+        return float(mean.detach()), split.grad, terms
+
+    loss, grad, terms = averaged([every, every])
+    assert loss == pytest.approx(float(whole.total.detach()), rel=1e-6)
+    torch.testing.assert_close(grad, logits.grad)
+    assert terms == pytest.approx(whole.terms, rel=1e-6)
+    local_loss, local_grad, _ = averaged(own)
+    assert local_loss != pytest.approx(float(whole.total.detach()), rel=1e-3)
+    assert not torch.allclose(local_grad, logits.grad)

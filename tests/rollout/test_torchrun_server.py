@@ -9,11 +9,6 @@ a loopback server. Everything listens on 127.0.0.1; every wait is bounded and ev
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,13 +17,13 @@ import yaml
 pytest.importorskip("coordexp.runtime.server.app", reason="coordexp serve-rollout is not part of this build yet")
 
 
-from testkit import REPO, ServeRolloutProcess, free_port, server_rollout, torchrun_two_agents  # noqa: E402
+from testkit import (REPO, SINGLE_THREAD, ServeRolloutProcess, free_port, server_rollout,  # noqa: E402
+                     torchrun_process, torchrun_two_agents)
 
 pytestmark = pytest.mark.slow
 
 ENTRY = Path(__file__).with_name("torchrun_server_entry.py")
 TORCHRUN_TIMEOUT_S = 300
-SINGLE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 TRAINING = {
     "per_device_train_batch_size": 2,
     "gradient_accumulation_steps": 1,
@@ -77,58 +72,21 @@ def learner_config(write_config, tmp_path: Path, server: ServeRolloutProcess, *,
 
 def run_torchrun(config: Path, out_dir: Path) -> tuple[int, str, float]:
     """(exit code, combined stderr, seconds) of a 2-process torchrun; the whole process group dies on timeout."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ENTRY), str(config), str(out_dir)]
-    start = time.monotonic()
-    proc = subprocess.Popen(cmd, env={**os.environ, **SINGLE_THREAD}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        _, stderr = proc.communicate(timeout=TORCHRUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        _, stderr = proc.communicate(timeout=30)
-        raise AssertionError(f"torchrun did not finish within {TORCHRUN_TIMEOUT_S} s (deadlock?):\n{stderr[-4000:]}")
-    return proc.returncode, stderr, time.monotonic() - start
-
-
-def test_two_rank_learner_trains_three_steps_against_one_server(tmp_path, write_config, start_server):
-    """One agent's 2-process learner, then the same config as two torchrun agents on 127.0.0.1 (``--nnodes 2``,
-    two "nodes", issue 55): the same losses and weights, both rolled out by the server."""
-    server = start_server()
-    code, stderr, _ = run_torchrun(learner_config(write_config, tmp_path, server), tmp_path)
-    assert code == 0, stderr[-4000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert all(r["distributed"] and r["world_size"] == 2 for r in ranks)
-    assert [r["global_step"] for r in ranks] == [3, 3]
-    assert ranks[0]["params_sha256"] == ranks[1]["params_sha256"]  # DDP replicas agree after every step
-    assert ranks[0]["rollout_samples"] == [4, 4, 4]  # 2 ranks x batch 2, every one rolled out by the server
-    status = server.sync_status()
-    # Rank 0 alone pushed before each of the 3 steps' rollouts (initial weights, after step 1, after step 2):
-    # one communicator set-up, then one full-weight receive per push (the tiny model fits in one bucket).
-    assert status["communicator"] == "ready" and status["failed"] == 0 and status["last_error"] is None
-    assert status["weights_version"] == 3
-    assert [op["op"] for op in status["recent"]] == ["init_communicator"] + ["update_flattened_params"] * 3
-    assert all(op["ok"] for op in status["recent"])
-
-    nodes = tmp_path / "two_agents"  # its own weight-sync group port and output folder; the first push resets
-    nodes.mkdir()                    # the server to the initial weights
-    config = learner_config(write_config, tmp_path, server, training={"output_dir": str(nodes / "run")})
-    for agent_code, output in torchrun_two_agents([str(ENTRY), str(config), str(nodes)]):
-        assert agent_code == 0, output[-4000:]
-    two = [json.loads((nodes / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert [(r["world_size"], r["global_step"]) for r in two] == [(2, 3), (2, 3)]
-    assert two[0]["losses"] == ranks[0]["losses"] and len(two[0]["losses"]) == 3
-    assert two[0]["params_sha256"] == two[1]["params_sha256"] == ranks[0]["params_sha256"]
-    assert two[0]["rollout_samples"] == [4, 4, 4]
-    assert server.sync_status()["failed"] == 0
+    return torchrun_process(ENTRY, config, out_dir, TORCHRUN_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 def test_two_ranks_evaluate_an_odd_validation_set_every_step(tmp_path, write_config, start_server, dataset, overlap):
-    """Evaluation under torchrun: 5 validation images on 2 ranks (shards of 3 and 2, chunks of 2: 2 vs 1 backend
-    calls) with ``eval_steps: 1``. Each rank rolls out its own shard, the weights are pushed once per optimizer step
-    (never per evaluation chunk, so no rank issues a collective the other does not), and the scored rollouts are
-    gathered for AP over all 5 images (the gathered counters once crashed pickling a read-only mapping)."""
+    """A 2-rank learner against one server, evaluating 5 validation images on 2 ranks (shards of 3 and 2, chunks
+    of 2: 2 vs 1 backend calls) with ``eval_steps: 1``. Each rank rolls out its training batch and its own
+    evaluation shard through the server, rank 0 alone pushes the weights once per optimizer step (never per
+    evaluation chunk, so no rank issues a collective the other does not), and the scored rollouts are gathered for
+    AP over all 5 images (the gathered counters once crashed pickling a read-only mapping). With overlap on (issue
+    14's acceptance), two steps cover one epoch of the 8-record dataset (2 ranks x batch 2 x 2 steps), so step 1's
+    rollouts are the ones prefetched while step 0 trained, and the ranks stay in lockstep. Without overlap, the same
+    config then runs as two torchrun agents (``--nnodes 2``, issue 55) with the same losses and weights."""
+    from coordexp.runtime.train.run_log import read_run_log
+
     val = tmp_path / "val5.jsonl"  # 5 of the dataset's images (the server may read only under its image root)
     val.write_text("".join(line + "\n" for line in dataset.train_jsonl.read_text().splitlines()[:5]))
     steps = 2
@@ -139,32 +97,25 @@ def test_two_ranks_evaluate_an_odd_validation_set_every_step(tmp_path, write_con
     code, stderr, _ = run_torchrun(config, tmp_path)
     assert code == 0, stderr[-4000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert all(r["distributed"] and r["world_size"] == 2 for r in ranks)
     assert [r["global_step"] for r in ranks] == [steps, steps]
-    assert ranks[0]["params_sha256"] == ranks[1]["params_sha256"]
+    assert ranks[0]["params_sha256"] == ranks[1]["params_sha256"]  # DDP replicas agree after every step
+    assert ranks[0]["rollout_samples"] == [4] * steps  # 2 ranks x batch 2, every one rolled out by the server
     # one evaluation per step on both ranks, each over all 5 images (gathered from both shards)
     assert [r["eval_images"] for r in ranks] == [[5.0] * steps] * 2
     # one weight-sync point per optimizer step (0 for step 0's rollouts, then each evaluated step), the same on both
     assert ranks[0]["sync_points"] == ranks[1]["sync_points"] == list(range(steps + 1))
     status = server.sync_status()
-    assert status["failed"] == 0 and status["weights_version"] == steps + 1
-
-
-def test_two_ranks_stay_in_lockstep_with_overlap_on(tmp_path, write_config, start_server, dataset):
-    """Issue 14 acceptance: overlap on under torchrun. Two steps cover one epoch of the 8-record dataset (2 ranks x
-    batch 2 x 2 steps), so step 1's rollouts are the ones prefetched while step 0 trained."""
-    from coordexp.runtime.train.run_log import read_run_log
-
-    steps = 2
-    server = start_server()
-    code, stderr, _ = run_torchrun(learner_config(write_config, tmp_path, server, overlap=True, max_steps=steps),
-                                   tmp_path)
-    assert code == 0, stderr[-4000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert [r["global_step"] for r in ranks] == [steps, steps]
-    assert ranks[0]["params_sha256"] == ranks[1]["params_sha256"]
-    assert [r["staleness_max"] for r in ranks] == [[0.0, 1.0]] * 2  # step 1 trained on step 0's policy
+    # rank 0 alone pushed at each sync point: one communicator set-up, then one full-weight receive per push (the
+    # tiny model fits in one bucket)
+    assert status["communicator"] == "ready" and status["failed"] == 0 and status["last_error"] is None
+    assert status["weights_version"] == steps + 1
+    assert [op["op"] for op in status["recent"]] == ["init_communicator"] + ["update_flattened_params"] * (steps + 1)
+    assert all(op["ok"] for op in status["recent"])
     rollouts = [read_run_log(tmp_path / "run", rank, event="rollout") for rank in (0, 1)]
     assert (tmp_path / "run" / "run_metadata.rank1.jsonl").is_file()
+    # the two ranks rolled out different records with different seeds for the same steps
+    assert rollouts[0][0]["seeds"] != rollouts[1][0]["seeds"]
     for rank, events in enumerate(rollouts):
         train = [e for e in events if e["tag"] == "train"]
         # one rollout batch per optimizer step, in order, on each rank: the same global steps on both
@@ -172,16 +123,29 @@ def test_two_ranks_stay_in_lockstep_with_overlap_on(tmp_path, write_config, star
         for event in train:
             versions = event["policy_versions"]
             assert len(versions) == TRAINING["per_device_train_batch_size"]
-            assert all(0 <= event["global_step"] - v <= 1 for v in versions), (rank, event)  # staleness <= 1
-        assert train[1]["policy_versions"] == [0, 0]  # really prefetched with the older policy
-    # the two ranks rolled out different records with different seeds for the same steps
-    assert rollouts[0][0]["seeds"] != rollouts[1][0]["seeds"]
-    status = server.sync_status()
-    # one push per optimizer step, all from rank 0: initial weights, then after step 0 (before step 1's rollouts
-    # were trained on) and after step 1 -- never one per rank, never two per step
-    assert status["communicator"] == "ready" and status["failed"] == 0 and status["last_error"] is None
-    assert [op["op"] for op in status["recent"]] == ["init_communicator"] + ["update_flattened_params"] * steps
-    assert status["weights_version"] == steps
+            assert all(0 <= event["global_step"] - v <= int(overlap) for v in versions), (rank, event)
+        # with overlap, really prefetched with the older policy
+        assert train[1]["policy_versions"] == ([0, 0] if overlap else [1, 1]), rank
+    # step 1 trained on step 0's policy with overlap, on its own without
+    assert [r["staleness_max"] for r in ranks] == [[0.0, float(overlap)]] * 2
+    if overlap:
+        return
+    # the same config as two torchrun agents on 127.0.0.1 (--nnodes 2, two "nodes", issue 55): the same losses and
+    # weights, rolled out by the same server (its own group port and output folder; the first push resets the
+    # server to the initial weights)
+    nodes = tmp_path / "two_agents"
+    nodes.mkdir()
+    config = learner_config(write_config, tmp_path, server, max_steps=steps,
+                            training={"eval_steps": 1, "output_dir": str(nodes / "run")},
+                            data={"val_jsonl": str(val), "image_root": str(dataset.root)})
+    for agent_code, output in torchrun_two_agents([str(ENTRY), str(config), str(nodes)]):
+        assert agent_code == 0, output[-4000:]
+    two = [json.loads((nodes / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [(r["world_size"], r["global_step"]) for r in two] == [(2, steps), (2, steps)]
+    assert two[0]["losses"] == ranks[0]["losses"] and len(two[0]["losses"]) == steps
+    assert two[0]["params_sha256"] == two[1]["params_sha256"] == ranks[0]["params_sha256"]
+    assert two[0]["rollout_samples"] == [4] * steps
+    assert server.sync_status()["failed"] == 0
 
 
 def test_rank0_push_failure_ends_both_ranks_with_the_same_error(tmp_path, write_config, start_server):

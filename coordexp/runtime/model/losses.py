@@ -311,6 +311,9 @@ class LossDenominators:
     boxes: int  # smoothl1, ciou: bbox slots
     negatives: int = 0  # repeat_ul: unlikelihood negatives
     policy_tokens: int = 0  # policy_gradient: rollout tokens trained by the reward objective
+    # how many ranks' tokens policy_tokens counts (trainer: all of them): their gradients are averaged, so a rank's
+    # policy-gradient sum divides by policy_tokens / policy_ranks and the average is the whole step's token mean
+    policy_ranks: int = 1
 
     @classmethod
     def of(cls, batch: "SupervisionBatch") -> "LossDenominators":
@@ -328,6 +331,11 @@ class LossDenominators:
             self.ce_weight + other.ce_weight, self.ce + other.ce, self.coord + other.coord, self.boxes + other.boxes,
             self.negatives + other.negatives, self.policy_tokens + other.policy_tokens,
         )
+
+    @property
+    def policy_normaliser(self) -> float:
+        """What this rank's policy-gradient sum divides by (``policy_ranks``)."""
+        return self.policy_tokens / self.policy_ranks
 
     def scales(self, whole: "LossDenominators") -> dict[str, float]:
         """Per-term factors turning this batch's means into its share of ``whole``'s means (1 where both are empty)."""

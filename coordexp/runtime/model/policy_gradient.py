@@ -49,13 +49,14 @@ def reference_log_probs(logits: torch.Tensor, batch: SupervisionBatch, coord_ids
 
 
 def policy_gradient_loss(logits: torch.Tensor, batch: SupervisionBatch, coord_ids: torch.Tensor,
-                         tokens: int | None = None, *, compute_dtype: torch.dtype = torch.float32,
+                         tokens: float | None = None, *, compute_dtype: torch.dtype = torch.float32,
                          reference_log_p: torch.Tensor | None = None, kl_weight: float = 0.0
                          ) -> tuple[torch.Tensor, dict[str, float]]:
     """``-sum(A * log p) / tokens`` over ``batch``'s policy-gradient tokens (``tokens``: the micro-step's count,
-    default this batch's own), plus ``kl_weight * sum(k3) / tokens`` with ``reference_log_p`` (module doc), and its
-    figures: the token-mean advantage, log-probability, entropy (nats) and k3 of the trained tokens. Exactly 0,
-    still backpropagating, when the batch has none."""
+    per rank under DDP or ZeRO, :attr:`LossDenominators.policy_normaliser`; default this batch's own), plus
+    ``kl_weight * sum(k3) / tokens`` with ``reference_log_p`` (module doc), and its figures: the token-mean
+    advantage, log-probability, entropy (nats) and k3 of the trained tokens. Exactly 0, still backpropagating, when
+    the batch has none."""
     index = batch.pg_logit_index.to(logits.device)
     count = int(index.numel())
     if count == 0:
@@ -63,7 +64,7 @@ def policy_gradient_loss(logits: torch.Tensor, batch: SupervisionBatch, coord_id
     stats = gathered_row_stats(logits, index, coord_ids, [1.0], labels=batch.pg_labels, compute_dtype=compute_dtype)
     log_p = stats.label_logit - stats.lse[1.0]
     advantages = batch.pg_advantages.to(device=logits.device, dtype=log_p.dtype)
-    denominator = max(int(tokens if tokens is not None else count), 1)
+    denominator = float(tokens) if tokens else count
     loss = -(advantages * log_p).sum() / denominator
     figures = {"policy_gradient/advantage_mean": float(advantages.mean()),
                "policy_gradient/logp_mean": float(log_p.detach().mean()),
@@ -94,7 +95,8 @@ def reward_objective(logits: torch.Tensor, batch: SupervisionBatch, coord_ids: t
                      repeat_ul: RepeatUnlikelihoodConfig | None = None, *,
                      reference_log_p: torch.Tensor | None = None, kl_weight: float = 0.0) -> ObjectiveResult:
     """``policy_gradient + sft_weight * rollout-matching SFT`` of one forward row; ``denominators`` are the
-    micro-step's, so the rows of a packed step add up to the step's loss (decision 8). The SFT part runs only
+    micro-step's, so the rows of a packed step add up to the step's loss (decision 8), and its policy tokens those
+    of every rank (the trainer's), so the ranks' averaged gradients are one process's. The SFT part runs only
     with ``sft_weight > 0`` (its segments are then in the batch); its terms are reported under their usual names.
     A step without any policy-gradient token (a ground-truth step, ``gt_step_share``; a validation loss) is plain
     SFT: ``compute_objective`` alone, at weight 1. ``reference_log_p`` (the frozen reference's log-probabilities of
@@ -103,11 +105,12 @@ def reward_objective(logits: torch.Tensor, batch: SupervisionBatch, coord_ids: t
     whole = denominators if denominators is not None else LossDenominators.of(batch)
     if whole.policy_tokens == 0:
         return compute_objective(logits, batch, coord_ids, pipeline, denominators, repeat_ul)
-    pg, figures = policy_gradient_loss(logits, batch, coord_ids, whole.policy_tokens,
+    pg, figures = policy_gradient_loss(logits, batch, coord_ids, whole.policy_normaliser,
                                        reference_log_p=reference_log_p, kl_weight=kl_weight)
     total = pg
-    # token means weighted by this row's share of the step's tokens: the rows' terms add up to the step's means
-    share = int(batch.pg_logit_index.numel()) / max(whole.policy_tokens, 1)
+    # token means weighted by this row's share of the step's tokens: the rows' (and ranks') terms add up to the
+    # step's means
+    share = int(batch.pg_logit_index.numel()) / whole.policy_normaliser
     terms: dict[str, float] = {"policy_gradient": float(pg.detach())}
     terms.update({name: value * share for name, value in figures.items() if name != "policy_gradient/advantage_mean"})
     diagnostics: dict[str, float] = dict(figures)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
@@ -281,8 +282,9 @@ class CoordExpTrainer(Trainer):
         rope = mrope_index_of(unwrapped)
         packed = self.buffer is not None
         layouts = [self._layout(row, rope, packed=packed) for row in self.pipeline.rows(samples, step)]
-        denominators = sum((LossDenominators.of(layout.supervision) for layout in layouts[1:]),
-                           LossDenominators.of(layouts[0].supervision))
+        denominators = self._policy_tokens_of_all_ranks(model, sum(
+            (LossDenominators.of(layout.supervision) for layout in layouts[1:]),
+            LossDenominators.of(layouts[0].supervision)))
         terms: dict[str, float] = {}
         earlier = 0.0  # the rows already backpropagated: their loss joins the reported value, not the graph
         row_backward = 0.0
@@ -316,6 +318,17 @@ class CoordExpTrainer(Trainer):
         )
         total = result.total + earlier if earlier else result.total
         return (total, logits) if return_outputs else total
+
+    def _policy_tokens_of_all_ranks(self, model, denominators: LossDenominators) -> LossDenominators:
+        """The reward objective's training micro-step under several ranks: ``policy_tokens`` summed over ranks
+        (a collective every rank's micro-step calls), so each rank's policy gradient divides by its share of the
+        whole step's tokens and the ranks' averaged gradients equal one process's (docs/design.md, decision 19)."""
+        world = int(self.args.world_size)
+        if (world <= 1 or not model.training or not self.stage2 or self.run.rollout_matching.objective != "reward"
+                or not torch.distributed.is_initialized()):
+            return denominators
+        (tokens,) = reduce_values([float(denominators.policy_tokens)], "sum", world_size=world, device=self.args.device)
+        return replace(denominators, policy_tokens=int(tokens), policy_ranks=world)
 
     def _require_finite_loss(self, loss: torch.Tensor, step: int) -> None:
         """A NaN or Inf loss stops the run before its backward: logged values alone miss it (transformers'
