@@ -64,7 +64,9 @@ def _one_process(config: Path, out_dir: Path) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     entry.main(str(config), str(out_dir))
     report = json.loads((out_dir / "rank0.json").read_text())
-    assert not report["distributed"]
+    # one process: an earlier in-process DeepSpeed test may have left its world-of-1 process group on purpose (see
+    # tests/e2e/test_deepspeed_in_process.py), so whether a group exists says nothing here
+    assert (report["rank"], report["world_size"]) == (0, 1)
     return report
 
 
