@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
+from coordexp.runtime.train.model_card import MODEL_CARD_NAME
 from coordexp.runtime.model.checkpoint_files import (ADAPTER_WEIGHT_FILES, WEIGHT_FILES, CheckpointFileError,
                                                      read_json_object)
 
@@ -206,10 +207,6 @@ def _trainer_state_problem(path: Path) -> str | None:
     return None
 
 
-MODEL_CARD = "README.md"
-"""The run folder's model card (:mod:`coordexp.runtime.train.model_card`); a checkpoint's copy is never the model."""
-
-
 def finish_from_checkpoint(run_dir: str | Path, checkpoint: str | Path) -> list[str]:
     """Write a finished run's final model into ``run_dir`` from its last checkpoint (it reached ``max_steps``, but
     the run stopped before its own final save): the checkpoint's model, processor and ``trainer_state.json`` files
@@ -226,7 +223,7 @@ def finish_from_checkpoint(run_dir: str | Path, checkpoint: str | Path) -> list[
         check_model_dir(source)
     names = sorted(child.name for child in source.iterdir()  # the training state stays in the checkpoint
                    if child.is_file() and not child.is_symlink() and child.name not in _RESUME_STATE_FILES
-                   and not child.name.startswith("rng_state") and child.name != MODEL_CARD)
+                   and not child.name.startswith("rng_state") and child.name != MODEL_CARD_NAME)
     for name in names:  # streamed (weights can be larger than memory), each file's mode kept
         fd, staged = tempfile.mkstemp(dir=run_dir, prefix=f".{name}.", suffix=".finishing")
         os.close(fd)
