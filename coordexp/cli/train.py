@@ -292,11 +292,12 @@ def _restretch_note(checkpoint: str, training: Any) -> Optional[str]:
 
 def _checkpoint_summary(checkpoint: str, step: int, output_dir: str) -> dict[str, Any]:
     """The run summary of a run finished from ``checkpoint`` (its ``trainer_state.json`` log), for the model card."""
+    from coordexp.runtime.model.checkpoint_files import CheckpointFileError, read_json_object
     from coordexp.runtime.train.progress import summarize_history
 
     try:
-        history = json.loads((Path(checkpoint) / "trainer_state.json").read_text(encoding="utf-8")).get("log_history")
-    except (OSError, ValueError, AttributeError):
+        history = read_json_object(Path(checkpoint) / "trainer_state.json").get("log_history")
+    except CheckpointFileError:
         history = None
     summary = summarize_history(history if isinstance(history, list) else [])
     summary.update(global_step=step, output_dir=str(output_dir))
