@@ -34,7 +34,7 @@ ROLLOUT = {"rollout_backend": "hf", "decode_batch_size": 8, "max_new_tokens": 12
            "decoding": {"temperature": 1.0}, "gt_step_share": 0.0, "reward": {"group_size": 2}}
 LOGGED = ("loss", "grad_norm", "loss/policy_gradient", "loss/policy_gradient/logp_mean",
           "loss/policy_gradient/entropy", "reward/mean", "reward/advantage_mean", "reward/closing_advantage",
-          "reward/zero_advantage_group_share", "tokens/trained", "rollout/samples")
+          "reward/zero_advantage_group_share", "reward/entropy_text", "tokens/trained", "rollout/samples")
 # sampled from 8 ordinary tokens and the end of turn: rollouts close after about 9 tokens, of varied lengths
 SAMPLED_IDS = 8
 

@@ -46,6 +46,8 @@ def test_reward_objective_trains_and_logs_its_figures(tmp_path, write_config, cr
         assert 0.0 <= log["reward/zero_advantage_group_share"] <= 1.0
         assert log["reward/group_std"] >= 0 and log["reward/samples_per_s"] > 0
         assert log["loss/policy_gradient/entropy"] > 0
+        split = [log[k] for k in ("reward/entropy_coord", "reward/entropy_text") if k in log]
+        assert split and all(v >= 0 for v in split)  # the types trained in the window, each its token mean
         if credit == "object":
             assert "loss/sft" in log  # sft_weight > 0 adds the rollout-matching target of the same rollouts
 

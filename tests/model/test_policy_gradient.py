@@ -204,3 +204,31 @@ def test_ranks_dividing_by_the_tokens_of_all_ranks_average_to_one_process(stage2
     local_loss, local_grad, _ = averaged(own)
     assert local_loss != pytest.approx(float(whole.total.detach()), rel=1e-3)
     assert not torch.allclose(local_grad, logits.grad)
+
+
+def test_entropy_is_split_by_token_type_as_sums_the_trainer_adds_up(stage2_config):
+    """Issue 52's figure 'entropy of the coordinate and text tokens': per trained token the full-vocabulary entropy
+    of the policy, summed by whether the token's id is a coordinate id; the sums (not row means) leave the objective
+    in ``diagnostics``, so two rows of a step add up to the step's exact token means."""
+    from coordexp.runtime.model.policy_gradient import ENTROPY_SUMS
+
+    logits = _logits(3)
+    batch = SupervisionBatch.from_segments(_segments(_production_advantages()), SEQ_LEN)
+    _, figures = policy_gradient_loss(logits, batch, COORD_IDS, compute_dtype=torch.float64)
+    by_type = {True: [], False: []}
+    for _, _, row, start, ids in LAYOUT:
+        for k, token in enumerate(ids):
+            p = torch.softmax(logits[row, start + k - 1], dim=-1)
+            by_type[10 <= token < 1010].append(float(-(p * p.log()).sum()))
+    assert len(by_type[True]) == 2 and len(by_type[False]) == 16  # ids 11 and 1000 are coordinates
+    coord_sum, coord_n, text_sum, text_n = (figures[k] for k in ENTROPY_SUMS)
+    assert (coord_n, text_n) == (2, 16)
+    assert coord_sum == pytest.approx(sum(by_type[True]), rel=1e-5)
+    assert text_sum == pytest.approx(sum(by_type[False]), rel=1e-5)
+    assert figures["policy_gradient/entropy"] == pytest.approx((coord_sum + text_sum) / 18, rel=1e-5)
+    from coordexp.schema.pipeline import PipelineConfig
+
+    pipeline = PipelineConfig.model_validate(stage2_config["rollout_matching"]["pipeline"])
+    result = reward_objective(logits, batch, COORD_IDS, pipeline, None, 0.0)
+    assert not set(ENTROPY_SUMS) & set(result.terms)  # a sum is no loss term: terms are averaged over micro-steps
+    assert [result.diagnostics[k] for k in ENTROPY_SUMS] == pytest.approx([coord_sum, coord_n, text_sum, text_n])

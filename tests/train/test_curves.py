@@ -90,3 +90,19 @@ def test_plot_run_draws_percent_with_ap_on_its_own_axis():
     assert drawn["training loss"].curves[0].points == ((5.0, 1.5), (10.0, 1.2))  # a loss is no percentage
     no_tokens = [panel.title for panel in panels([{"step": 1, "eval/AP50": 0.1}])]
     assert no_tokens == ["training loss", "evaluation: detection (%)"]
+
+
+def test_plot_run_draws_the_reward_objectives_figures():
+    """Issue 52: the reward, its spread, the zero-advantage share, the closing credit, and the policy's entropy per
+    token type and KL are drawn when a run logged them; an SFT run gets neither panel."""
+    from coordexp.runtime.train.curves import panels
+
+    history = [{"step": s, "loss": 0.1, "reward/mean": 0.6 + s / 100, "reward/group_std": 0.1,
+                "reward/zero_advantage_group_share": 0.25, "reward/entropy_coord": 2.0, "reward/entropy_text": 0.3}
+               for s in (1, 2)]
+    drawn = {panel.title: panel for panel in panels(history)}
+    assert {c.name: c.points for c in drawn["reward objective"].curves}["mean"] == ((1.0, 0.61), (2.0, 0.62))
+    assert [c.name for c in drawn["reward objective"].curves] == ["mean", "group_std", "zero_advantage_group_share"]
+    assert [c.name for c in drawn["policy entropy and KL (nats)"].curves] == ["entropy_coord", "entropy_text"]
+    sft = [panel.title for panel in panels([{"step": 1, "loss": 1.0}])]
+    assert "reward objective" not in sft and "policy entropy and KL (nats)" not in sft

@@ -117,3 +117,22 @@ def test_a_ground_truth_window_logs_no_reward_figures():
                                                       packing_length=0, min_fill_ratio=0.0, fallback_events=None,
                                                       is_main=True, reward=True))
     assert not any(key.startswith("reward/") for key in logs)
+
+
+def test_the_entropy_per_token_type_is_the_windows_token_mean():
+    """Two forward rows of one window: the logged coordinate and text entropies are their summed nats over their
+    summed tokens (not a mean of row means), and a type with no trained token logs nothing."""
+    from coordexp.runtime.core.reward import GroupFigures
+    from coordexp.runtime.model.policy_gradient import ENTROPY_SUMS
+
+    stats = StepStats()
+    stats.reward_groups.append(GroupFigures(reward_mean=0.5, reward_std=0.1, zero_advantage=False, samples=3,
+                                            advantage_sum=0.0, advantage_tokens=4, closing_sum=0.0, closings=0))
+    stats.add_entropy(dict(zip(ENTROPY_SUMS, (6.0, 2.0, 1.0, 10.0))))
+    stats.add_entropy(dict(zip(ENTROPY_SUMS, (2.0, 6.0, 0.0, 0.0))))
+    context = WindowContext(world_size=1, device="cpu", stage2=True, buffered=None, packing_length=0,
+                            min_fill_ratio=0.0, fallback_events=None, is_main=True, reward=True)
+    logs = step_log_values(stats, context)
+    assert logs["reward/entropy_coord"] == pytest.approx(8.0 / 8) and logs["reward/entropy_text"] == pytest.approx(0.1)
+    stats.entropy = [3.0, 1.0, 0.0, 0.0]
+    assert "reward/entropy_text" not in step_log_values(stats, context)

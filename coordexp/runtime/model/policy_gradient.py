@@ -25,10 +25,13 @@ from coordexp.runtime.model.losses import LossDenominators, ObjectiveResult, Sup
 from coordexp.schema.pipeline import PipelineConfig
 from coordexp.schema.rollout import RepeatUnlikelihoodConfig
 
-__all__ = ["policy_gradient_loss", "reward_objective", "reference_log_probs", "frozen_reference"]
+__all__ = ["policy_gradient_loss", "reward_objective", "reference_log_probs", "frozen_reference", "ENTROPY_SUMS"]
 
 # rows of the logits whose entropy is computed at once (a figure, no gradient)
 _ENTROPY_CHUNK = 256
+# the policy's entropy at the trained tokens split by type, as sums (nats) and counts: the trainer adds them over a
+# logging window and its ranks, so the logged token means (reward/entropy_coord, reward/entropy_text) are exact
+ENTROPY_SUMS = ("entropy_sum/coord", "entropy_sum/coord_tokens", "entropy_sum/text", "entropy_sum/text_tokens")
 
 
 def frozen_reference(model: Any) -> Any:
@@ -55,8 +58,9 @@ def policy_gradient_loss(logits: torch.Tensor, batch: SupervisionBatch, coord_id
     """``-sum(A * log p) / tokens`` over ``batch``'s policy-gradient tokens (``tokens``: the micro-step's count,
     per rank under DDP or ZeRO, :attr:`LossDenominators.policy_normaliser`; default this batch's own), plus
     ``kl_weight * sum(k3) / tokens`` with ``reference_log_p`` (module doc), and its figures: the token-mean
-    advantage, log-probability, entropy (nats) and k3 of the trained tokens. Exactly 0, still backpropagating, when
-    the batch has none."""
+    advantage, log-probability, entropy (nats) and k3 of the trained tokens, and the entropy's sums per token type
+    (:data:`ENTROPY_SUMS`: a coordinate token is one whose id is in ``coord_ids``). Exactly 0, still
+    backpropagating, when the batch has none."""
     index = batch.pg_logit_index.to(logits.device)
     count = int(index.numel())
     if count == 0:
@@ -66,9 +70,13 @@ def policy_gradient_loss(logits: torch.Tensor, batch: SupervisionBatch, coord_id
     advantages = batch.pg_advantages.to(device=logits.device, dtype=log_p.dtype)
     denominator = float(tokens) if tokens else count
     loss = -(advantages * log_p).sum() / denominator
+    entropies = _token_entropies(logits, index)
+    is_coord = torch.isin(batch.pg_labels.to(coord_ids.device), coord_ids).cpu()
     figures = {"policy_gradient/advantage_mean": float(advantages.mean()),
                "policy_gradient/logp_mean": float(log_p.detach().mean()),
-               "policy_gradient/entropy": _entropy(logits, index)}
+               "policy_gradient/entropy": float(entropies.mean()),
+               ENTROPY_SUMS[0]: float(entropies[is_coord].sum()), ENTROPY_SUMS[1]: float(is_coord.sum()),
+               ENTROPY_SUMS[2]: float(entropies[~is_coord].sum()), ENTROPY_SUMS[3]: float((~is_coord).sum())}
     if reference_log_p is not None:
         gap = reference_log_p.to(device=log_p.device, dtype=log_p.dtype) - log_p
         k3 = torch.exp(gap) - gap - 1.0
@@ -79,15 +87,16 @@ def policy_gradient_loss(logits: torch.Tensor, batch: SupervisionBatch, coord_id
 
 
 @torch.no_grad()
-def _entropy(logits: torch.Tensor, index: torch.Tensor) -> float:
-    """Mean full-vocabulary entropy of the policy at the trained tokens, a chunk of rows at a time."""
+def _token_entropies(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Full-vocabulary entropy (nats, float32, on the CPU) of the policy at each trained token, a chunk of rows at a
+    time."""
     flat = logits.detach().reshape(-1, logits.shape[-1])
-    total = 0.0
+    chunks = []
     for start in range(0, int(index.numel()), _ENTROPY_CHUNK):
         rows = flat.index_select(0, index[start:start + _ENTROPY_CHUNK]).float()
         log_p = torch.log_softmax(torch.nan_to_num(rows, nan=0.0, posinf=1e4, neginf=-1e4), dim=-1)
-        total += float(-(log_p.exp() * log_p).sum())
-    return total / max(int(index.numel()), 1)
+        chunks.append(-(log_p.exp() * log_p).sum(dim=-1).cpu())
+    return torch.cat(chunks) if chunks else torch.zeros(0)
 
 
 def reward_objective(logits: torch.Tensor, batch: SupervisionBatch, coord_ids: torch.Tensor,
@@ -101,7 +110,8 @@ def reward_objective(logits: torch.Tensor, batch: SupervisionBatch, coord_ids: t
     A step without any policy-gradient token (a ground-truth step, ``gt_step_share``; a validation loss) is plain
     SFT: ``compute_objective`` alone, at weight 1. ``reference_log_p`` (the frozen reference's log-probabilities of
     the policy tokens) with ``kl_weight > 0`` adds the KL term; ``policy_gradient`` is then reported with it, and
-    ``kl`` (the token-mean k3) beside it."""
+    ``kl`` (the token-mean k3) beside it. The entropy's sums per token type (:data:`ENTROPY_SUMS`) are in
+    ``diagnostics``, for the trainer to add up."""
     whole = denominators if denominators is not None else LossDenominators.of(batch)
     if whole.policy_tokens == 0:
         return compute_objective(logits, batch, coord_ids, pipeline, denominators, repeat_ul)
@@ -112,7 +122,8 @@ def reward_objective(logits: torch.Tensor, batch: SupervisionBatch, coord_ids: t
     # step's means
     share = int(batch.pg_logit_index.numel()) / whole.policy_normaliser
     terms: dict[str, float] = {"policy_gradient": float(pg.detach())}
-    terms.update({name: value * share for name, value in figures.items() if name != "policy_gradient/advantage_mean"})
+    terms.update({name: value * share for name, value in figures.items()
+                  if name != "policy_gradient/advantage_mean" and name not in ENTROPY_SUMS})
     diagnostics: dict[str, float] = dict(figures)
     counts = {"num_policy_tokens": int(batch.pg_logit_index.numel())}
     if sft_weight > 0:

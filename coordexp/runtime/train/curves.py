@@ -12,7 +12,8 @@ from typing import Any, Mapping, Sequence
 from coordexp.runtime.train.run_folder import save_image
 
 __all__ = ["Curve", "Panel", "find_trainer_state", "load_log_history", "run_curves", "rollout_curves", "panels",
-           "draw_curves", "EVAL_CURVES", "DETECTION_CURVES", "TOKEN_CURVES", "ROLLOUT_CURVES"]
+           "draw_curves", "EVAL_CURVES", "DETECTION_CURVES", "TOKEN_CURVES", "ROLLOUT_CURVES", "REWARD_CURVES",
+           "POLICY_CURVES"]
 
 DETECTION_CURVES = ("AP50", "AP", "precision", "recall", "f1", "match_rate", "recall_objects_1_6",
                     "recall_objects_7_10", "recall_objects_11_plus")
@@ -24,6 +25,12 @@ EVAL_CURVES = DETECTION_CURVES + TOKEN_CURVES
 """Every ``eval/<name>`` figure drawn (logged as fractions in [0, 1]), when the run logged it."""
 ROLLOUT_CURVES = ("pred_per_gt", "duplicates_per_image", "cut_off_rate")
 """The stage-2 training windows' ``rollout/<name>`` figures a collapse moves (docs/figures.md)."""
+REWARD_CURVES = ("reward/mean", "reward/group_std", "reward/zero_advantage_group_share", "reward/closing_advantage")
+"""The reward objective's windows: what the groups earned, how much they differ, the share that teaches nothing,
+and the credit the closing token got (docs/design.md, decision 19)."""
+POLICY_CURVES = ("reward/entropy_coord", "reward/entropy_text", "loss/kl")
+"""The reward objective's policy, in nats: its entropy at the trained coordinate and text tokens, and the k3 KL to
+the starting checkpoint (when ``reward.kl_weight`` > 0)."""
 _COLOURS = ((31, 119, 180), (214, 39, 40), (44, 160, 44), (148, 103, 189), (255, 127, 14), (140, 86, 75),
             (127, 127, 127))
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
@@ -97,7 +104,7 @@ def _in_percent(curves: Sequence[Curve]) -> tuple[Curve, ...]:
 def panels(history: Sequence[Mapping[str, Any]]) -> list[Panel]:
     """What :func:`draw_curves` draws, value for value: the training loss; the detection figures in percent (the
     CLI's unit); token accuracy in percent on its own axis (when logged); the stage-2 rollout windows (when
-    logged)."""
+    logged); the reward objective's rewards, and its policy's entropy and KL (when logged)."""
     losses, evals = run_curves(history)
     named = {curve.name: curve for curve in evals}
     detection = [named[f"eval {name}"] for name in DETECTION_CURVES if f"eval {name}" in named]
@@ -108,6 +115,10 @@ def panels(history: Sequence[Mapping[str, Any]]) -> list[Panel]:
         found.append(Panel("evaluation: teacher-forced token accuracy (%)", _in_percent(tokens), True))
     if rollouts:
         found.append(Panel("stage-2 rollouts", tuple(rollouts)))
+    for title, keys in (("reward objective", REWARD_CURVES), ("policy entropy and KL (nats)", POLICY_CURVES)):
+        curves = tuple(Curve(key.split("/", 1)[1], points) for key in keys if (points := _series(history, key)))
+        if curves:
+            found.append(Panel(title, curves))
     return found
 
 

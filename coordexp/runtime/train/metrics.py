@@ -15,6 +15,7 @@ import torch
 
 from coordexp.runtime.core.reward import GroupFigures
 from coordexp.runtime.core.telemetry import RolloutCounters, sum_counters
+from coordexp.runtime.model.policy_gradient import ENTROPY_SUMS
 from coordexp.runtime.model.token_types import TokenTypeSums, TokenTypeWindow
 
 __all__ = ["StepStats", "WindowContext", "reduce_values", "step_log_values"]
@@ -48,12 +49,18 @@ class StepStats:
         self.token_types = TokenTypeWindow()  # trained positions per token type (training.token_type_metrics)
         self.reward_groups: list[GroupFigures] = []  # objective: reward: one per image group rolled out
         self.drafts = [0.0] * len(DRAFT_SUMS)  # label drafts (hf_generate.label_drafts): sums over backend calls
+        self.entropy = [0.0] * len(ENTROPY_SUMS)  # objective: reward: the policy's entropy per token type, sums
 
     def add_drafts(self, metadata: dict[str, Any] | None) -> None:
         """One backend call's label-draft figures (its ``run_metadata()``), when it decoded with drafts."""
         figures = (metadata or {}).get("label_drafts") or {}
         for k, name in enumerate(DRAFT_SUMS):
             self.drafts[k] += float(figures.get(name, 0) or 0)
+
+    def add_entropy(self, diagnostics: dict[str, float]) -> None:
+        """One forward row's entropy sums per token type (the reward objective's ``diagnostics``)."""
+        for k, name in enumerate(ENTROPY_SUMS):
+            self.entropy[k] += float(diagnostics.get(name, 0.0))
 
     def timed(self, stage: str, seconds: float) -> None:
         self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
@@ -165,14 +172,14 @@ def reward_log_values(stats: StepStats, reduced: Any) -> dict[str, float]:
     """The reward objective's window (all ranks): per image group, the mean reward and its spread, averaged over
     groups; the share of groups whose every advantage is 0 (they teach nothing); the token-mean advantage; the
     mean closing-token advantage; samples per second of this window's step time (rollout, host, forward,
-    backward) summed over ranks."""
+    backward) summed over ranks; the policy's mean entropy (nats) at the trained coordinate and text tokens."""
     groups = stats.reward_groups
     seconds = sum(stats.seconds.get(k, 0.0) for k in ("rollout", "host", "forward", "backward"))
     sums = reduced([float(len(groups)), sum(g.reward_mean for g in groups), sum(g.reward_std for g in groups),
                     float(sum(g.zero_advantage for g in groups)), float(sum(g.samples for g in groups)),
                     sum(g.advantage_sum for g in groups), float(sum(g.advantage_tokens for g in groups)),
                     sum(g.closing_sum for g in groups), float(sum(g.closings for g in groups)),
-                    float(sum(g.samples for g in groups) / seconds) if seconds > 0 else 0.0])
+                    float(sum(g.samples for g in groups) / seconds) if seconds > 0 else 0.0, *stats.entropy])
     if not sums[0]:  # a ground-truth window (gt_step_share): no group was rolled out, so no reward to log (a 0
         return {}     # there read as "the policy earned nothing" and halved every mean over the run)
     n, samples, tokens, closings = sums[0], sums[4], max(sums[6], 1.0), sums[8]
@@ -181,4 +188,9 @@ def reward_log_values(stats: StepStats, reduced: Any) -> dict[str, float]:
             "reward/advantage_mean": sums[5] / tokens, "reward/samples_per_s": sums[9]}
     if closings:
         logs["reward/closing_advantage"] = sums[7] / closings
+    coord_sum, coord_tokens, text_sum, text_tokens = sums[10:14]
+    if coord_tokens:
+        logs["reward/entropy_coord"] = coord_sum / coord_tokens
+    if text_tokens:
+        logs["reward/entropy_text"] = text_sum / text_tokens
     return logs

@@ -308,6 +308,8 @@ class CoordExpTrainer(Trainer):
                 del logits
             for key, value in result.terms.items():
                 terms[key] = terms.get(key, 0.0) + value
+            if self.stage2 and self.run.rollout_matching.objective == "reward":
+                self.stats.add_entropy(result.diagnostics)
         self.stats.timed("forward", time.perf_counter() - started - row_backward)
         self.stats.add(
             terms,
