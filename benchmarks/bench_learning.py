@@ -288,7 +288,19 @@ def _train(config: Path) -> dict[str, Any]:
     return {"steps": outcome.global_step, "wall_s": time.perf_counter() - started,
             "trained_tokens": int(sum(h.get("tokens/trained", 0) for h in history)),
             "final_loss": next((h["loss"] for h in reversed(history) if "loss" in h), None),
-            "reward_mean": sum(rewards) / len(rewards) if rewards else None}
+            "reward_mean": sum(rewards) / len(rewards) if rewards else None,
+            # does the reward rise, do the rollouts run on: the first and last quarter of the logged windows
+            "reward_quarters": _quarters(history, "reward/mean"),
+            "cut_off_quarters": _quarters(history, "rollout/cut_off_rate")}
+
+
+def _quarters(history: list[dict[str, Any]], key: str) -> list[float] | None:
+    """[mean of the first quarter, mean of the last quarter] of the windows that logged ``key`` (None: under 4)."""
+    values = [float(h[key]) for h in history if isinstance(h.get(key), (int, float))]
+    if len(values) < 4:
+        return None
+    quarter = len(values) // 4
+    return [sum(values[:quarter]) / quarter, sum(values[-quarter:]) / quarter]
 
 
 def _evaluate(args: argparse.Namespace, work: Path, eval_config: Path, name: str) -> dict[str, Any]:

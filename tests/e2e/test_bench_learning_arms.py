@@ -259,3 +259,14 @@ def test_stage2_shipped_is_the_arm_init_writes(bench, tmp_path):
         if not differ:
             matching.append(name)
     assert matching == [SHIPPED_ARM]
+
+
+def test_every_arm_reports_its_reward_and_cut_off_in_the_first_and_last_quarter(bench):
+    """Issue 52 asks whether the reward rises and the rollouts run on over a run: each arm's train figures carry the
+    mean of the first and of the last quarter of the windows that logged each, None where fewer than 4 did."""
+    history = [{"step": s, "reward/mean": 0.1 * s, "rollout/cut_off_rate": 0.5} for s in range(1, 9)]
+    history.insert(3, {"step": 3, "eval/AP50": 0.3})  # an evaluation line logs neither
+    assert bench._quarters(history, "reward/mean") == pytest.approx([0.15, 0.75])
+    assert bench._quarters(history, "rollout/cut_off_rate") == pytest.approx([0.5, 0.5])
+    assert bench._quarters(history[:3], "reward/mean") is None
+    assert bench._quarters([{"loss": 1.0}] * 8, "reward/mean") is None
