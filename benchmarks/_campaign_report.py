@@ -129,14 +129,26 @@ def bucket_summary(per_seed: Sequence[dict[str, Any]], source: str = "eval") -> 
     return out
 
 
+def checkpoint_paired(per_seed: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Every arm minus ``stage1`` (the checkpoint every continuation starts from) at the default decoding, the
+    figures of :data:`TUNED_FIGURES`: the comparison a user makes, beside the pairs against the continuation."""
+    names = list(per_seed[0]["runs"])
+    if "stage1" not in names:
+        return {}
+    return {f"{name} - stage1": {k: paired_of(per_seed, name, "stage1", k) for k in TUNED_FIGURES}
+            for name in names if name != "stage1"}
+
+
 def extend_summary(per_seed: Sequence[dict[str, Any]], summary: dict[str, Any], args: dict[str, Any]) -> None:
     """Add the campaign's keys to ``summary``: ``aliases`` (stage2_shipped), ``count_buckets`` (and
-    ``tuned_count_buckets``), ``tuned`` when every arm has tuned figures, and ``beats_detector``."""
+    ``tuned_count_buckets``), ``checkpoint_paired`` (every arm against ``stage1`` at the default decoding),
+    ``tuned`` when every arm has tuned figures, and ``beats_detector``."""
     if not per_seed:
         return
     names = list(per_seed[0]["runs"])
     if SHIPPED_ARM in names:
         summary["aliases"] = {SHIPPED: SHIPPED_ARM}
+    summary["checkpoint_paired"] = checkpoint_paired(per_seed)
     summary["count_buckets"] = bucket_summary(per_seed)
     if source_of(per_seed) == "tuned":
         summary["tuned"] = tuned_summary(per_seed)
@@ -179,6 +191,9 @@ def print_campaign(per_seed: Sequence[dict[str, Any]], summary: dict[str, Any]) 
     for alias, arm in (summary.get("aliases") or {}).items():
         print(f"\n{alias}: {arm} (the arm `coordexp init --stage 2` writes; its figures, not another run)")
     _print_buckets("default decoding", summary.get("count_buckets") or {}, summary)
+    if summary.get("checkpoint_paired"):
+        print("\nagainst the checkpoint (stage1), default decoding: mean, standard error, 95% t interval, seeds up/down")
+        print_paired(summary["checkpoint_paired"])
     tuned = summary.get("tuned")
     if tuned:
         print("\ntuned decoding (chosen per arm and seed on the held-out tuning split; figures on the test images)")

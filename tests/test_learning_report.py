@@ -242,3 +242,18 @@ def test_the_summary_names_the_shipped_arm_and_pairs_the_tuned_figures():
     pairs = summary["tuned"]["paired"]
     assert "stage1_long - stage1" in pairs and "stage1 - stage1_long" not in pairs
     assert summary["beats_detector"]["arms"][RECIPE]["reasons"][0] == "needs 12 gated seeds, has 4"
+
+
+def test_every_arm_is_paired_against_the_checkpoint_at_the_default_decoding():
+    """The brief's comparison: every arm minus ``stage1`` (the checkpoint it started from), seed by seed, with the
+    t interval scipy gives for the same differences; the checkpoint itself is no pair."""
+    from _campaign_report import checkpoint_paired
+
+    seeds = _campaign(4, {"AP50": UP[:4]})
+    pairs = checkpoint_paired(seeds)
+    assert set(pairs) == {f"{name} - stage1" for name in seeds[0]["runs"] if name != "stage1"}
+    differences = [s["runs"][RECIPE]["eval"]["AP50"] - s["runs"]["stage1"]["eval"]["AP50"] for s in seeds]
+    low, high = stats.t.interval(0.95, len(differences) - 1, loc=statistics.fmean(differences),
+                                 scale=stats.sem(differences))
+    assert pairs[f"{RECIPE} - stage1"]["AP50"]["ci95"] == pytest.approx([low, high])
+    assert checkpoint_paired([{"seed": 1, "runs": {RECIPE: seeds[0]["runs"][RECIPE]}}]) == {}
