@@ -1,0 +1,212 @@
+"""Runs issue 53's campaign (docs/design.md, decision 20) seed by seed: the pre-registered command of each phase,
+``--lanes`` seeds side by side (one torch thread each, each seed in its own process group so stopping one never
+stops another), and each finished seed's JSON line written to ``--results`` as ``issue53_<phase>_seed<S>.json``
+the moment it ends, to be committed as it finishes. A seed whose file exists is done and never run again, so the
+runner picks up where a stopped session left it (a seed that was running is started over: its workdir is cleared).
+
+Phases: ``calibration`` (seeds 200-201, the default arms, one ``--grid`` of decision 20's candidates),
+``screen`` (seeds 300-307, every arm of the screen), ``dense`` and ``sparse`` (the finals: the five baselines and
+the ``--finalists``, ``--long-multiple K``; seeds from 310 and 330 until ``--gated`` seeds passed stage 1's gate,
+a failed seed reported and replaced by the next).
+
+    python benchmarks/campaign.py screen --workroot /tmp/camp                   # seeds 300-307, two lanes
+    python benchmarks/campaign.py dense --finalists reward_object --long-multiple 4 --dry-run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks" / "bench_learning.py"
+DENSE_GRID, SPARSE_GRID = "5:10-20", "4:4-12"
+COMMON = ("--task", "grid", "--n-seeds", "1", "--probe-images", "128", "--stop-at-failed-gate")
+# decision 20's treatments and the one baseline that is a --variant; stage2_recipe and stage1_gap are the bench's own
+VARIANTS = {
+    "stage1_annealed": "rollout_matching.gt_step_share:1.0;training.lr_scheduler_type:cosine",
+    "recipe_reading_order_ul": "rollout_matching.fn_placement:reading_order;rollout_matching.repeats:unlikelihood",
+    "reward_object": "rollout_matching.objective:reward;rollout_matching.reward.credit:object",
+    "reward_object_bc": ("rollout_matching.objective:reward;rollout_matching.reward.credit:object;"
+                         "rollout_matching.reward.baseline_closing:true"),
+}
+BENCH_ARMS = ("stage1_gap", "stage2_recipe")
+SCREEN_ARMS = ("stage1_annealed", "stage1_gap", "stage2_recipe", "recipe_reading_order_ul", "reward_object",
+               "reward_object_bc")
+TREATMENTS = ("stage2_recipe", "recipe_reading_order_ul", "reward_object", "reward_object_bc")
+
+
+@dataclass(frozen=True)
+class Phase:
+    """Which seeds a phase runs and the bench options of every seed."""
+
+    name: str
+    first_seed: int
+    seeds: int | None  # a fixed number of seeds (calibration, screen), gated or not
+    gated: int | None  # or: seeds from first_seed until this many passed the gate (the finals)
+    options: tuple[str, ...]
+
+
+def arm_options(arms: Sequence[str]) -> tuple[str, ...]:
+    """``--grid-arms``/``--variant`` options training ``arms`` besides the control (``stage1_continued``)."""
+    unknown = [a for a in arms if a not in VARIANTS and a not in BENCH_ARMS]
+    if unknown:
+        raise SystemExit(f"no campaign arm {', '.join(unknown)}; arms: {', '.join((*BENCH_ARMS, *VARIANTS))}")
+    options = ["--grid-arms", ",".join(a for a in BENCH_ARMS if a in arms)]
+    for arm in arms:
+        if arm in VARIANTS:
+            options += ["--variant", f"{arm}={VARIANTS[arm]}"]
+    return tuple(options)
+
+
+def phase_of(args: argparse.Namespace) -> Phase:
+    tune = ("--tune-decoding", "64")
+    if args.phase == "calibration":
+        return Phase("calibration", 200, 2, None,
+                     (*COMMON, "--grid", args.grid, "--grid-arms", "stage2_recipe", *tune))
+    dense = ("--dense",) if args.grid == DENSE_GRID else ("--grid", args.grid)
+    if args.phase == "screen":
+        return Phase("screen", 300, 8, None, (*COMMON, *dense, *tune, *arm_options(SCREEN_ARMS)))
+    finalists = [a for a in (args.finalists or "").split(",") if a]
+    if not finalists or len(finalists) > 2 or any(a not in TREATMENTS for a in finalists):
+        raise SystemExit(f"--finalists: one or two of {', '.join(TREATMENTS)} (the screen's rule chose them)")
+    if args.long_multiple is None:
+        raise SystemExit("--long-multiple K: stage1_long's multiple, written in decision 20 before the finals")
+    arms = ("stage1_annealed", "stage1_gap", *finalists)
+    grid = dense if args.phase == "dense" else ("--grid", SPARSE_GRID)
+    first, gated = (310, 12) if args.phase == "dense" else (330, 8)
+    return Phase(args.phase, first, None, args.gated or gated,
+                 (*COMMON, *grid, *tune, "--long-multiple", f"{args.long_multiple:g}", *arm_options(arms)))
+
+
+def result_path(results: Path, phase: str, seed: int) -> Path:
+    return results / f"issue53_{phase}_seed{seed}.json"
+
+
+def json_line(stdout: str) -> dict[str, Any] | None:
+    """The bench's last ``JSON {...}`` line, parsed; None when the seed printed none (it crashed)."""
+    lines = [line for line in stdout.splitlines() if line.startswith("JSON ")]
+    return json.loads(lines[-1][5:]) if lines else None
+
+
+def passed_gate(result: dict[str, Any]) -> bool:
+    return all((seed.get("gate") or {}).get("passed", False) for seed in result["seeds"])
+
+
+def _done(results: Path, phase: str, seed: int) -> dict[str, Any] | None:
+    path = result_path(results, phase, seed)
+    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
+
+
+class Runner:
+    """Keeps ``lanes`` seeds running until the phase has what it needs; writes each result file as a seed ends."""
+
+    def __init__(self, phase: Phase, args: argparse.Namespace):
+        self.phase, self.args = phase, args
+        self.running: dict[int, subprocess.Popen] = {}
+        self.next_seed = phase.first_seed
+        self.gated = self.finished = 0
+
+    def command(self, seed: int) -> list[str]:
+        work = Path(self.args.workroot) / f"{self.phase.name}_seed{seed}"
+        return [sys.executable, str(self.args.bench), "--workdir", str(work), "--seed", str(seed),
+                *self.phase.options]
+
+    def wanted(self) -> bool:
+        """Whether another seed should start now."""
+        if self.phase.seeds is not None:
+            return self.next_seed < self.phase.first_seed + self.phase.seeds
+        return self.gated + len(self.running) < self.phase.gated
+
+    def start(self, seed: int) -> None:
+        command = self.command(seed)
+        work = Path(command[command.index("--workdir") + 1])
+        shutil.rmtree(work, ignore_errors=True)  # a seed stopped midway starts over
+        work.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        log = open(work.parent / f"{work.name}.out", "w", encoding="utf-8")
+        self.running[seed] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                              start_new_session=True, cwd=ROOT)
+        print(f"[campaign] seed {seed}: started ({work})", flush=True)
+
+    def collect(self, seed: int, process: subprocess.Popen) -> None:
+        out = Path(self.args.workroot) / f"{self.phase.name}_seed{seed}.out"
+        result = json_line(out.read_text(encoding="utf-8", errors="replace"))
+        if process.returncode != 0 or result is None:
+            raise SystemExit(f"[campaign] seed {seed} exited {process.returncode} without its JSON line: see {out}")
+        path = result_path(Path(self.args.results), self.phase.name, seed)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result) + "\n", encoding="utf-8")
+        self.account(seed, result)
+        print(f"[campaign] seed {seed}: {'gate passed' if passed_gate(result) else 'gate FAILED'} -> {path}",
+              flush=True)
+
+    def account(self, seed: int, result: dict[str, Any]) -> None:
+        self.finished += 1
+        self.gated += passed_gate(result)
+
+    def run(self) -> int:
+        while True:
+            while len(self.running) < self.args.lanes and self.wanted():
+                seed, self.next_seed = self.next_seed, self.next_seed + 1
+                done = _done(Path(self.args.results), self.phase.name, seed)
+                if done is not None:
+                    self.account(seed, done)
+                    print(f"[campaign] seed {seed}: already done", flush=True)
+                    continue
+                if self.args.dry_run:
+                    print(" ".join(self.command(seed)))
+                    self.account(seed, {"seeds": [{"gate": {"passed": True}}]})
+                    continue
+                self.start(seed)
+            if not self.running:
+                print(f"[campaign] {self.phase.name}: {self.finished} seeds, {self.gated} gated", flush=True)
+                return 0
+            for seed, process in list(self.running.items()):
+                if process.poll() is not None:
+                    del self.running[seed]
+                    self.collect(seed, process)
+            time.sleep(self.args.poll_s)
+
+    def stop(self) -> None:
+        for process in self.running.values():
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("phase", choices=("calibration", "screen", "dense", "sparse"))
+    parser.add_argument("--workroot", default="/tmp/coordexp_campaign", help="each seed's workdir and log go here")
+    parser.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--lanes", type=int, default=2, help="seeds side by side (decision 20: two on 2 cores)")
+    parser.add_argument("--grid", default=DENSE_GRID,
+                        help="the dense setting: calibration's candidate, then the one calibration chose")
+    parser.add_argument("--finalists", help="finals: the screen's one or two finalists, comma-separated")
+    parser.add_argument("--long-multiple", type=float, help="finals: stage1_long's K (decision 20's amendment)")
+    parser.add_argument("--gated", type=int, help="finals: gated seeds wanted (default 12 dense, 8 sparse)")
+    parser.add_argument("--dry-run", action="store_true", help="print each seed's command, run nothing")
+    parser.add_argument("--bench", default=str(BENCH), help=argparse.SUPPRESS)
+    parser.add_argument("--poll-s", type=float, default=10.0, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.lanes < 1:
+        parser.error("--lanes must be at least 1")
+    runner = Runner(phase_of(args), args)
+    try:
+        return runner.run()
+    except (KeyboardInterrupt, SystemExit):
+        runner.stop()
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())
