@@ -14,6 +14,8 @@ which); the other part is read from a run of the other setting. The paired diffe
 
 from __future__ import annotations
 
+import math
+import statistics
 from typing import Any, Sequence
 
 from _decoding_tuning import TUNED_FIGURES
@@ -30,6 +32,8 @@ two): the report names it ``stage2_shipped`` too, an alias of its figures (nothi
 DENSE_GRIDS = (DENSE_GRID, "5:8-16", "4:6-14")
 """Decision 20's dense candidates, in the order calibration seeds 200-201 try them."""
 BASELINES = ("stage1", CONTROL, "stage1_annealed", "stage1_long")
+SCREEN_SEEDS = range(300, 308)
+"""Decision 20's screen: a dense run of these seeds chooses the finalists and stage1_long's K (:func:`screen_choice`)."""
 # per setting: gated seeds needed, and (baseline, figure, test) checks; "above": the interval's low end above 0,
 # "not below": its high end at or above 0
 RULE = {"dense": (12, tuple((b, k, "above") for b in BASELINES for k in ("AP50", "f1"))),
@@ -97,6 +101,32 @@ def beats_detector(per_seed: Sequence[dict[str, Any]], args: dict[str, Any]) -> 
                           f"--grid {DENSE_GRID if other == 'dense' else DEFAULT_GRID}"}
 
 
+def screen_choice(per_seed: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Decision 20's screen rule over the gated seeds: the finalists (at most two treatments whose mean AP50 and mean
+    F1 minus ``stage1`` are both above 0, the highest mean AP50 first; tuned figures when every arm has them) and
+    ``stage1_long``'s K (the median over seeds of the first finalist's continuation wall time over the control's,
+    rounded up to a multiple of 0.5, within [1.5, 10]); no finalist: no finals."""
+    gated = _gated(per_seed)
+    if not gated or "stage1" not in gated[0]["runs"]:
+        return {"seeds": len(gated), "finalists": [], "long_multiple": None, "why": "no gated seed with stage1"}
+    source = source_of(gated)
+    means = {}
+    for name in (n for n in gated[0]["runs"] if not n.startswith("stage1")):
+        means[name] = {k: statistics.fmean(s["runs"][name][source][k] - s["runs"]["stage1"][source][k]
+                                           for s in gated) for k in ("AP50", "f1")}
+    finalists = sorted((n for n, m in means.items() if m["AP50"] > 0 and m["f1"] > 0),
+                       key=lambda n: -means[n]["AP50"])[:2]
+    out: dict[str, Any] = {"seeds": len(gated), "figures": source, "means": means, "finalists": finalists,
+                           "long_multiple": None, "wall_multiples": []}
+    walls = [((s["runs"][finalists[0]].get("train") or {}).get("wall_s"),
+              (s["runs"].get(CONTROL, {}).get("train") or {}).get("wall_s")) for s in gated] if finalists else []
+    multiples = [arm / control for arm, control in walls if arm and control]
+    if multiples:
+        out["wall_multiples"] = multiples
+        out["long_multiple"] = min(10.0, max(1.5, math.ceil(2 * statistics.median(multiples)) / 2))
+    return out
+
+
 def tuned_summary(per_seed: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The tuned figures' spread over seeds per arm, the settings chosen (seeds per setting) and their paired
     differences against the stage-1 baselines and decision 18's references."""
@@ -154,6 +184,8 @@ def extend_summary(per_seed: Sequence[dict[str, Any]], summary: dict[str, Any], 
         summary["tuned"] = tuned_summary(per_seed)
         summary["tuned_count_buckets"] = bucket_summary(per_seed, "tuned")
     summary["beats_detector"] = beats_detector(per_seed, args)
+    if setting_of(args) == "dense" and all(s["seed"] in SCREEN_SEEDS for s in per_seed):
+        summary["screen"] = screen_choice(per_seed)
 
 
 def _pct(value: Any) -> str:
@@ -213,6 +245,18 @@ def print_campaign(per_seed: Sequence[dict[str, Any]], summary: dict[str, Any]) 
               "up/down")
         print_paired(tuned["paired"])
         _print_buckets("tuned decoding", summary.get("tuned_count_buckets") or {}, summary)
+    screen = summary.get("screen")
+    if screen:
+        shown = "; ".join(f"{n} AP50 {100 * m['AP50']:+.2f}, F1 {100 * m['f1']:+.2f}"
+                          for n, m in (screen.get("means") or {}).items())
+        print(f"\ndecision 20's screen rule over {screen['seeds']} gated seeds, mean minus stage1 "
+              f"({screen.get('figures', '-')} figures): {shown or '-'}")
+        if screen["finalists"]:
+            multiples = ", ".join(f"{m:.1f}" for m in screen["wall_multiples"])
+            print(f"  finalists: {', '.join(screen['finalists'])}; stage1_long's K = {screen['long_multiple']:g} "
+                  f"({screen['finalists'][0]}'s wall time over the control's per seed: {multiples or '-'})")
+        else:
+            print("  no finalist: no treatment's mean AP50 and F1 minus stage1 are both above 0 (no finals)")
     verdict = summary.get("beats_detector") or {}
     if verdict.get("setting") is None:
         if verdict:

@@ -257,3 +257,65 @@ def test_every_arm_is_paired_against_the_checkpoint_at_the_default_decoding():
                                  scale=stats.sem(differences))
     assert pairs[f"{RECIPE} - stage1"]["AP50"]["ci95"] == pytest.approx([low, high])
     assert checkpoint_paired([{"seed": 1, "runs": {RECIPE: seeds[0]["runs"][RECIPE]}}]) == {}
+
+
+def _screen_seeds() -> list[dict]:
+    """Three gated seeds and one failed: stage1, the control, and three treatments (tuned figures): ``good`` up in
+    AP50 and F1, ``better`` higher AP50, ``recall_only`` up in AP50 and down in F1."""
+    offsets = {"good": (0.01, 0.005), "better": (0.02, 0.001), "recall_only": (0.03, -0.01)}
+    walls = {"stage1_continued": 60.0, "good": 300.0, "better": (130.0, 250.0, 260.0), "recall_only": 900.0}
+    seeds = []
+    for i in range(4):
+        runs = {"stage1": {"tuned": {"AP50": 0.8 + JITTER[i], "f1": 0.85}, "train": {"wall_s": 1000.0}}}
+        runs["stage1_continued"] = {"tuned": {"AP50": 0.8, "f1": 0.85}, "train": {"wall_s": 60.0}}
+        for name, (ap, f1) in offsets.items():
+            wall = walls[name][i % 3] if isinstance(walls[name], tuple) else walls[name]
+            runs[name] = {"tuned": {"AP50": 0.8 + JITTER[i] + ap, "f1": 0.85 + f1}, "train": {"wall_s": wall}}
+        for run in runs.values():
+            run["eval"] = dict(run["tuned"])
+            run["tuned"].update(repetition_penalty=1.0, near_repeat_removal=False)
+        seeds.append({"seed": 300 + i, "gate": {"passed": i != 3}, "runs": runs})
+    seeds[3]["runs"]["good"]["tuned"]["AP50"] = 0.0  # a failed seed counts for nothing
+    return seeds
+
+
+def test_the_screen_names_its_finalists_and_stage1_longs_multiple():
+    """Decision 20: at most two treatments whose mean tuned AP50 and F1 minus stage1 are above 0, the higher AP50
+    first; K is the median of the first finalist's wall time over the control's (130/60, 250/60, 260/60 -> 4.17),
+    rounded up to a multiple of 0.5 (4.5) within [1.5, 10]."""
+    from _campaign_report import screen_choice
+
+    choice = screen_choice(_screen_seeds())
+    assert choice["seeds"] == 3 and choice["figures"] == "tuned"
+    assert choice["finalists"] == ["better", "good"]  # recall_only's F1 is below stage1's
+    assert choice["means"]["better"]["AP50"] == pytest.approx(0.02)
+    assert choice["wall_multiples"] == pytest.approx([130 / 60, 250 / 60, 260 / 60])
+    assert choice["long_multiple"] == 4.5
+    slow = _screen_seeds()
+    for seed in slow:
+        seed["runs"]["better"]["train"]["wall_s"] = 6000.0
+    assert screen_choice(slow)["long_multiple"] == 10.0  # 100x is capped
+    fast = _screen_seeds()
+    for seed in fast:
+        seed["runs"]["better"]["train"]["wall_s"] = 61.0
+    assert screen_choice(fast)["long_multiple"] == 1.5
+    none = _screen_seeds()
+    for seed in none:
+        for name in ("good", "better"):
+            seed["runs"][name]["tuned"]["f1"] = 0.84
+    assert screen_choice(none)["finalists"] == [] and screen_choice(none)["long_multiple"] is None
+
+
+def test_only_the_screens_seeds_of_the_dense_setting_are_read_as_the_screen():
+    seeds = _screen_seeds()
+    dense: dict = {}
+    extend_summary(seeds, dense, DENSE)
+    assert dense["screen"]["finalists"] == ["better", "good"]
+    sparse: dict = {}
+    extend_summary(seeds, sparse, {"task": "grid", "grid": DEFAULT_GRID})
+    assert "screen" not in sparse
+    for k, seed in enumerate(seeds):  # calibration (200-201) and the finals (310 on) choose nothing
+        seed["seed"] = 200 + k
+    calibration: dict = {}
+    extend_summary(seeds, calibration, DENSE)
+    assert "screen" not in calibration
