@@ -117,7 +117,8 @@ def screen_choice(per_seed: Sequence[dict[str, Any]]) -> dict[str, Any]:
     finalists = sorted((n for n, m in means.items() if m["AP50"] > 0 and m["f1"] > 0),
                        key=lambda n: -means[n]["AP50"])[:2]
     out: dict[str, Any] = {"seeds": len(gated), "figures": source, "means": means, "finalists": finalists,
-                           "long_multiple": None, "wall_multiples": []}
+                           "long_multiple": None, "wall_multiples": [], "seeds_run": len(per_seed),
+                           "complete": len(per_seed) >= len(SCREEN_SEEDS)}
     walls = [((s["runs"][finalists[0]].get("train") or {}).get("wall_s"),
               (s["runs"].get(CONTROL, {}).get("train") or {}).get("wall_s")) for s in gated] if finalists else []
     multiples = [arm / control for arm, control in walls if arm and control]
@@ -251,6 +252,9 @@ def print_campaign(per_seed: Sequence[dict[str, Any]], summary: dict[str, Any]) 
                           for n, m in (screen.get("means") or {}).items())
         print(f"\ndecision 20's screen rule over {screen['seeds']} gated seeds, mean minus stage1 "
               f"({screen.get('figures', '-')} figures): {shown or '-'}")
+        if not screen.get("complete", True):
+            print(f"  provisional: {screen.get('seeds_run')} of the screen's {len(SCREEN_SEEDS)} seeds have run; "
+                  "it chooses nothing until every one has")
         if screen["finalists"]:
             multiples = ", ".join(f"{m:.1f}" for m in screen["wall_multiples"])
             print(f"  finalists: {', '.join(screen['finalists'])}; stage1_long's K = {screen['long_multiple']:g} "

@@ -287,6 +287,7 @@ def test_the_screen_names_its_finalists_and_stage1_longs_multiple():
 
     choice = screen_choice(_screen_seeds())
     assert choice["seeds"] == 3 and choice["figures"] == "tuned"
+    assert choice["seeds_run"] == 4 and not choice["complete"]  # 4 of the screen's 8 seeds: provisional
     assert choice["finalists"] == ["better", "good"]  # recall_only's F1 is below stage1's
     assert choice["means"]["better"]["AP50"] == pytest.approx(0.02)
     assert choice["wall_multiples"] == pytest.approx([130 / 60, 250 / 60, 260 / 60])
