@@ -115,6 +115,7 @@ class Runner:
         self.running: dict[int, subprocess.Popen] = {}
         self.next_seed = phase.first_seed
         self.gated = self.finished = 0
+        self.failures: list[str] = []  # seeds that ended without their JSON line
 
     def command(self, seed: int) -> list[str]:
         work = Path(self.args.workroot) / f"{self.phase.name}_seed{seed}"
@@ -133,19 +134,24 @@ class Runner:
         shutil.rmtree(work, ignore_errors=True)  # a seed stopped midway starts over
         work.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-        log = open(work.parent / f"{work.name}.out", "w", encoding="utf-8")
-        self.running[seed] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                              start_new_session=True, cwd=ROOT)
+        with open(work.parent / f"{work.name}.out", "w", encoding="utf-8") as log:  # the child holds its own copy
+            self.running[seed] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                                  start_new_session=True, cwd=ROOT)
         print(f"[campaign] seed {seed}: started ({work})", flush=True)
 
     def collect(self, seed: int, process: subprocess.Popen) -> None:
+        """Write the seed's result file (atomically: a reader or a commit never sees half of it), or record its
+        failure: the seeds still running finish and keep their results, and no new seed starts."""
+        from coordexp.runtime.train.run_folder import write_result_file
+
         out = Path(self.args.workroot) / f"{self.phase.name}_seed{seed}.out"
         result = json_line(out.read_text(encoding="utf-8", errors="replace"))
         if process.returncode != 0 or result is None:
-            raise SystemExit(f"[campaign] seed {seed} exited {process.returncode} without its JSON line: see {out}")
-        path = result_path(Path(self.args.results), self.phase.name, seed)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result) + "\n", encoding="utf-8")
+            self.failures.append(f"seed {seed} exited {process.returncode} without its JSON line: see {out}")
+            print(f"[campaign] {self.failures[-1]}; starting no other seed", flush=True)
+            return
+        path = write_result_file(result_path(Path(self.args.results), self.phase.name, seed),
+                                 (json.dumps(result) + "\n").encode("utf-8"))
         self.account(seed, result)
         print(f"[campaign] seed {seed}: {'gate passed' if passed_gate(result) else 'gate FAILED'} -> {path}",
               flush=True)
@@ -156,7 +162,7 @@ class Runner:
 
     def run(self) -> int:
         while True:
-            while len(self.running) < self.args.lanes and self.wanted():
+            while not self.failures and len(self.running) < self.args.lanes and self.wanted():
                 seed, self.next_seed = self.next_seed, self.next_seed + 1
                 done = _done(Path(self.args.results), self.phase.name, seed)
                 if done is not None:
@@ -170,6 +176,8 @@ class Runner:
                 self.start(seed)
             if not self.running:
                 print(f"[campaign] {self.phase.name}: {self.finished} seeds, {self.gated} gated", flush=True)
+                if self.failures:
+                    raise SystemExit("[campaign] " + "; ".join(self.failures))
                 return 0
             for seed, process in list(self.running.items()):
                 if process.poll() is not None:
@@ -203,7 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     runner = Runner(phase_of(args), args)
     try:
         return runner.run()
-    except (KeyboardInterrupt, SystemExit):
+    except KeyboardInterrupt:  # asked to stop: the running seeds stop too
         runner.stop()
         raise
 

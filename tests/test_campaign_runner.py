@@ -14,21 +14,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import campaign  # noqa: E402
 
 FAKE_BENCH = '''
-import json, sys
+import json, sys, time
 from pathlib import Path
 argv = sys.argv[1:]
 seed = int(argv[argv.index("--seed") + 1])
 Path(argv[argv.index("--workdir") + 1]).mkdir(parents=True, exist_ok=True)
 if seed == {crash}:
     sys.exit(1)
+time.sleep({seconds})
 print("  step 1/1")
 print("JSON " + json.dumps({{"args": argv, "seeds": [{{"seed": seed, "gate": {{"passed": seed != {failed}}}}}]}}))
 '''
 
 
-def _bench(tmp_path: Path, failed: int = -1, crash: int = -1) -> Path:
+def _bench(tmp_path: Path, failed: int = -1, crash: int = -1, seconds: float = 0.0) -> Path:
     path = tmp_path / "fake_bench.py"
-    path.write_text(FAKE_BENCH.format(failed=failed, crash=crash), encoding="utf-8")
+    path.write_text(FAKE_BENCH.format(failed=failed, crash=crash, seconds=seconds), encoding="utf-8")
     return path
 
 
@@ -89,3 +90,13 @@ def test_a_seed_that_ends_without_its_json_line_stops_the_runner_naming_its_log(
         _run(tmp_path, "calibration", "--lanes", "1", "--bench", str(bench))
     assert (tmp_path / "results" / "issue53_calibration_seed200.json").exists()
     assert not (tmp_path / "results" / "issue53_calibration_seed201.json").exists()
+
+
+def test_a_crashed_seed_never_stops_the_seed_beside_it(tmp_path):
+    """Seed 300 crashes at once while 301 is still running: 301 finishes and keeps its result (an hour of work on
+    the real bench), no further seed starts, and the runner then exits naming the crash."""
+    bench = _bench(tmp_path, crash=300, seconds=1.0)
+    with pytest.raises(SystemExit, match=r"seed 300 exited 1"):
+        _run(tmp_path, "screen", "--lanes", "2", "--bench", str(bench))
+    assert sorted(p.name for p in (tmp_path / "results").iterdir()) == ["issue53_screen_seed301.json"]
+    assert not (tmp_path / "work" / "screen_seed302.out").exists()
