@@ -526,6 +526,14 @@ def _report(per_seed: list[dict[str, Any]], args: Any, workdir: Path) -> dict[st
     return summary
 
 
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    """A run's summary through a temp file and a rename: ``--report`` rewrites a committed result file in place,
+    and an interrupted write must leave the old file whole."""
+    from coordexp.runtime.train.run_folder import write_result_file
+
+    write_result_file(path, (json.dumps(data, indent=2) + "\n").encode("utf-8"))
+
+
 def main() -> None:
     args = _args()
     if args.report is not None:
@@ -544,7 +552,7 @@ def main() -> None:
                 out = args.workdir.resolve() / "summary.json"  # never overwrite the whole run with a part of it
         out.parent.mkdir(parents=True, exist_ok=True)
         saved["summary"] = _report(saved["seeds"], saved["args"], out.parent)
-        out.write_text(json.dumps(saved, indent=2) + "\n", encoding="utf-8")
+        _write_json(out, saved)
         return
     args.workdir = args.workdir.resolve()
     if args.add_arms:
@@ -554,7 +562,7 @@ def main() -> None:
         saved = json.loads(path.read_text(encoding="utf-8"))
         add_arms(args, saved)
         saved["summary"] = _report(saved["seeds"], saved["args"], args.workdir)
-        path.write_text(json.dumps(saved, indent=2) + "\n", encoding="utf-8")
+        _write_json(path, saved)
         print("JSON " + json.dumps(saved))
         return
     args.workdir.mkdir(parents=True, exist_ok=True)
@@ -563,7 +571,7 @@ def main() -> None:
     printable = _printable(args)
     summary = _report(per_seed, printable, args.workdir)
     result = {"args": printable, "seeds": per_seed, "summary": summary, "total_s": time.perf_counter() - started}
-    (args.workdir / "summary.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    _write_json(args.workdir / "summary.json", result)
     print("JSON " + json.dumps(result))
 
 

@@ -270,3 +270,15 @@ def test_every_arm_reports_its_reward_and_cut_off_in_the_first_and_last_quarter(
     assert bench._quarters(history, "rollout/cut_off_rate") == pytest.approx([0.5, 0.5])
     assert bench._quarters(history[:3], "reward/mean") is None
     assert bench._quarters([{"loss": 1.0}] * 8, "reward/mean") is None
+
+
+def test_a_report_rewrites_its_file_by_rename_never_through_a_link(bench, tmp_path):
+    """``--report FILE`` rewrites FILE in place (a committed result): through a temp file and a rename, so a link
+    there is replaced, never written through, and the file it pointed to keeps its bytes."""
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text('{"mine": true}\n')
+    summary = tmp_path / "summary.json"
+    summary.symlink_to(elsewhere)
+    bench._write_json(summary, {"seeds": []})
+    assert not summary.is_symlink() and summary.read_text() == '{\n  "seeds": []\n}\n'
+    assert elsewhere.read_text() == '{"mine": true}\n'
