@@ -101,6 +101,11 @@ def beats_detector(per_seed: Sequence[dict[str, Any]], args: dict[str, Any]) -> 
                           f"--grid {DENSE_GRID if other == 'dense' else DEFAULT_GRID}"}
 
 
+def _wall_s(run: dict[str, Any]) -> float | None:
+    """An arm's continuation wall time, None where the run has no training figures."""
+    return (run.get("train") or {}).get("wall_s")
+
+
 def screen_choice(per_seed: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Decision 20's screen rule over the gated seeds: the finalists (at most two treatments whose mean AP50 and mean
     F1 minus ``stage1`` are both above 0, the highest mean AP50 first; tuned figures when every arm has them) and
@@ -119,9 +124,11 @@ def screen_choice(per_seed: Sequence[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"seeds": len(gated), "figures": source, "means": means, "finalists": finalists,
                            "long_multiple": None, "wall_multiples": [], "seeds_run": len(per_seed),
                            "complete": len(per_seed) >= len(SCREEN_SEEDS)}
-    walls = [((s["runs"][finalists[0]].get("train") or {}).get("wall_s"),
-              (s["runs"].get(CONTROL, {}).get("train") or {}).get("wall_s")) for s in gated] if finalists else []
-    multiples = [arm / control for arm, control in walls if arm and control]
+    multiples = []
+    for seed in gated if finalists else ():
+        arm, control = _wall_s(seed["runs"][finalists[0]]), _wall_s(seed["runs"].get(CONTROL, {}))
+        if arm and control:
+            multiples.append(arm / control)
     if multiples:
         out["wall_multiples"] = multiples
         out["long_multiple"] = min(10.0, max(1.5, math.ceil(2 * statistics.median(multiples)) / 2))
