@@ -3,6 +3,8 @@
 stops another), and each finished seed's JSON line written to ``--results`` as ``issue53_<phase>_seed<S>.json``
 the moment it ends, to be committed as it finishes. A seed whose file exists is done and never run again, so the
 runner picks up where a stopped session left it (a seed that was running is started over: its workdir is cleared).
+To end a session cleanly, create ``<workroot>/STOP``: the seeds running finish and write their results, and no new
+seed starts (a seed that has started is an hour of work; stopping it loses that hour).
 
 Phases: ``calibration`` (seeds 200-201, the default arms, one ``--grid`` of decision 20's candidates),
 ``screen`` (seeds 300-307, every arm of the screen), ``dense`` and ``sparse`` (the finals: the five baselines and
@@ -11,6 +13,7 @@ a failed seed reported and replaced by the next).
 
     python benchmarks/campaign.py screen --workroot /tmp/camp                   # seeds 300-307, two lanes
     python benchmarks/campaign.py dense --finalists reward_object --long-multiple 4 --dry-run
+    touch /tmp/camp/STOP                                                          # no new seed after these
 """
 
 from __future__ import annotations
@@ -122,8 +125,14 @@ class Runner:
         return [sys.executable, str(self.args.bench), "--workdir", str(work), "--seed", str(seed),
                 *self.phase.options]
 
+    @property
+    def stop_file(self) -> Path:
+        return Path(self.args.workroot) / "STOP"
+
     def wanted(self) -> bool:
         """Whether another seed should start now."""
+        if self.stop_file.exists():
+            return False
         if self.phase.seeds is not None:
             return self.next_seed < self.phase.first_seed + self.phase.seeds
         return self.gated + len(self.running) < self.phase.gated
@@ -176,6 +185,8 @@ class Runner:
                 self.start(seed)
             if not self.running:
                 print(f"[campaign] {self.phase.name}: {self.finished} seeds, {self.gated} gated", flush=True)
+                if self.stop_file.exists():
+                    print(f"[campaign] stopped by {self.stop_file}: remove it and run again to go on", flush=True)
                 if self.failures:
                     raise SystemExit("[campaign] " + "; ".join(self.failures))
                 return 0
@@ -209,6 +220,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.lanes < 1:
         parser.error("--lanes must be at least 1")
     runner = Runner(phase_of(args), args)
+    if runner.stop_file.exists():  # left from a stopped session: this run would start nothing
+        parser.error(f"{runner.stop_file} exists (a request to stop); remove it to run")
     try:
         return runner.run()
     except KeyboardInterrupt:  # asked to stop: the running seeds stop too

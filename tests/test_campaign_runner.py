@@ -100,3 +100,20 @@ def test_a_crashed_seed_never_stops_the_seed_beside_it(tmp_path):
         _run(tmp_path, "screen", "--lanes", "2", "--bench", str(bench))
     assert sorted(p.name for p in (tmp_path / "results").iterdir()) == ["issue53_screen_seed301.json"]
     assert not (tmp_path / "work" / "screen_seed302.out").exists()
+
+
+def test_a_stop_file_lets_the_running_seeds_finish_and_starts_no_other(tmp_path):
+    """A session with a time limit ends the campaign cleanly: once ``<workroot>/STOP`` exists, the seeds running
+    finish and write their results, and no further seed starts; a run started while it exists refuses to run."""
+    bench = tmp_path / "fake_bench.py"
+    bench.write_text(FAKE_BENCH.format(failed=-1, crash=-1, seconds=0.0).replace(
+        'print("  step 1/1")', 'Path(argv[argv.index("--workdir") + 1]).parent.joinpath("STOP").touch()'))
+    assert _run(tmp_path, "screen", "--lanes", "1", "--bench", str(bench)) == 0
+    assert sorted(p.name for p in (tmp_path / "results").iterdir()) == ["issue53_screen_seed300.json"]
+    with pytest.raises(SystemExit) as refused:
+        _run(tmp_path, "screen", "--bench", str(bench))
+    assert refused.value.code == 2
+    (tmp_path / "work" / "STOP").unlink()
+    _bench(tmp_path)  # the plain stand-in: the rest of the screen runs
+    assert _run(tmp_path, "screen", "--bench", str(bench)) == 0
+    assert len(list((tmp_path / "results").iterdir())) == 8
