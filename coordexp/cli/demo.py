@@ -30,10 +30,13 @@ def _num(value: Optional[float]) -> str:
 
 
 def demo(
-    stage1: Annotated[Path, typer.Option("--stage1", help="Stage-1 config.")] = EXAMPLES_DIR / "demo_stage1.yaml",
-    stage2: Annotated[Path, typer.Option("--stage2", help="Stage-2 config (model.path = stage 1's output_dir).")] = (
-        EXAMPLES_DIR / "demo_stage2.yaml"
-    ),
+    stage1: Annotated[Path, typer.Option(  # the defaults shown relative: the absolute path is cut at 80 columns
+        "--stage1", help="Stage-1 config.", show_default="examples/demo_stage1.yaml",
+    )] = EXAMPLES_DIR / "demo_stage1.yaml",
+    stage2: Annotated[Path, typer.Option(
+        "--stage2", help="Stage-2 config (model.path = stage 1's output_dir).",
+        show_default="examples/demo_stage2.yaml",
+    )] = EXAMPLES_DIR / "demo_stage2.yaml",
     quick: Annotated[
         bool, typer.Option("--quick", help="Smoke run: a few steps per stage (also COORDEXP_DEMO_QUICK=1).")
     ] = False,

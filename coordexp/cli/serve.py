@@ -18,6 +18,9 @@ from coordexp.cli.overrides import SetOption
 
 __all__ = ["register", "serve_rollout"]
 
+# the on/off switches get panels of their own: a --no-... column in the main table leaves its help no room at 80
+LOGGING, SYSTEM_PROMPT = "Logging", "System prompt"
+
 
 def serve_rollout(
     config: Annotated[Path, typer.Argument(help="YAML run config (model, template, decoding, repeat_terminate).",
@@ -33,12 +36,13 @@ def serve_rollout(
         "--checkpoint", help="Serve this saved model (a training output_dir or checkpoint-N) instead of model.path; "
                              "loaded as `coordexp eval --checkpoint` loads it.")] = None,
     log_level: Annotated[Optional[str], typer.Option(
-        "--log-level", show_default=False, help="uvicorn log level (default: warning, info with --verbose).")] = None,
+        "--log-level", show_default=False, rich_help_panel=LOGGING,
+        help="uvicorn log level (default: warning, info with --verbose).")] = None,
     access_log: Annotated[Optional[bool], typer.Option(
-        "--access-log/--no-access-log", show_default=False,
+        "--access-log/--no-access-log", show_default=False, rich_help_panel=LOGGING,
         help="Log every request with its status (default: off, on with --verbose).")] = None,
     verbose: Annotated[bool, typer.Option(
-        "--verbose", help="uvicorn's start-up lines and the access log (every request with its status).")] = False,
+        "--verbose", rich_help_panel=LOGGING, help="uvicorn's start-up lines and the access log (every request with its status).")] = False,
     sync_host: Annotated[Optional[str], typer.Option(
         "--sync-host", help="Address the weight-sync rendezvous listens on (default: --host).")] = None,
     sync_token: Annotated[Optional[str], typer.Option(
@@ -46,17 +50,20 @@ def serve_rollout(
         help="Shared token required on every weight endpoint (Authorization: Bearer); mandatory when --host or "
         "--sync-host is not loopback.")] = None,
     sync_timeout_max: Annotated[Optional[float], typer.Option(
-        "--sync-timeout-max", help="Cap in seconds on the weight-sync rendezvous/collective timeout; a client's "
+        "--sync-timeout-max", help="Cap in seconds on the weight-sync rendezvous and collective timeout; a client's "
         "longer timeout_s is clamped (default: the config's vllm.server.timeout_s, 240).")] = None,
     max_body_mb: Annotated[float, typer.Option(
         "--max-body-mb", help="Largest request body accepted (MiB); larger is 413.")] = 64.0,
     system: Annotated[Optional[str], typer.Option(
-        "--system", show_default=False, help="System prompt for requests that send none (default: the config's "
-        "template.system_prompt, which the model was trained with).")] = None,
-    system_from_config: Annotated[Optional[bool], typer.Option(
-        "--system-from-config/--no-system-from-config", show_default=False,
-        help="Requests without a system message get the config's template.system_prompt (the default); "
-        "--no-system-from-config leaves them the chat template's own default, as `swift rollout`.")] = None,
+        "--system", show_default=False, rich_help_panel=SYSTEM_PROMPT,
+        help="System prompt for requests that send none (default: the config's template.system_prompt, which "
+        "the model was trained with).")] = None,
+    template_system: Annotated[bool, typer.Option(
+        "--no-system-from-config", show_default=False, rich_help_panel=SYSTEM_PROMPT,
+        help="Requests without a system message get the chat template's own default, as `swift rollout` does, "
+        "not the config's system prompt.")] = False,
+    config_system: Annotated[bool, typer.Option(  # the default, spelled out; hidden, kept for scripts that pass it
+        "--system-from-config", hidden=True)] = False,
     max_batch_seqs: Annotated[Optional[int], typer.Option(
         "--max-batch-seqs", show_default=False, help="Sequences per merged engine call (concurrent /infer/ calls "
         "share it round-robin; default: vLLM's max_num_seqs or 256, HF: 4 x decode_batch_size).")] = None,
@@ -86,9 +93,10 @@ def serve_rollout(
 
     if not 0 < max_body_mb <= 4096:
         fail(f"--max-body-mb {max_body_mb} is out of range", "Use a size in (0, 4096] MiB")
-    if system is not None and system_from_config is not None:
-        fail(f"--system and {'--system-from-config' if system_from_config else '--no-system-from-config'} both set "
-             "the default system prompt", "Pass one of them")
+    chosen = [name for name, given in (("--system", system is not None), ("--system-from-config", config_system),
+                                       ("--no-system-from-config", template_system)) if given]
+    if len(chosen) > 1:
+        fail(f"{' and '.join(chosen)} both set the default system prompt", "Pass one of them")
     if max_batch_seqs is not None and not 1 <= max_batch_seqs <= 65536:
         fail(f"--max-batch-seqs {max_batch_seqs} is out of range", "Use 1..65536 sequences")
     if not 0 <= batch_window_ms <= 1000:
@@ -120,8 +128,8 @@ def serve_rollout(
         seqs = max_batch_seqs or default_batch_policy(server_engine).max_batch_seqs
         app = build_app(run, server_engine, image_root=root, bind_host=host, policy=policy,
                         max_body_bytes=int(max_body_mb * 2**20),
-                        system=system if system is not None else run.template.system_prompt
-                        if system_from_config is not False else None,
+                        system=system if system is not None else None if template_system
+                        else run.template.system_prompt,
                         batch=BatchPolicy(max_batch_seqs=seqs, window_s=batch_window_ms / 1000),
                         max_request_tokens=max_request_tokens)
         run_server(app, sock, log_level=log_level or ("info" if verbose else "warning"),

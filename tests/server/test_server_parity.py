@@ -199,6 +199,9 @@ def test_the_outside_strings_scan_agrees_with_a_full_parse(document, ascii_only)
 
 
 @pytest.mark.parametrize("args, named", [(["--system", "a", "--system-from-config"], "--system-from-config"),
+                                         (["--system", "a", "--no-system-from-config"], "--no-system-from-config"),
+                                         (["--system-from-config", "--no-system-from-config"],
+                                          "--system-from-config and --no-system-from-config"),
                                          (["--max-batch-seqs", "0"], "--max-batch-seqs"),
                                          (["--batch-window-ms", "5000"], "--batch-window-ms"),
                                          (["--max-request-tokens", "0"], "--max-request-tokens")])
