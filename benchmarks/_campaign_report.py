@@ -279,3 +279,29 @@ def print_campaign(per_seed: Sequence[dict[str, Any]], summary: dict[str, Any]) 
     for name, arm in verdict["arms"].items():
         state = "MET" if arm["met"] else "not met"
         print(f"  {_shown(name, summary)}: {state}" + ("" if arm["met"] else f" ({'; '.join(arm['reasons'])})"))
+
+
+def campaign_verdict(dense: dict[str, Any], sparse: dict[str, Any]) -> dict[str, Any]:
+    """Issue 53's whole rule from the finals' two runs (each a merged run: ``args`` and ``seeds``): a treatment
+    beats the detector you have when it meets the dense part and the 4:4-12 part; of several, what ships is the
+    highest mean dense AP50 minus ``stage1``; of none, ``coordexp init --stage 2`` stays as it is."""
+    parts = {"dense": beats_detector(dense["seeds"], dense["args"]),
+             "default": beats_detector(sparse["seeds"], sparse["args"])}
+    for setting, part in parts.items():
+        if part["setting"] != setting:
+            grid = DENSE_GRID if setting == "dense" else DEFAULT_GRID
+            raise ValueError(f"the {setting} part needs a grid run at --grid {grid}; got {part.get('grid')!r}"
+                             f" ({part.get('why', part['setting'])})")
+    arms: dict[str, Any] = {}
+    for name, on_dense in parts["dense"]["arms"].items():
+        on_sparse = parts["default"]["arms"].get(name)
+        reasons = [f"dense: {r}" for r in on_dense["reasons"]]
+        reasons += ([f"{DEFAULT_GRID}: {r}" for r in on_sparse["reasons"]] if on_sparse is not None
+                    else [f"{DEFAULT_GRID}: no {name} arm in that run"])
+        gain = next((c.get("mean") for c in on_dense["checks"] if c["against"] == "stage1" and c["figure"] == "AP50"),
+                    None)
+        arms[name] = {"met": not reasons, "reasons": reasons, "dense_ap50_minus_stage1": gain}
+    met = [n for n, a in arms.items() if a["met"]]
+    ships = max(met, key=lambda n: arms[n]["dense_ap50_minus_stage1"]) if met else None
+    return {"arms": arms, "ships": ships, "gated_seeds": {s: p["gated_seeds"] for s, p in parts.items()},
+            "figures": {s: p["figures"] for s, p in parts.items()}}

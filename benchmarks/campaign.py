@@ -6,6 +6,9 @@ runner picks up where a stopped session left it (a seed that was running is star
 To end a session cleanly, create ``<workroot>/STOP``: the seeds running finish and write their results, and no new
 seed starts (a seed that has started is an hour of work; stopping it loses that hour).
 
+``verdict`` reads the finals' result files and applies issue 53's whole rule (both settings' parts): which
+treatment beats the detector you have, and what ``coordexp init --stage 2`` should write (``--json``: as JSON).
+
 Phases: ``calibration`` (seeds 200-201, the default arms, one ``--grid`` of decision 20's candidates),
 ``screen`` (seeds 300-307, every arm of the screen), ``dense`` and ``sparse`` (the finals: the five baselines and
 the ``--finalists``, ``--long-multiple K``; seeds from 310 and 330 until ``--gated`` seeds passed stage 1's gate,
@@ -13,6 +16,7 @@ a failed seed reported and replaced by the next).
 
     python benchmarks/campaign.py screen --workroot /tmp/camp                   # seeds 300-307, two lanes
     python benchmarks/campaign.py dense --finalists reward_object --long-multiple 4 --dry-run
+    python benchmarks/campaign.py verdict                                         # the rule, from both finals
     touch /tmp/camp/STOP                                                          # no new seed after these
 """
 
@@ -202,9 +206,40 @@ class Runner:
                 os.killpg(process.pid, signal.SIGTERM)
 
 
+def load_phase(results: Path, phase: str) -> dict[str, Any]:
+    """Every result file of a phase as one run (bench_learning's ``merge_runs``: the options must agree)."""
+    from _learning_options import merge_runs
+
+    paths = sorted(results.glob(f"issue53_{phase}_seed*.json"))
+    if not paths:
+        raise SystemExit(f"verdict: no {phase} result in {results} (issue53_{phase}_seed*.json)")
+    return merge_runs([json.loads(path.read_text(encoding="utf-8")) for path in paths])
+
+
+def verdict(args: argparse.Namespace) -> int:
+    """Issue 53's rule over the finals' seeds (``_campaign_report.campaign_verdict``), printed or as JSON."""
+    from _campaign_report import campaign_verdict
+
+    try:
+        result = campaign_verdict(load_phase(Path(args.results), "dense"), load_phase(Path(args.results), "sparse"))
+    except ValueError as exc:
+        raise SystemExit(f"verdict: {exc}") from None
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    gated, figures = result["gated_seeds"], result["figures"]
+    print(f"issue 53's rule on {gated['dense']} gated dense seeds ({figures['dense']} figures) and "
+          f"{gated['default']} gated {SPARSE_GRID} seeds ({figures['default']} figures)")
+    for name, arm in result["arms"].items():
+        print(f"  {name}: " + ("MET" if arm["met"] else "not met (" + "; ".join(arm["reasons"]) + ")"))
+    print(f"`coordexp init --stage 2` should write: {result['ships']}" if result["ships"] else
+          "no treatment met the rule: `coordexp init --stage 2` stays as it is")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("phase", choices=("calibration", "screen", "dense", "sparse"))
+    parser.add_argument("phase", choices=("calibration", "screen", "dense", "sparse", "verdict"))
     parser.add_argument("--workroot", default="/tmp/coordexp_campaign", help="each seed's workdir and log go here")
     parser.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--lanes", type=int, default=2, help="seeds side by side (decision 20: two on 2 cores)")
@@ -214,9 +249,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--long-multiple", type=float, help="finals: stage1_long's K (decision 20's amendment)")
     parser.add_argument("--gated", type=int, help="finals: gated seeds wanted (default 12 dense, 8 sparse)")
     parser.add_argument("--dry-run", action="store_true", help="print each seed's command, run nothing")
+    parser.add_argument("--json", action="store_true", help="verdict: print the result as one JSON object")
     parser.add_argument("--bench", default=str(BENCH), help=argparse.SUPPRESS)
     parser.add_argument("--poll-s", type=float, default=10.0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.phase == "verdict":
+        if str(ROOT / "benchmarks") not in sys.path:
+            sys.path.insert(0, str(ROOT / "benchmarks"))
+        return verdict(args)
     if args.lanes < 1:
         parser.error("--lanes must be at least 1")
     runner = Runner(phase_of(args), args)

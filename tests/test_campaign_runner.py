@@ -117,3 +117,69 @@ def test_a_stop_file_lets_the_running_seeds_finish_and_starts_no_other(tmp_path)
     _bench(tmp_path)  # the plain stand-in: the rest of the screen runs
     assert _run(tmp_path, "screen", "--bench", str(bench)) == 0
     assert len(list((tmp_path / "results").iterdir())) == 8
+
+
+BASELINE_ARMS = ("stage1", "stage1_continued", "stage1_annealed", "stage1_long", "stage1_gap")
+NOISE = (0.003, -0.002, 0.001, -0.003, 0.002, 0.0, -0.001, 0.003, -0.002, 0.001, 0.002, -0.003)
+
+
+def _final(results: Path, phase: str, seeds: range, gains: dict[str, float], failed: tuple[int, ...] = ()) -> None:
+    """One result file per seed, as campaign.py writes them: every baseline near 0.80 AP50 / 0.85 F1 (tuned) and
+    each treatment at stage1_long plus its gain (plus a seed-dependent wobble smaller than the gain)."""
+    grid = campaign.DENSE_GRID if phase == "dense" else campaign.SPARSE_GRID
+    results.mkdir(parents=True, exist_ok=True)
+    for i, seed in enumerate(seeds):
+        runs = {name: {"tuned": {"AP50": 0.80 + NOISE[(i + k) % 12] / 3, "f1": 0.85 + NOISE[(i + 2 * k) % 12] / 3}}
+                for k, name in enumerate(BASELINE_ARMS)}
+        long = runs["stage1_long"]["tuned"]
+        for name, gain in gains.items():
+            runs[name] = {"tuned": {f: v + gain + NOISE[(5 * i) % 12] / 4 for f, v in long.items()}}
+        line = {"args": {"task": "grid", "grid": grid}, "seeds": [{"seed": seed, "gate": {"passed": seed not in failed},
+                                                                  "runs": runs}]}
+        (results / f"issue53_{phase}_seed{seed}.json").write_text(json.dumps(line) + "\n", encoding="utf-8")
+
+
+def test_the_verdict_applies_both_settings_parts_and_names_what_init_should_write(capsys, tmp_path):
+    """The finals' files alone decide: a treatment up on every dense baseline and level on 4:4-12 meets the rule (of
+    two such, the larger dense AP50 gain ships); one below stage1 on 4:4-12 does not, naming that part; a failed
+    gate's seed is left out of the 12."""
+    results = tmp_path / "results"
+    gains = {"stage2_recipe": 0.01, "reward_object_bc": 0.02, "recipe_reading_order_ul": 0.03}
+    _final(results, "dense", range(310, 323), gains, failed=(315,))
+    _final(results, "sparse", range(330, 338), {"stage2_recipe": 0.0, "reward_object_bc": 0.001,
+                                                 "recipe_reading_order_ul": -0.02})
+    assert _run(tmp_path, "verdict", "--json") == 0
+    verdict = json.loads(capsys.readouterr().out)
+    assert verdict["gated_seeds"] == {"dense": 12, "default": 8}
+    assert verdict["arms"]["stage2_recipe"]["met"] and verdict["arms"]["reward_object_bc"]["met"]
+    below = verdict["arms"]["recipe_reading_order_ul"]
+    assert not below["met"] and below["reasons"][0].startswith("4:4-12: AP50 - stage1:")
+    assert "entirely below 0" in below["reasons"][0]
+    assert verdict["ships"] == "reward_object_bc"
+    assert _run(tmp_path, "verdict") == 0
+    out = capsys.readouterr().out
+    assert "`coordexp init --stage 2` should write: reward_object_bc" in out and "12 gated dense seeds" in out
+
+
+def test_the_verdict_with_no_arm_met_keeps_init_and_says_why(capsys, tmp_path):
+    results = tmp_path / "results"
+    _final(results, "dense", range(310, 318), {"stage2_recipe": 0.01})  # 8 seeds: the dense part needs 12
+    _final(results, "sparse", range(330, 338), {"stage2_recipe": 0.01})
+    assert _run(tmp_path, "verdict") == 0
+    out = capsys.readouterr().out
+    assert "stage2_recipe: not met (dense: needs 12 gated seeds, has 8)" in out
+    assert "no treatment met the rule: `coordexp init --stage 2` stays as it is" in out
+
+
+def test_the_verdict_refuses_missing_or_misplaced_finals(tmp_path):
+    with pytest.raises(SystemExit, match=r"no dense result in .*issue53_dense_seed\*\.json"):
+        _run(tmp_path, "verdict")
+    _final(tmp_path / "results", "dense", range(310, 312), {"stage2_recipe": 0.01})
+    _final(tmp_path / "results", "sparse", range(330, 332), {"stage2_recipe": 0.01})
+    bad = tmp_path / "results" / "issue53_sparse_seed330.json"
+    bad.write_text(bad.read_text().replace(campaign.SPARSE_GRID, "6:8-20"))
+    with pytest.raises(SystemExit, match="cannot be summarized as one: grid"):
+        _run(tmp_path, "verdict")
+    (tmp_path / "results" / "issue53_sparse_seed331.json").unlink()
+    with pytest.raises(SystemExit, match=r"the default part needs a grid run at --grid 4:4-12"):
+        _run(tmp_path, "verdict")
