@@ -42,7 +42,8 @@ def serve_rollout(
         "--access-log/--no-access-log", show_default=False, rich_help_panel=LOGGING,
         help="Log every request with its status (default: off, on with --verbose).")] = None,
     verbose: Annotated[bool, typer.Option(
-        "--verbose", rich_help_panel=LOGGING, help="uvicorn's start-up lines and the access log (every request with its status).")] = False,
+        "--verbose", rich_help_panel=LOGGING,
+        help="uvicorn's start-up lines and the access log (every request with its status).")] = False,
     sync_host: Annotated[Optional[str], typer.Option(
         "--sync-host", help="Address the weight-sync rendezvous listens on (default: --host).")] = None,
     sync_token: Annotated[Optional[str], typer.Option(
