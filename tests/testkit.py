@@ -371,3 +371,34 @@ def torchrun_two_ranks(config: Path, out_dir: Path, timeout_s: float = 420) -> l
 def rank_shared_logs(logs: list[dict]) -> list[dict]:
     """The logged values every rank shares (all but the wall-clock timings, which are each rank's own)."""
     return [{k: v for k, v in log.items() if not k.startswith("time/") and k != "tokens/trained_per_s"} for log in logs]
+
+
+def train_in_process(config: Path, out_dir: Path) -> dict:
+    """What ``ddp_entry.py`` reports for ``config`` trained in this process (no process group): the one process the
+    two-rank runs are compared with."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ddp_entry", DDP_ENTRY)
+    entry = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(entry)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    entry.main(str(config), str(out_dir))
+    report = json.loads((out_dir / "rank0.json").read_text())
+    # one process: an earlier in-process DeepSpeed test may have left its world-of-1 process group on purpose (see
+    # tests/e2e/test_deepspeed_in_process.py), so whether a group exists says nothing here
+    assert (report["rank"], report["world_size"]) == (0, 1)
+    return report
+
+
+def assert_ranks_train_like_one_process(single: dict, ranks: list[dict], logged: tuple[str, ...], label: str,
+                                        rel: float = 1e-5) -> None:
+    """Two ranks' reports against one process's: the same steps, the same shared logs on both ranks (collectives
+    called in the same order), the ``logged`` values and every tensor's norm within ``rel``."""
+    import pytest
+
+    assert [r["global_step"] for r in ranks] == [single["global_step"]] * 2, label
+    assert rank_shared_logs(ranks[0]["logs"]) == rank_shared_logs(ranks[1]["logs"]), label
+    for want, have in zip(single["logs"], ranks[0]["logs"], strict=True):
+        for key in logged:
+            assert have[key] == pytest.approx(want[key], rel=rel, abs=1e-6), (label, key, want["step"])
+    assert ranks[0]["param_norms"] == pytest.approx(single["param_norms"], rel=rel, abs=1e-6), label

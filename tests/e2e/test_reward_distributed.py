@@ -9,8 +9,8 @@ One process at batch 2b against two torchrun ranks (gloo on CPU) at batch b, sam
   rank's term times the world size, since DDP and ZeRO average the ranks' gradients), so the ranks' shares add up
   to the one process's token mean even when the ranks' rollouts differ in length, which this test makes sure of.
 
-Not compared: packing (the carry buffer is each rank's own, so which segments train in a step differs) and the SFT
-terms (``sft_weight``, ground-truth steps), which stay per-rank token means as in stage 1.
+Not compared: packing (the carry buffer is each rank's own, so which segments train in a step differs). The SFT
+terms divide by all ranks' counts too (tests/e2e/test_sft_distributed.py).
 """
 
 from __future__ import annotations
@@ -22,11 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from testkit import DDP_ENTRY, rank_shared_logs, torchrun_two_ranks
+from testkit import assert_ranks_train_like_one_process, train_in_process, torchrun_two_ranks
 
 pytestmark = pytest.mark.slow
 
-REL = 1e-5
 PER_RANK = 2  # images per rank and micro-step (b); the one process trains 2b
 TRAINING = {"gradient_accumulation_steps": 2, "max_steps": 2, "logging_steps": 1, "save_steps": 1000,
             "packing": False, "warmup_ratio": 0.0, "learning_rate": 1.0e-3}
@@ -56,20 +55,6 @@ def closing_model(tiny_model_dir, tmp_path_factory) -> Path:
     return path
 
 
-def _one_process(config: Path, out_dir: Path) -> dict:
-    """What ``ddp_entry.py`` reports for ``config`` trained in this process (no process group)."""
-    spec = importlib.util.spec_from_file_location("ddp_entry", DDP_ENTRY)
-    entry = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(entry)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    entry.main(str(config), str(out_dir))
-    report = json.loads((out_dir / "rank0.json").read_text())
-    # one process: an earlier in-process DeepSpeed test may have left its world-of-1 process group on purpose (see
-    # tests/e2e/test_deepspeed_in_process.py), so whether a group exists says nothing here
-    assert (report["rank"], report["world_size"]) == (0, 1)
-    return report
-
-
 def _requests(output_dir: Path, rank: int) -> dict[tuple[int, int], list[tuple]]:
     """Per (optimizer step, micro-step): this rank's training requests as (record, seed, response tokens)."""
     name = "run_metadata.jsonl" if rank == 0 else f"run_metadata.rank{rank}.jsonl"
@@ -88,7 +73,7 @@ def test_reward_objective_under_ddp_and_zero2_trains_like_one_process(tmp_path, 
                              "training": training, "rollout_matching": ROLLOUT}, name=f"{name}.yaml"), output
 
     single_config, single_dir = config("single", 2 * PER_RANK)
-    single = _one_process(single_config, tmp_path / "out_single")
+    single = train_in_process(single_config, tmp_path / "out_single")
     requests = _requests(single_dir, 0)
     steps = TRAINING["max_steps"]
     assert single["global_step"] == steps and len(single["logs"]) == steps
@@ -101,9 +86,6 @@ def test_reward_objective_under_ddp_and_zero2_trains_like_one_process(tmp_path, 
             pytest.skip("deepspeed is not installed (bash scripts/install_deepspeed.sh): DDP checked, ZeRO-2 not")
         ranks_config, ranks_dir = config(name, PER_RANK, deepspeed)
         ranks = torchrun_two_ranks(ranks_config, tmp_path / f"out_{name}")  # both ranks end with the same weights
-        assert [r["global_step"] for r in ranks] == [steps, steps]
-        # the reward figures are collectives every rank calls in the same order: both ranks log the same numbers
-        assert rank_shared_logs(ranks[0]["logs"]) == rank_shared_logs(ranks[1]["logs"]), name
         for log in ranks[0]["logs"]:  # a rank's groups are its own images' (2 micro-steps x 2 ranks x 2 images)
             assert log["reward/groups"] == 8 and log["reward/samples"] == log["rollout/samples"] == 16
         per_rank = [_requests(ranks_dir, rank) for rank in (0, 1)]
@@ -111,7 +93,5 @@ def test_reward_objective_under_ddp_and_zero2_trains_like_one_process(tmp_path, 
         assert {key: per_rank[0][key] + per_rank[1][key] for key in requests} == requests, name
         # the ranks' rollouts differ in length, so a per-rank token mean would weigh them unlike the one process
         assert any(sum(t for *_, t in per_rank[0][key]) != sum(t for *_, t in per_rank[1][key]) for key in requests)
-        for want, have in zip(single["logs"], ranks[0]["logs"], strict=True):
-            for key in LOGGED:
-                assert have[key] == pytest.approx(want[key], rel=REL, abs=1e-6), (name, key, want["step"])
-        assert ranks[0]["param_norms"] == pytest.approx(single["param_norms"], rel=REL, abs=1e-6), name
+        # the reward figures are collectives every rank calls in the same order: both ranks log the same numbers
+        assert_ranks_train_like_one_process(single, ranks, LOGGED, name)

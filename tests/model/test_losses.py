@@ -587,6 +587,69 @@ def test_packing_equivalence_holds_for_random_layouts(seed, layout):
     assert packed.total.item() == pytest.approx(padded.total.item(), abs=1e-5)
 
 
+# ------------------------------------------------------------------ ranks == one process (decision 19)
+
+
+def _ranks_vs_one_process(seed: int, layout: list[tuple[int, int, int]], split: int, ranks_counts: bool):
+    """Segments ``[:split]`` on rank 0 and the rest on rank 1 (one padded row each), against all of them in one
+    batch. The ranks' losses and gradients are averaged, as DDP and ZeRO average gradients; with ``ranks_counts``
+    each rank divides by the counts summed over both ranks (``ranks=2``, the trainer's reduction), else by its own."""
+    from dataclasses import replace
+
+    from coordexp.runtime.model.losses import LossDenominators
+
+    rng = np.random.default_rng(seed)
+    segs = [_random_segment(rng, n, k) for _, n, k in layout]
+    seq_len = max(p + n for p, n, _ in layout) + 1
+    logits = torch.randn(len(segs), seq_len, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+    pipe = make_pipeline(coord_reg={"config": {"coord_ce_weight": 0.5, "text_gate_weight": 0.3}})
+
+    def batch(indices: range) -> SupervisionBatch:
+        return SupervisionBatch.from_segments(
+            [SupervisionSegment(segs[i][0], segs[i][1], row, layout[i][0]) for row, i in enumerate(indices)], seq_len)
+
+    whole_logits = logits.clone().requires_grad_(True)
+    whole = compute_objective(whole_logits, batch(range(len(segs))), COORD_IDS, pipe)
+    whole.total.backward()
+    parts = [range(split), range(split, len(segs))]
+    own = [LossDenominators.of(batch(part)) for part in parts]
+    summed = replace(own[0] + own[1], ranks=2)
+    rank_logits = [logits[part.start:part.stop].clone().requires_grad_(True) for part in parts]
+    results = [compute_objective(rank_logits[r], batch(parts[r]), COORD_IDS, pipe, summed if ranks_counts else own[r])
+               for r in (0, 1)]
+    mean = (results[0].total + results[1].total) / 2
+    mean.backward()
+    grad = torch.cat([g.grad for g in rank_logits])  # the averaged gradient on each rank's logits
+    terms = {k: (results[0].terms[k] + results[1].terms[k]) / 2 for k in whole.terms}  # the logged mean over ranks
+    return whole, whole_logits.grad, float(mean.detach()), grad, terms
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    st.integers(0, 10_000),
+    st.lists(st.tuples(st.integers(1, 4), st.integers(8, 14), st.integers(0, 2)), min_size=2, max_size=4),
+    st.data(),
+)
+def test_ranks_dividing_by_the_counts_of_all_ranks_average_to_one_process(seed, layout, data):
+    """Stage 1's and stage 2's SFT terms under DDP or ZeRO: two ranks holding different numbers of text and
+    coordinate tokens average to the one process at the global batch, term by term and in the gradient."""
+    split = data.draw(st.integers(1, len(layout) - 1))
+    whole, whole_grad, loss, grad, terms = _ranks_vs_one_process(seed, layout, split, ranks_counts=True)
+    assert loss == pytest.approx(float(whole.total.detach()), rel=1e-5, abs=1e-6)
+    torch.testing.assert_close(grad, whole_grad, rtol=1e-4, atol=1e-7)
+    assert terms == pytest.approx(whole.terms, rel=1e-5, abs=1e-6)
+
+
+def test_ranks_dividing_by_their_own_counts_do_not_average_to_one_process():
+    """The per-rank token mean used before: a rank of one short target weighs as much as a rank of three long ones."""
+    layout = [(2, 14, 2), (3, 12, 2), (1, 13, 2), (2, 5, 0)]
+    whole, whole_grad, loss, grad, _ = _ranks_vs_one_process(11, layout, 3, ranks_counts=False)
+    assert loss != pytest.approx(float(whole.total.detach()), rel=1e-2)
+    assert not torch.allclose(grad, whole_grad, rtol=1e-3, atol=1e-6)
+    whole, whole_grad, loss, grad, _ = _ranks_vs_one_process(11, layout, 3, ranks_counts=True)
+    assert loss == pytest.approx(float(whole.total.detach()), rel=1e-5)
+
+
 def test_gate_terms_do_not_depend_on_which_other_gate_is_enabled():
     torch.manual_seed(5)
     sup = supervision(ce_pos=[0, 2], coord_pos=[1, 3], targets=[5.0, 9.0])

@@ -187,7 +187,7 @@ def test_ranks_dividing_by_the_tokens_of_all_ranks_average_to_one_process(stage2
     ranks = [SupervisionBatch.from_segments(_segments(advantages, part), SEQ_LEN) for part in (LAYOUT[:4], LAYOUT[4:])]
     own = [LossDenominators.of(rank) for rank in ranks]
     assert [d.policy_tokens for d in own] == [11, 7]
-    every = replace(own[0] + own[1], policy_ranks=2)
+    every = replace(own[0] + own[1], ranks=2)
 
     def averaged(denominators: list[LossDenominators]) -> tuple[float, torch.Tensor, dict[str, float]]:
         split = _logits(4).requires_grad_(True)

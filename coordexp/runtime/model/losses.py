@@ -303,7 +303,10 @@ class SupervisionBatch:
 @dataclass(frozen=True)
 class LossDenominators:
     """What each term averages over. A step trained as several packed rows passes the whole step's counts to every
-    row, so the rows' losses (and gradients) add up to the one-forward loss of all its segments (decision 8)."""
+    row, so the rows' losses (and gradients) add up to the one-forward loss of all its segments (decision 8); under
+    DDP or ZeRO the trainer passes the counts summed over every rank, with ``ranks`` set, so each term is the
+    micro-step's token mean over all ranks (the ranks' gradients are averaged, so a rank's share is scaled by
+    ``ranks``)."""
 
     ce_weight: float  # token_ce: sum of the CE weights
     ce: int  # text_gate: supervised text positions
@@ -311,9 +314,9 @@ class LossDenominators:
     boxes: int  # smoothl1, ciou: bbox slots
     negatives: int = 0  # repeat_ul: unlikelihood negatives
     policy_tokens: int = 0  # policy_gradient: rollout tokens trained by the reward objective
-    # how many ranks' tokens policy_tokens counts (trainer: all of them): their gradients are averaged, so a rank's
-    # policy-gradient sum divides by policy_tokens / policy_ranks and the average is the whole step's token mean
-    policy_ranks: int = 1
+    # how many ranks' tokens the counts add up (trainer: all of them): their gradients are averaged, so a rank's
+    # sum divides by count / ranks and the average is the whole micro-step's token mean
+    ranks: int = 1
 
     @classmethod
     def of(cls, batch: "SupervisionBatch") -> "LossDenominators":
@@ -334,14 +337,15 @@ class LossDenominators:
 
     @property
     def policy_normaliser(self) -> float:
-        """What this rank's policy-gradient sum divides by (``policy_ranks``)."""
-        return self.policy_tokens / self.policy_ranks
+        """What this rank's policy-gradient sum divides by (``ranks``)."""
+        return self.policy_tokens / self.ranks
 
     def scales(self, whole: "LossDenominators") -> dict[str, float]:
-        """Per-term factors turning this batch's means into its share of ``whole``'s means (1 where both are empty)."""
+        """Per-term factors turning this batch's means into its share of ``whole``'s means (1 where both are empty);
+        ``whole.ranks`` ranks' averaged gradients each carry ``ranks`` times their share."""
 
         def share(part: float, total: float) -> float:
-            return part / total if total else 1.0
+            return part * whole.ranks / total if total else 1.0
 
         coord, box = share(self.coord, whole.coord), share(self.boxes, whole.boxes)
         return {"token_ce": share(self.ce_weight, whole.ce_weight), "text_gate": share(self.ce, whole.ce),

@@ -282,7 +282,7 @@ class CoordExpTrainer(Trainer):
         rope = mrope_index_of(unwrapped)
         packed = self.buffer is not None
         layouts = [self._layout(row, rope, packed=packed) for row in self.pipeline.rows(samples, step)]
-        denominators = self._policy_tokens_of_all_ranks(model, sum(
+        denominators = self._denominators_of_all_ranks(model, sum(
             (LossDenominators.of(layout.supervision) for layout in layouts[1:]),
             LossDenominators.of(layouts[0].supervision)))
         terms: dict[str, float] = {}
@@ -321,16 +321,20 @@ class CoordExpTrainer(Trainer):
         total = result.total + earlier if earlier else result.total
         return (total, logits) if return_outputs else total
 
-    def _policy_tokens_of_all_ranks(self, model, denominators: LossDenominators) -> LossDenominators:
-        """The reward objective's training micro-step under several ranks: ``policy_tokens`` summed over ranks
-        (a collective every rank's micro-step calls), so each rank's policy gradient divides by its share of the
-        whole step's tokens and the ranks' averaged gradients equal one process's (docs/design.md, decision 19)."""
+    def _denominators_of_all_ranks(self, model, denominators: LossDenominators) -> LossDenominators:
+        """The training micro-step's counts summed over ranks under DDP or ZeRO (a collective every rank's
+        micro-step calls), so every term is the token mean over all ranks' positions, as in one process at the
+        global batch: a per-rank mean would weigh a rank's short targets (few objects, early stops) as much as
+        another's long ones (docs/design.md, decision 19; issue 52 for the policy gradient)."""
         world = int(self.args.world_size)
-        if (world <= 1 or not model.training or not self.stage2 or self.run.rollout_matching.objective != "reward"
-                or not torch.distributed.is_initialized()):
+        if world <= 1 or not model.training or not torch.distributed.is_initialized():
             return denominators
-        (tokens,) = reduce_values([float(denominators.policy_tokens)], "sum", world_size=world, device=self.args.device)
-        return replace(denominators, policy_tokens=int(tokens), policy_ranks=world)
+        counts = reduce_values([float(denominators.ce_weight), float(denominators.ce), float(denominators.coord),
+                                float(denominators.boxes), float(denominators.negatives),
+                                float(denominators.policy_tokens)], "sum", world_size=world, device=self.args.device)
+        ce_weight, ce, coord, boxes, negatives, policy_tokens = counts
+        return LossDenominators(ce_weight, int(ce), int(coord), int(boxes), int(negatives), int(policy_tokens),
+                                ranks=world)
 
     def _require_finite_loss(self, loss: torch.Tensor, step: int) -> None:
         """A NaN or Inf loss stops the run before its backward: logged values alone miss it (transformers'
