@@ -410,7 +410,7 @@ class RewardConfig(StrictModel):
     kl_weight: float_in(ge=0.0, le=100.0) = Field(
         0.0, description="Weight of the KL penalty to the starting checkpoint (k3 estimator on the rollout tokens, "
         "the reference's log-probabilities without gradients; 0 = off, no reference model loaded), in [0, 100]; "
-        "a frozen copy of the model is kept for it (its memory again); not with training.deepspeed.")
+        "a frozen whole copy of the model is kept for it on every rank (its memory again); not with ZeRO-3.")
 
 
 class RolloutMatchingConfig(StrictModel):

@@ -11,7 +11,7 @@ from coordexp.schema.errors import ConfigIssue, RuleViolation, raise_violations
 from coordexp.schema.model import ModelConfig
 from coordexp.schema.rollout import RolloutMatchingConfig
 from coordexp.schema.template import TemplateConfig
-from coordexp.schema.training import TrainingConfig, deepspeed_violations, evaluation_data_violations
+from coordexp.schema.training import TrainingConfig, deepspeed_violations, evaluation_data_violations, zero_stage
 from coordexp.schema.tuner import TunerConfig
 
 __all__ = ["CoordExpConfig", "config_warnings"]
@@ -74,13 +74,14 @@ class CoordExpConfig(StrictModel):
                     "Use data.object_order: keep or sorted, or fn_placement: append.",
                 )
             )
-        if rm.objective == "reward" and rm.reward.kl_weight > 0 and self.training.deepspeed is not None:
+        if (rm.objective == "reward" and rm.reward.kl_weight > 0 and self.training.deepspeed is not None
+                and zero_stage(self.training.deepspeed) == 3):
             violations.append(RuleViolation(
                 "rollout_matching.reward.kl_weight",
-                f"kl_weight: {rm.reward.kl_weight} keeps a frozen copy of the starting model, which coordexp does "
-                "not build under DeepSpeed (its parameters are partitioned or offloaded)",
+                f"kl_weight: {rm.reward.kl_weight} keeps a frozen whole copy of the starting model on every rank, "
+                "which coordexp does not build under ZeRO-3 (its parameters are partitioned from loading on)",
                 "Set rollout_matching.reward.kl_weight: 0 (reward.sft_weight or gt_step_share keep the policy near "
-                "the SFT target), or train without training.deepspeed."))
+                "the SFT target), or use training.deepspeed: zero2 (the reference is then one whole copy per rank)."))
         if rm.objective == "reward" and self.training.packing:
             samples = self.training.per_device_train_batch_size * (rm.reward.group_size + rm.reward.include_greedy)
             if self.training.packing_buffer < 2 * samples:

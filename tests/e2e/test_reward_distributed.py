@@ -8,6 +8,8 @@ One process at batch 2b against two torchrun ranks (gloo on CPU) at batch b, sam
 - the same loss, gradient and weights: the policy gradient divides by the step's token count over ALL ranks (each
   rank's term times the world size, since DDP and ZeRO average the ranks' gradients), so the ranks' shares add up
   to the one process's token mean even when the ranks' rollouts differ in length, which this test makes sure of.
+- the KL term (``kl_weight``) against the frozen starting model, a whole copy on every rank under DDP and ZeRO-2
+  alike: 0 on the first step (the policy is the reference), not on the second.
 
 Not compared: packing (the carry buffer is each rank's own, so which segments train in a step differs). The SFT
 terms divide by all ranks' counts too (tests/e2e/test_sft_distributed.py).
@@ -30,8 +32,9 @@ PER_RANK = 2  # images per rank and micro-step (b); the one process trains 2b
 TRAINING = {"gradient_accumulation_steps": 2, "max_steps": 2, "logging_steps": 1, "save_steps": 1000,
             "packing": False, "warmup_ratio": 0.0, "learning_rate": 1.0e-3}
 ROLLOUT = {"rollout_backend": "hf", "decode_batch_size": 8, "max_new_tokens": 12, "objective": "reward",
-           "decoding": {"temperature": 1.0}, "gt_step_share": 0.0, "reward": {"group_size": 2}}
-LOGGED = ("loss", "grad_norm", "loss/policy_gradient", "loss/policy_gradient/logp_mean",
+           "decoding": {"temperature": 1.0}, "gt_step_share": 0.0,
+           "reward": {"group_size": 2, "kl_weight": 0.5}}  # the KL reference: a whole copy per rank, ZeRO-2 too
+LOGGED = ("loss", "grad_norm", "loss/policy_gradient", "loss/kl", "loss/policy_gradient/logp_mean",
           "loss/policy_gradient/entropy", "reward/mean", "reward/advantage_mean", "reward/closing_advantage",
           "reward/zero_advantage_group_share", "reward/entropy_text", "tokens/trained", "rollout/samples")
 # sampled from 8 ordinary tokens and the end of turn: rollouts close after about 9 tokens, of varied lengths
@@ -80,6 +83,7 @@ def test_reward_objective_under_ddp_and_zero2_trains_like_one_process(tmp_path, 
     assert len(requests) == steps * TRAINING["gradient_accumulation_steps"]
     # weights moved: a comparison of two untrained models would prove nothing
     assert single["param_norms"] != single["initial_param_norms"]
+    assert abs(single["logs"][0]["loss/kl"]) < 1e-6 < single["logs"][1]["loss/kl"]  # step 1's policy is the reference
 
     for name, deepspeed in (("ddp", None), ("zero2", "zero2")):
         if deepspeed and importlib.util.find_spec("deepspeed") is None:

@@ -232,3 +232,18 @@ def test_entropy_is_split_by_token_type_as_sums_the_trainer_adds_up(stage2_confi
     result = reward_objective(logits, batch, COORD_IDS, pipeline, None, 0.0)
     assert not set(ENTROPY_SUMS) & set(result.terms)  # a sum is no loss term: terms are averaged over micro-steps
     assert [result.diagnostics[k] for k in ENTROPY_SUMS] == pytest.approx([coord_sum, coord_n, text_sum, text_n])
+
+
+def test_the_frozen_reference_follows_the_policy_onto_its_device():
+    """Under DeepSpeed the engine places the policy when training starts, after the trainer copied the model as
+    loaded: the reference moves to the policy's device at its first use (the meta device stands in for a GPU)."""
+    from coordexp.runtime.model.policy_gradient import frozen_reference
+    from coordexp.runtime.train.trainer import CoordExpTrainer
+
+    policy = torch.nn.Linear(3, 2)
+    holder = type("Holder", (), {"_reference": frozen_reference(policy)})()
+    reference = CoordExpTrainer._reference_on(holder, torch.device("meta"))
+    assert next(reference.parameters()).device.type == "meta" and holder._reference is reference
+    assert not any(p.requires_grad for p in reference.parameters()) and not reference.training
+    assert next(policy.parameters()).device.type == "cpu"  # the policy itself is untouched
+    assert CoordExpTrainer._reference_on(holder, torch.device("meta")) is reference  # moved once

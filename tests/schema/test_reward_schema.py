@@ -83,12 +83,19 @@ def test_an_unknown_reward_key_and_an_unknown_objective_fail_at_their_paths(stag
     assert "rollout_matching.objective" in _error_paths(stage2_config)
 
 
-def test_the_kl_term_is_refused_under_deepspeed_only(stage2_config):
+def test_the_kl_term_is_refused_under_zero3_only(stage2_config, tmp_path):
+    """The frozen reference is a whole copy of the starting model: ZeRO-2 keeps whole parameters on every rank, so
+    the copy is built; ZeRO-3 partitions them from loading on, preset or JSON file alike."""
     assert validate_mapping(_reward_config(stage2_config, kl_weight=0.05)).ok
     stage2_config["training"]["deepspeed"] = "zero2"
-    errors = _error_paths(_reward_config(stage2_config, kl_weight=0.05))
-    assert "frozen copy" in errors[f"{_RW}.kl_weight"] and "kl_weight: 0" in errors[f"{_RW}.kl_weight"]
-    assert f"{_RW}.kl_weight" not in _error_paths(_reward_config(stage2_config, kl_weight=0.0))
+    assert f"{_RW}.kl_weight" not in _error_paths(_reward_config(copy.deepcopy(stage2_config), kl_weight=0.05))
+    ds_json = tmp_path / "ds.json"
+    ds_json.write_text('{"zero_optimization": {"stage": "3"}, "train_micro_batch_size_per_gpu": "auto"}')
+    for deepspeed in ("zero3", str(ds_json)):
+        stage2_config["training"]["deepspeed"] = deepspeed
+        errors = _error_paths(_reward_config(copy.deepcopy(stage2_config), kl_weight=0.05))
+        assert "ZeRO-3" in errors[f"{_RW}.kl_weight"] and "kl_weight: 0" in errors[f"{_RW}.kl_weight"], deepspeed
+        assert f"{_RW}.kl_weight" not in _error_paths(_reward_config(copy.deepcopy(stage2_config), kl_weight=0.0))
 
 
 @pytest.mark.parametrize("decoding", [{"temperature": 0.0}, {"temperature": 0.7}, {"top_p": 0.9}, {"top_k": 50},

@@ -259,7 +259,7 @@ class CoordExpTrainer(Trainer):
             reference = None
             if self._reference is not None and supervision.pg_logit_index.numel():
                 with torch.no_grad():
-                    ref = self._reference
+                    ref = self._reference_on(logits.device)
                     ref_logits = (packed_forward(ref, batch, logits_to_keep=keep, inputs_from=ref) if packed
                                   else padded_forward(ref, batch, logits_to_keep=keep))
                     reference = reference_log_probs(ref_logits, supervision, coord_ids)
@@ -268,6 +268,13 @@ class CoordExpTrainer(Trainer):
                                             rm.reward.sft_weight, repeat_ul, reference_log_p=reference,
                                             kl_weight=rm.reward.kl_weight)
         return logits, compute_objective(logits, supervision, coord_ids, pipeline, denominators, repeat_ul)
+
+    def _reference_on(self, device: torch.device) -> Any:
+        """The frozen reference on the policy's device: under DeepSpeed the engine places the policy when training
+        starts, after the copy was taken from the model as loaded."""
+        if next(self._reference.parameters()).device != device:
+            self._reference = self._reference.to(device)
+        return self._reference
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The micro-step's loss. Every row but the last runs its own forward and backward here (gradient sync
