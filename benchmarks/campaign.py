@@ -4,7 +4,9 @@ stops another), and each finished seed's JSON line written to ``--results`` as `
 the moment it ends, to be committed as it finishes. A seed whose file exists is done and never run again, so the
 runner picks up where a stopped session left it (a seed that was running is started over: its workdir is cleared).
 To end a session cleanly, create ``<workroot>/STOP``: the seeds running finish and write their results, and no new
-seed starts (a seed that has started is an hour of work; stopping it loses that hour).
+seed starts (a seed that has started is an hour of work; stopping it loses that hour). ``--until HH:MM`` does the
+same by the clock: a seed starts only if it is expected to end by then (the longest ``total_s`` of the phase's
+finished seeds, or ``--seed-minutes``), so a session's last lane is never spent on a seed its end would lose.
 
 ``verdict`` reads the finals' result files and applies issue 53's whole rule (both settings' parts): which
 treatment beats the detector you have, and what ``coordexp init --stage 2`` should write (``--json``: as JSON).
@@ -18,11 +20,13 @@ a failed seed reported and replaced by the next).
     python benchmarks/campaign.py dense --finalists reward_object --long-multiple 4 --dry-run
     python benchmarks/campaign.py verdict                                         # the rule, from both finals
     touch /tmp/camp/STOP                                                          # no new seed after these
+    python benchmarks/campaign.py screen --until 23:45                           # none that would end later
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import os
 import shutil
@@ -117,12 +121,15 @@ def _done(results: Path, phase: str, seed: int) -> dict[str, Any] | None:
 class Runner:
     """Keeps ``lanes`` seeds running until the phase has what it needs; writes each result file as a seed ends."""
 
-    def __init__(self, phase: Phase, args: argparse.Namespace):
+    def __init__(self, phase: Phase, args: argparse.Namespace, until: dt.datetime | None = None,
+                 seed_s: float | None = None):
         self.phase, self.args = phase, args
+        self.until, self.seed_s = until, seed_s  # no seed starts that is expected to end after ``until``
         self.running: dict[int, subprocess.Popen] = {}
         self.next_seed = phase.first_seed
         self.gated = self.finished = 0
         self.failures: list[str] = []  # seeds that ended without their JSON line
+        self.out_of_time = False
 
     def command(self, seed: int) -> list[str]:
         work = Path(self.args.workroot) / f"{self.phase.name}_seed{seed}"
@@ -135,11 +142,20 @@ class Runner:
 
     def wanted(self) -> bool:
         """Whether another seed should start now."""
-        if self.stop_file.exists():
+        if self.stop_file.exists() or self.out_of_time:
             return False
         if self.phase.seeds is not None:
-            return self.next_seed < self.phase.first_seed + self.phase.seeds
-        return self.gated + len(self.running) < self.phase.gated
+            more = self.next_seed < self.phase.first_seed + self.phase.seeds
+        else:
+            more = self.gated + len(self.running) < self.phase.gated
+        if more and self.until is not None and _done(Path(self.args.results), self.phase.name, self.next_seed) is None:
+            ends = dt.datetime.now().astimezone() + dt.timedelta(seconds=self.seed_s)
+            if ends > self.until:
+                self.out_of_time = True
+                print(f"[campaign] seed {self.next_seed} not started: expected to end at {ends:%H:%M}, after "
+                      f"--until {self.until:%H:%M}", flush=True)
+                return False
+        return more
 
     def start(self, seed: int) -> None:
         command = self.command(seed)
@@ -191,6 +207,8 @@ class Runner:
                 print(f"[campaign] {self.phase.name}: {self.finished} seeds, {self.gated} gated", flush=True)
                 if self.stop_file.exists():
                     print(f"[campaign] stopped by {self.stop_file}: remove it and run again to go on", flush=True)
+                elif self.out_of_time:
+                    print("[campaign] stopped by --until: run again in a later session to go on", flush=True)
                 if self.failures:
                     raise SystemExit("[campaign] " + "; ".join(self.failures))
                 return 0
@@ -204,6 +222,33 @@ class Runner:
         for process in self.running.values():
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGTERM)
+
+
+def parse_until(text: str) -> dt.datetime:
+    """``HH:MM`` (the next such time on this machine's clock) or an ISO date and time, as an aware datetime."""
+    now = dt.datetime.now().astimezone()
+    try:
+        clock = dt.time.fromisoformat(text)
+    except ValueError:
+        try:
+            moment = dt.datetime.fromisoformat(text)
+        except ValueError:
+            raise SystemExit(f"--until {text!r}: give HH:MM or an ISO date and time (2026-12-08T00:15)") from None
+        return moment if moment.tzinfo else moment.astimezone()
+    moment = now.replace(hour=clock.hour, minute=clock.minute, second=clock.second, microsecond=0)
+    return moment if moment > now else moment + dt.timedelta(days=1)
+
+
+def expected_seed_s(results: Path, phase: str, seed_minutes: float | None) -> float:
+    """How long one seed of ``phase`` is expected to take: ``--seed-minutes``, else the longest ``total_s`` of the
+    phase's finished seeds (the seeds beside it slow it, so the longest, not the mean)."""
+    if seed_minutes is not None:
+        return seed_minutes * 60.0
+    times = [float(json.loads(p.read_text(encoding="utf-8")).get("total_s") or 0.0)
+             for p in results.glob(f"issue53_{phase}_seed*.json")]
+    if not any(times):
+        raise SystemExit(f"--until: no finished {phase} seed to time in {results}; give --seed-minutes M")
+    return max(times)
 
 
 def load_phase(results: Path, phase: str) -> dict[str, Any]:
@@ -248,6 +293,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--finalists", help="finals: the screen's one or two finalists, comma-separated")
     parser.add_argument("--long-multiple", type=float, help="finals: stage1_long's K (decision 20's amendment)")
     parser.add_argument("--gated", type=int, help="finals: gated seeds wanted (default 12 dense, 8 sparse)")
+    parser.add_argument("--until", help="start no seed expected to end after this time (HH:MM or ISO)")
+    parser.add_argument("--seed-minutes", type=float,
+                        help="--until: one seed's expected minutes (default: the longest finished seed's)")
     parser.add_argument("--dry-run", action="store_true", help="print each seed's command, run nothing")
     parser.add_argument("--json", action="store_true", help="verdict: print the result as one JSON object")
     parser.add_argument("--bench", default=str(BENCH), help=argparse.SUPPRESS)
@@ -259,7 +307,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return verdict(args)
     if args.lanes < 1:
         parser.error("--lanes must be at least 1")
-    runner = Runner(phase_of(args), args)
+    if args.seed_minutes is not None and not 0 < args.seed_minutes < 10_000:
+        parser.error("--seed-minutes must be above 0 and below 10000")
+    phase = phase_of(args)
+    until = parse_until(args.until) if args.until else None
+    seed_s = expected_seed_s(Path(args.results), phase.name, args.seed_minutes) if until else None
+    runner = Runner(phase, args, until, seed_s)
     if runner.stop_file.exists():  # left from a stopped session: this run would start nothing
         parser.error(f"{runner.stop_file} exists (a request to stop); remove it to run")
     try:

@@ -119,6 +119,29 @@ def test_a_stop_file_lets_the_running_seeds_finish_and_starts_no_other(tmp_path)
     assert len(list((tmp_path / "results").iterdir())) == 8
 
 
+def test_until_starts_no_seed_expected_to_end_after_it(capsys, tmp_path):
+    """``--until``: the session's end, less the checks after it. A seed starts only if it is expected to end by
+    then: the longest finished seed of the phase (here an hour and a half) or ``--seed-minutes``."""
+    import datetime as dt
+
+    bench = _bench(tmp_path)
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "issue53_screen_seed300.json").write_text(json.dumps(
+        {"args": [], "seeds": [{"seed": 300, "gate": {"passed": True}}], "total_s": 5400.0}))
+    in_an_hour = (dt.datetime.now().astimezone() + dt.timedelta(hours=1)).isoformat(timespec="seconds")
+    assert _run(tmp_path, "screen", "--until", in_an_hour, "--bench", str(bench)) == 0
+    out = capsys.readouterr().out
+    assert "seed 300: already done" in out and "seed 301 not started: expected to end at" in out
+    assert "stopped by --until" in out and sorted(p.name for p in results.iterdir()) == ["issue53_screen_seed300.json"]
+    assert _run(tmp_path, "screen", "--until", in_an_hour, "--seed-minutes", "1", "--bench", str(bench)) == 0
+    assert len(list(results.iterdir())) == 8
+    with pytest.raises(SystemExit, match="--seed-minutes"):  # nothing of the finals to time yet
+        _run(tmp_path, "dense", "--finalists", "stage2_recipe", "--long-multiple", "2", "--until", "23:59")
+    with pytest.raises(SystemExit, match="HH:MM"):
+        _run(tmp_path, "screen", "--until", "late")
+
+
 BASELINE_ARMS = ("stage1", "stage1_continued", "stage1_annealed", "stage1_long", "stage1_gap")
 NOISE = (0.003, -0.002, 0.001, -0.003, 0.002, 0.0, -0.001, 0.003, -0.002, 0.001, 0.002, -0.003)
 
