@@ -41,6 +41,7 @@ _COORD_SOFT_CE_W1 = {
     "soft_ce_weight": "soft_ce_weight",
     "w1_weight": "w1_weight",
     "gate_weight": "coord_gate_weight",
+    "text_gate_weight": "text_gate_weight",
     "temperature": "temperature",
     "target_sigma": "target_sigma",
     "target_truncate": "target_truncate",

@@ -22,6 +22,9 @@ from coordexp.schema.loader import _PATH_FIELDS
 from coordexp.schema.dotted import ABSENT as _ABSENT, get as _get, pop as _pop
 from coordexp.schema.root import CoordExpConfig
 from coordexp.schema.training import BEST_MODEL_METRICS, TrainingConfig, best_model_metric
+from coordexp.schema.migrate_two_channel import (TWO_CHANNEL_VARIANTS, artifact_paths,
+                                                 coord_soft_ce_w1_additions, effective_batch_wins,
+                                                 two_channel_pipeline, unsupported_variant)
 
 __all__ = ["UPSTREAM_MARKERS", "is_upstream", "upstream_pre", "upstream_post", "resolve_paths", "write_paths"]
 
@@ -148,6 +151,10 @@ def upstream_pre(rw: Any) -> None:
         _leave_out(rw, f"custom.extra.{key}", _LEFT_OUT[f"custom.{key}"])
     _deepspeed(rw)
     _coord_offset(rw)
+    artifact_paths(rw)
+    coord_soft_ce_w1_additions(rw)
+    effective_batch_wins(rw)
+    unsupported_variant(rw)
     if _get(rw.data, "training.lr_scheduler_type") == "cosine_warmup_with_min_lr":
         rw.data["training"]["lr_scheduler_type"] = "cosine_with_min_lr"
         rw.m.changes.append("training.lr_scheduler_type: cosine_warmup_with_min_lr -> cosine_with_min_lr "
@@ -179,6 +186,9 @@ def _best_model_metric(rw: Any) -> None:
            "checkpoint")
     _leave_out(rw, "training.metric_for_best_model", why)
     _leave_out(rw, "training.greater_is_better", "it ordered the left-out metric_for_best_model")
+    if _get(rw.data, "training.save_strategy") == "best":
+        _leave_out(rw, "training.save_strategy", "it saved when the left-out metric_for_best_model improved; "
+                   "checkpoints are saved every save_steps instead")
 
 
 _TOKEN_TYPE_ONE_DATASET = ("include", "exclude")  # dataset-name filters: coordexp trains one dataset
@@ -220,14 +230,17 @@ def _object_ordering(rw: Any) -> None:
 
 
 def _stage2_ab(rw: Any) -> None:
-    """Upstream's ``stage2_ab_training``: channel B (rollout-matching) on a ``b_ratio`` share of the optimizer steps,
-    channel A (teacher forcing on the ground truth) on the others -> ``stage2_rollout_aligned`` with
-    ``rollout_matching.gt_step_share = 1 - b_ratio`` (docs/design.md, decision 15)."""
-    if _get(rw.data, "custom.trainer_variant") == "stage2_ab_training":  # then migrated as rollout_matching_sft is
+    """Upstream's ``stage2_ab_training`` (``stage2_two_channel`` since February 2026): channel B (rollout-matching)
+    on a ``b_ratio`` share of the optimizer steps, channel A (teacher forcing on the ground truth) on the others ->
+    ``stage2_rollout_aligned`` with ``rollout_matching.gt_step_share = 1 - b_ratio`` (docs/design.md, decision 15);
+    its ``stage2_ab.pipeline`` -> ``rollout_matching.pipeline`` (:mod:`coordexp.schema.migrate_two_channel`)."""
+    variant = _get(rw.data, "custom.trainer_variant")
+    if variant in TWO_CHANNEL_VARIANTS:  # then migrated as rollout_matching_sft is
         rw.data["custom"]["trainer_variant"] = "rollout_matching_sft"
-        rw.m.changes.append("custom.trainer_variant: stage2_ab_training is rollout-matching SFT (channel B) with "
+        rw.m.changes.append(f"custom.trainer_variant: {variant} is rollout-matching SFT (channel B) with "
                             "ground-truth steps (channel A) between them: rollout_matching_sft + "
                             "rollout_matching.gt_step_share")
+    two_channel_pipeline(rw)
     ratio = _get(rw.data, "stage2_ab.schedule.b_ratio")
     if isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 0 <= ratio <= 1:
         share = round(1.0 - float(ratio), 9)
