@@ -18,6 +18,7 @@ from coordexp.schema.errors import ConfigError, ConfigIssue, format_path
 from coordexp.schema.legacy import find_legacy_keys
 from coordexp.schema.loader import deep_merge, load_merged
 from coordexp.schema.migrate_upstream import upstream_pre
+from coordexp.schema.root import CoordExpConfig
 from coordexp.schema.yaml_io import dump_yaml, parse_yaml_text
 
 __all__ = ["Migration", "migrate_mapping", "migrate_text", "OLD_COORD_DEFAULTS"]
@@ -70,6 +71,10 @@ _REMOVED = {
     "training.packing_avg_samples": "packing is dynamic on the actual Y_train lengths",
     "custom.coord_soft_ce_w1.enabled": "the coord_reg module's own `enabled` now decides",
 }
+
+
+# upstream's top-level blocks that migrate moves or leaves out, besides coordexp's own sections
+_UPSTREAM_TOP_LEVEL = {"extends", "inherit", "deepspeed", "stage2_ab", "rlhf", "debug"}
 
 
 @dataclass
@@ -421,6 +426,20 @@ def migrate_mapping(raw: dict, base_view: Optional[dict] = None, *,
     return rw.m
 
 
+def require_training_config(path: Union[str, Path], mapping: dict) -> None:
+    """A file none of whose top-level keys a training config of coordexp or of upstream's trainer has (upstream's
+    inference, evaluation and analysis configs) is refused whole, not answered with one unknown key per line."""
+    known = set(CoordExpConfig.model_fields) | _UPSTREAM_TOP_LEVEL
+    if not mapping or set(mapping) & known:
+        return
+    keys = ", ".join(sorted(map(str, mapping))[:8]) + (", ..." if len(mapping) > 8 else "")
+    raise ConfigError([ConfigIssue("", f"{path} is not a training config: none of its top-level keys ({keys}) is one "
+                                   "that a training config has",
+                                   "coordexp migrate rewrites training configs (stage 1 and stage 2). Evaluate a "
+                                   "model with `coordexp eval`, serve one with `coordexp serve-rollout` "
+                                   "(docs/commands.md).")])
+
+
 def migrate_text(
     text: str, source: Union[str, Path], output: Optional[Union[str, Path]] = None
 ) -> tuple[str, Migration]:
@@ -433,6 +452,7 @@ def migrate_text(
         raise ConfigError([ConfigIssue("", f"top level must be a mapping of sections (got a {_kind(raw)})",
                                        "Pass a coordexp YAML config.")])
     source = Path(source).absolute()
+    require_training_config(source, raw)
     bases = raw.get("extends")
     base_list = [bases] if isinstance(bases, str) else bases if isinstance(bases, list) else []
     if bases is not None and not all(isinstance(b, str) and b and "\x00" not in b for b in base_list or [None]):

@@ -17,7 +17,7 @@ from typing import Optional
 
 from coordexp.schema.errors import ConfigError, ConfigIssue
 from coordexp.schema.loader import MAX_EXTENDS_DEPTH, MAX_EXTENDS_FILES, deep_merge
-from coordexp.schema.migrate import HEADER, Migration, migrate_mapping
+from coordexp.schema.migrate import HEADER, Migration, migrate_mapping, require_training_config
 from coordexp.schema.migrate_io import (MigrationRefused, _check_writable, _read_original, replace_atomically,
                                         _same_file, _write_backup)
 from coordexp.schema.migrate_upstream import is_upstream, resolve_paths, upstream_post, write_paths
@@ -166,6 +166,7 @@ def migrate_chain(leaf: Path, *, output: Optional[Path] = None, in_place: bool =
     merged_raw: dict = {}
     for f in files:
         merged_raw = deep_merge(merged_raw, _own(f.raw))
+    require_training_config(leaf, merged_raw)
     upstream = is_upstream(merged_raw) or any("inherit" in f.raw for f in files)
     how = f"--base-dir {base} (upstream paths were relative to the launch directory)"
     if in_place:

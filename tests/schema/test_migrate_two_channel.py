@@ -209,3 +209,23 @@ def test_every_key_of_an_upstream_pipeline_is_moved_or_named(tmp_path, objective
             if out["config"].get(renamed.get(key, key), object()) == value:
                 continue
             assert f"{where}.config.{key}" in report or (key.startswith("adjacent") and "the term was off" in report)
+
+
+@pytest.mark.parametrize("extends", [False, True])
+def test_a_config_of_another_upstream_tool_is_refused_whole(tmp_path, extends):
+    """Upstream's evaluation, inference and analysis configs are not training configs: one refusal naming what
+    they are not and where to go, not one unknown key per line; nothing is written."""
+    evaluation = {"pred_jsonl": "path/to/gt_vs_pred_scored.jsonl", "out_dir": "eval_out", "metrics": "f1ish",
+                  "use_segm": True, "overlay": False}
+    if extends:
+        (tmp_path / "eval_base.yaml").write_text(yaml.safe_dump({"num_workers": 0}))
+        evaluation["extends"] = "eval_base.yaml"
+    path = tmp_path / "detection.yaml"
+    path.write_text(yaml.safe_dump(evaluation, sort_keys=False))
+    before = path.read_bytes()
+    result = runner.invoke(app, ["migrate", str(path), "-o", str(tmp_path / "out.yaml")], catch_exceptions=False)
+    assert result.exit_code == 2
+    text = " ".join(result.output.split())
+    assert "is not a training config" in text and "coordexp eval" in text
+    assert all(key in text for key in ("metrics", "out_dir", "pred_jsonl"))
+    assert "unknown key" not in text and not (tmp_path / "out.yaml").exists() and path.read_bytes() == before
