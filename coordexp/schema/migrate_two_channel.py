@@ -140,14 +140,19 @@ def two_channel_pipeline(rw: Any) -> None:
 def _module(rw: Any, entry: Any, where: str) -> dict | None:
     """One pipeline entry in coordexp's shape, or None (left out, with why)."""
     name = entry.get("name") if isinstance(entry, dict) else None
-    if name not in _KEYS:
+    if not isinstance(name, str) or name not in _KEYS:
         why = _MODULE_WHY.get(name, "not a loss module of coordexp") if isinstance(name, str) else "no module name"
-        rw.m.left_out.append(f"{where} ({name}): {why} (value was {_short(entry)})")
+        shown = name if isinstance(name, str) else _short(name)
+        rw.m.left_out.append(f"{where} ({shown}): {why} (value was {_short(entry)})")
         return None
     module = {key: entry[key] for key in ("name", "enabled", "weight", "channels") if key in entry}
     if "application" in entry:
         rw.m.left_out.append(f"{where}.application: {_APPLICATION} (value was {_short(entry['application'])})")
-    config = dict(entry.get("config") or {}) if isinstance(entry.get("config") or {}, dict) else {}
+    config = entry.get("config") or {}
+    if not isinstance(config, dict):
+        rw.m.unresolved.append(f"{where}.config: not a mapping ({_short(config)}); write the module's config by hand")
+        config = {}
+    config = dict(config)
     _adjacent(rw, config, f"{where}.config")
     out, filled = {}, []
     for key, value in config.items():

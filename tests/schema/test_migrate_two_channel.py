@@ -229,3 +229,28 @@ def test_a_config_of_another_upstream_tool_is_refused_whole(tmp_path, extends):
     assert "is not a training config" in text and "coordexp eval" in text
     assert all(key in text for key in ("metrics", "out_dir", "pred_jsonl"))
     assert "unknown key" not in text and not (tmp_path / "out.yaml").exists() and path.read_bytes() == before
+
+
+_ANY = st.recursive(st.none() | st.booleans() | st.integers(-3, 3) | st.floats(allow_nan=True) | st.text(max_size=6),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
+                                                                                  max_size=3), max_leaves=8)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.dictionaries(st.sampled_from(["name", "enabled", "weight", "channels", "config", "application"]), _ANY)
+       | _ANY, st.booleans(), st.sampled_from(["objective", "diagnostics"]), _ANY)
+def test_a_hostile_upstream_pipeline_or_artifact_root_is_reported_never_a_crash(tmp_path, entry, known, part, root):
+    """Whatever a hand-edited file holds where upstream's pipeline entries, artifact roots or coord-loss keys go,
+    migrate answers with a report (exit 0 or 2), never a traceback (exit 1)."""
+    if isinstance(entry, dict) and known:  # a module coordexp has: its config and keys are walked too
+        entry["name"] = "coord_reg"
+    leaf = copy.deepcopy(STAGE2)
+    leaf["stage2_ab"]["pipeline"] = {part: [entry]}
+    leaf["training"]["artifact_subdir"] = root
+    leaf["custom"]["coord_soft_ce_w1"] = {"adjacent_repulsion_weight": root, "text_gate_weight": 0.1}
+    path = _write(tmp_path, {}, "hostile.yaml")
+    path.write_text(json.dumps(leaf))  # JSON is YAML, and keeps NaN and odd keys as they are
+    result = runner.invoke(app, ["migrate", str(path), "-o", str(tmp_path / "hostile_out.yaml"),
+                                 "--base-dir", str(tmp_path)])
+    assert result.exit_code in (0, 2), result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
