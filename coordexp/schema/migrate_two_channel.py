@@ -17,7 +17,7 @@ from typing import Any
 from coordexp.schema.dotted import ABSENT as _ABSENT, get as _get, pop as _pop
 
 __all__ = ["TWO_CHANNEL_VARIANTS", "artifact_paths", "two_channel_pipeline", "coord_soft_ce_w1_additions",
-           "effective_batch_wins", "unsupported_variant"]
+           "effective_batch_wins", "unsupported_variant", "stage1_bbox_geo"]
 
 TWO_CHANNEL_VARIANTS = ("stage2_ab_training", "stage2_two_channel")
 """Upstream's names for the trainer of ground-truth steps between rollout steps (the first before February 2026)."""
@@ -205,3 +205,37 @@ def unsupported_variant(rw: Any) -> None:
     variant = _get(rw.data, "custom.trainer_variant")
     if isinstance(variant, str) and variant in _UNSUPPORTED_VARIANTS:
         rw.m.unresolved.append(f"custom.trainer_variant: {variant}: {_UNSUPPORTED_VARIANTS[variant]}")
+
+
+def stage1_bbox_geo(rw: Any) -> None:
+    """Stage 1's ``custom.bbox_geo`` (SmoothL1 and 1 - CIoU on the expected box) -> a ``bbox_geo`` module of
+    ``rollout_matching.pipeline``, which stage 1 trains too; run after coordexp's rewrites built that pipeline."""
+    block = _get(rw.data, "custom.bbox_geo")
+    if not isinstance(block, dict) or not isinstance(block.get("enabled", False), bool):
+        return  # absent, or a shape upstream refused too: left out with its value
+    if not block.get("enabled", False):
+        _pop(rw.data, "custom.bbox_geo")
+        rw.m.changes.append(f"removed custom.bbox_geo: {_short(block)} (enabled: false: the box terms were off)")
+        return
+    if block.get("parameterization", "xyxy") != "xyxy":
+        return  # center-size: another loss space, left out by upstream_post with its value
+    objective = _get(rw.data, f"{_RM}.pipeline.objective")
+    if not isinstance(objective, list):
+        rw.m.unresolved.append(f"custom.bbox_geo: no {_RM}.pipeline.objective in this file to add a bbox_geo module "
+                               "to; add one by hand (name bbox_geo, channels [B], its smoothl1_weight and ciou_weight)")
+        return
+    if any(isinstance(m, dict) and m.get("name") == "bbox_geo" for m in objective):
+        rw.m.unresolved.append(f"custom.bbox_geo: not moved, {_RM}.pipeline already has a bbox_geo module; keep one "
+                               "by hand")
+        return
+    config = {"smoothl1_weight": block.get("smoothl1_weight", 0.0), "ciou_weight": block.get("ciou_weight", 1.0)}
+    objective.append({"name": "bbox_geo", "enabled": True, "weight": 1.0, "channels": ["B"], "config": config})
+    for key in ("enabled", "smoothl1_weight", "ciou_weight", "parameterization"):
+        block.pop(key, None)
+    for key in ("center_weight", "size_weight"):  # read only by the center-size parameterization
+        if key in block:
+            rw.m.changes.append(f"removed custom.bbox_geo.{key}: {_short(block.pop(key))} (read only with "
+                                "parameterization: center_size)")
+    if not block:
+        _pop(rw.data, "custom.bbox_geo")
+    rw.m.changes.append(f"custom.bbox_geo -> {_RM}.pipeline.objective[{len(objective) - 1}] (bbox_geo, {config})")

@@ -24,7 +24,7 @@ from coordexp.schema.root import CoordExpConfig
 from coordexp.schema.training import BEST_MODEL_METRICS, TrainingConfig, best_model_metric
 from coordexp.schema.migrate_two_channel import (TWO_CHANNEL_VARIANTS, artifact_paths,
                                                  coord_soft_ce_w1_additions, effective_batch_wins,
-                                                 two_channel_pipeline, unsupported_variant)
+                                                 stage1_bbox_geo, two_channel_pipeline, unsupported_variant)
 
 __all__ = ["UPSTREAM_MARKERS", "is_upstream", "upstream_pre", "upstream_post", "resolve_paths", "write_paths"]
 
@@ -80,6 +80,8 @@ _LEFT_OUT = {
     "custom.use_summary": "no summary mode",
     "custom.val_sample_with_replacement": "validation takes the first max_val_samples records",
     "custom.coord_tokens": "coordinates are always coord tokens",
+    "custom.bbox_geo": "the box terms compare x1, y1, x2, y2 (no center-size parameterization)",
+    "custom.bbox_size_aux": "no box-size auxiliary loss (log width and height, oversize penalty)",
     # mapped in upstream_pre when upstream accepted the value; what remains here is a shape upstream refused too
     "custom.object_ordering": "upstream took sorted or random; set data.object_order (keep, sorted or random)",
     "custom.token_type_metrics": "upstream took a mapping with enabled: true/false; set training.token_type_metrics",
@@ -346,6 +348,7 @@ def _deepspeed(rw: Any) -> None:
 
 def upstream_post(rw: Any, *, leaf: bool = True) -> None:
     """Fill the upstream defaults a leaf relied on, then list every key without a coordexp owner as left out."""
+    stage1_bbox_geo(rw)
     if leaf:
         if rw.view("custom.trainer_variant") is _ABSENT:
             rw.put("custom.trainer_variant", "custom.trainer_variant", "stage1_sft")

@@ -68,7 +68,9 @@ STAGE1 = {
     "custom": {"train_jsonl": "public_data/lvis/train.coord.jsonl",
                "coord_soft_ce_w1": {"enabled": True, "soft_ce_weight": 1.0, "w1_weight": 1.0, "gate_weight": 1.0,
                                     "text_gate_weight": 0.2, "adjacent_repulsion_weight": 0.0,
-                                    "adjacent_repulsion_filter_mode": "same_desc"}},
+                                    "adjacent_repulsion_filter_mode": "same_desc"},
+               "bbox_geo": {"enabled": True, "smoothl1_weight": 0.01, "ciou_weight": 1.0},
+               "bbox_size_aux": {"enabled": True, "log_wh_weight": 0.05}},
     "training": {"artifact_subdir": "stage1/lvis_bbox_max60_1024"},
 }
 
@@ -128,15 +130,26 @@ def test_a_stage1_with_the_added_coord_keys_and_artifact_roots_validates(tmp_pat
     text, out = _migrate(tmp_path, STAGE1)
     contract = _contract(out)
     assert contract["trainer_variant"] == "stage1_sft"
-    coord = next(m for m in contract["rollout_matching"]["pipeline"]["objective"] if m["name"] == "coord_reg")
-    assert coord["config"]["text_gate_weight"] == 0.2
+    modules = {m["name"]: m for m in contract["rollout_matching"]["pipeline"]["objective"]}
+    assert modules["coord_reg"]["config"]["text_gate_weight"] == 0.2
+    # stage 1's box terms are the pipeline's bbox_geo module, which stage 1 trains too
+    assert modules["bbox_geo"]["config"] == {"smoothl1_weight": 0.01, "ciou_weight": 1.0}
+    assert modules["bbox_geo"]["enabled"] and modules["bbox_geo"]["channels"] == ["B"]
+    assert "left out custom.bbox_size_aux: no box-size auxiliary loss" in text
     assert contract["training"]["output_dir"] == str(tmp_path / "output" / "stage1" / "lvis_bbox_max60_1024")
     assert "the term was off" in text
     on = copy.deepcopy(STAGE1)
     on["custom"]["coord_soft_ce_w1"]["adjacent_repulsion_weight"] = 0.3  # a term that trained: the user decides
-    text, _ = _migrate(tmp_path, on, "on.yaml")
+    on["custom"]["bbox_geo"]["parameterization"] = "center_size"  # another loss space: the user decides
+    text, out = _migrate(tmp_path, on, "on.yaml")
     assert "left out custom.coord_soft_ce_w1.adjacent_repulsion_weight: no adjacent-repulsion" in text
-    assert "(value was 0.3)" in text
+    assert "(value was 0.3)" in text and "left out custom.bbox_geo: the box terms compare x1, y1, x2, y2" in text
+    assert "bbox_geo" not in {m["name"] for m in _contract(out)["rollout_matching"]["pipeline"]["objective"]}
+    off = copy.deepcopy(STAGE1)
+    off["custom"]["bbox_geo"]["enabled"] = False
+    text, out = _migrate(tmp_path, off, "off.yaml")
+    assert "removed custom.bbox_geo" in text and "the box terms were off" in text
+    assert "bbox_geo" not in {m["name"] for m in _contract(out)["rollout_matching"]["pipeline"]["objective"]}
 
 
 @pytest.mark.parametrize("variant, said", [
@@ -248,6 +261,7 @@ def test_a_hostile_upstream_pipeline_or_artifact_root_is_reported_never_a_crash(
     leaf["stage2_ab"]["pipeline"] = {part: [entry]}
     leaf["training"]["artifact_subdir"] = root
     leaf["custom"]["coord_soft_ce_w1"] = {"adjacent_repulsion_weight": root, "text_gate_weight": 0.1}
+    leaf["custom"]["bbox_geo"] = {"enabled": known, "smoothl1_weight": root, "parameterization": entry}
     path = _write(tmp_path, {}, "hostile.yaml")
     path.write_text(json.dumps(leaf))  # JSON is YAML, and keeps NaN and odd keys as they are
     result = runner.invoke(app, ["migrate", str(path), "-o", str(tmp_path / "hostile_out.yaml"),
