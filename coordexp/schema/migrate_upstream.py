@@ -62,6 +62,7 @@ _REDUNDANT: dict[str, tuple[Any, str]] = {
     "training.optimizer": ("multimodal", "per-part learning rates (learning_rate, vit_lr, aligner_lr) are always on"),
     "training.bf16": (None, "model.dtype sets the parameter and compute dtype"),
     "training.fp16": (None, "model.dtype sets the parameter and compute dtype"),
+    "custom.bbox_format": ("xyxy", "boxes are always x1, y1, x2, y2"),
 }
 
 _NO_AUG = "coordexp has no image augmentation: records are trained on as they are"
@@ -82,6 +83,21 @@ _LEFT_OUT = {
     "custom.coord_tokens": "coordinates are always coord tokens",
     "custom.bbox_geo": "the box terms compare x1, y1, x2, y2 (no center-size parameterization)",
     "custom.bbox_size_aux": "no box-size auxiliary loss (log width and height, oversize penalty)",
+    "custom.bbox_format": ("coordexp's boxes are x1, y1, x2, y2 in norm1000 bins: a checkpoint trained to write "
+                           "another box format reads its boxes wrongly"),
+    "custom.offline_max_pixels": ("upstream resized the images offline to this budget; coordexp resizes with "
+                                  "template.max_pixels (at least this large keeps them as they are)"),
+    "custom.eval_detection": "training evaluation reports COCO AP of the rollouts (training.eval_steps)",
+    "experiment": "upstream's run notes have no owner in coordexp",
+    "benchmark": "upstream's run notes have no owner in coordexp",
+    "training.packing_mode": "packing is dynamic on the actual lengths (docs/design.md, decision 8)",
+    "training.packing_length_precompute_workers": "no precomputed static packing: packing is dynamic",
+    "training.static_packing_cache": "no precomputed static packing: packing is dynamic",
+    "training.encoded_sample_cache": "no encoded-sample cache: records are encoded as they are read",
+    f"{_RM}.eval_rollout_backend": f"one backend ({_RM}.rollout_backend) decodes for training and evaluation",
+    f"{_RM}.vllm.mm_processor_kwargs": "vLLM's processor resizes as the HF path does (template.max_pixels)",
+    f"{_RM}.train_monitor_dump": "no monitor dumps",
+    f"{_RM}.eval_monitor_dump": "no monitor dumps",
     # mapped in upstream_pre when upstream accepted the value; what remains here is a shape upstream refused too
     "custom.object_ordering": "upstream took sorted or random; set data.object_order (keep, sorted or random)",
     "custom.token_type_metrics": "upstream took a mapping with enabled: true/false; set training.token_type_metrics",
@@ -167,6 +183,7 @@ def upstream_pre(rw: Any) -> None:
         rw.m.changes.append(f"template.max_pixels: {pixels} -> {MAX_PIXELS} (coordexp's cap; as before, images "
                             "up to that size are never resized)")
     _best_model_metric(rw)
+    _eval_backend(rw)
     _token_type_metrics(rw)
     _object_ordering(rw)
     _stage2_ab(rw)
@@ -177,11 +194,28 @@ def upstream_pre(rw: Any) -> None:
             rw.m.changes.append(f"removed {dotted}: {_short(found)} ({why})")
 
 
+_METRIC_ALIASES = ("detection/mAP", "eval/detection/mAP", "eval_detection/mAP", "eval_det_bbox_AP")
+
+
+def _eval_backend(rw: Any) -> None:
+    """Upstream's ``eval_rollout_backend`` equal to the training backend says nothing coordexp does not do."""
+    backend = _get(rw.data, f"{_RM}.eval_rollout_backend")
+    if backend is not _ABSENT and backend == rw.view(f"{_RM}.rollout_backend"):
+        _pop(rw.data, f"{_RM}.eval_rollout_backend")
+        rw.m.changes.append(f"removed {_RM}.eval_rollout_backend: {_short(backend)} (the training backend, which "
+                            "decodes evaluation rollouts too)")
+
+
 def _best_model_metric(rw: Any) -> None:
     """Upstream names metrics its own evaluation logged; those coordexp's training evaluation also reports
     (eval_token_acc: teacher-forced token accuracy of the validation split) are kept with their greater_is_better,
     others (rollout/f1, ...) are left out with the direction that goes with them, naming the figures that exist."""
     metric = _get(rw.data, "training.metric_for_best_model")
+    if isinstance(metric, str) and metric in _METRIC_ALIASES:
+        rw.data["training"]["metric_for_best_model"] = "AP"
+        rw.m.changes.append(f"training.metric_for_best_model: {metric} -> AP (upstream's AP of its evaluation "
+                            "rollouts, COCO or LVIS; coordexp's AP is their COCO AP)")
+        return
     if not isinstance(metric, str) or best_model_metric(metric) is not None:
         return
     why = (f"coordexp's evaluation reports no {metric!r}; set one of {', '.join(BEST_MODEL_METRICS)} to keep the best "

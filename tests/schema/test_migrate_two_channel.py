@@ -268,3 +268,22 @@ def test_a_hostile_upstream_pipeline_or_artifact_root_is_reported_never_a_crash(
                                  "--base-dir", str(tmp_path)])
     assert result.exit_code in (0, 2), result.output
     assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+
+
+def test_upstream_metric_names_backends_and_box_formats_map_or_say_why(tmp_path):
+    """Upstream's evaluation AP keeps choosing the best checkpoint (as coordexp's AP); an evaluation backend equal
+    to the training one is redundant; a box format other than x1, y1, x2, y2 is left out saying what it breaks."""
+    leaf = copy.deepcopy(STAGE2)
+    leaf["training"].update(metric_for_best_model="detection/mAP", save_strategy="steps")
+    leaf["rollout_matching"]["eval_rollout_backend"] = "hf"
+    leaf["custom"]["bbox_format"] = "xyxy"
+    text, out = _migrate(tmp_path, leaf)
+    training = _contract(out)["training"]
+    assert (training["metric_for_best_model"], training["greater_is_better"]) == ("AP", True)
+    assert "training.metric_for_best_model: detection/mAP -> AP" in text
+    assert "removed rollout_matching.eval_rollout_backend: 'hf'" in text and "removed custom.bbox_format" in text
+    leaf["custom"]["bbox_format"] = "cxcywh"
+    leaf["rollout_matching"]["eval_rollout_backend"] = "vllm"
+    text, _ = _migrate(tmp_path, leaf, "other.yaml")
+    assert "left out custom.bbox_format: coordexp's boxes are x1, y1, x2, y2" in text
+    assert "left out rollout_matching.eval_rollout_backend: one backend" in text
