@@ -92,14 +92,20 @@ class Migration:
 
 
 class _Rewriter:
-    def __init__(self, data: dict, base_view: dict):
+    def __init__(self, data: dict, base_view: dict, raw_base_view: Optional[dict] = None):
         self.data = data
         self.base_view = base_view
+        self.raw_base_view = raw_base_view or {}
         self.m = Migration(data)
 
     def view(self, dotted: str) -> Any:
         own = _get(self.data, dotted)
         return own if own is not _ABSENT else _get(self.base_view, dotted)
+
+    def view_as_written(self, dotted: str) -> Any:
+        """``dotted`` in this file, else in its bases as written (before their migration)."""
+        own = _get(self.data, dotted)
+        return own if own is not _ABSENT else _get(self.raw_base_view, dotted)
 
     def put(self, source: str, target: str, value: Any) -> bool:
         """Set ``target`` (dotted) to ``value``; a different existing value is a conflict (nothing moves)."""
@@ -383,12 +389,14 @@ def _shape_issues(raw: dict) -> list[ConfigIssue]:
 
 
 def migrate_mapping(raw: dict, base_view: Optional[dict] = None, *,
-                    post: Optional[Callable[[Any], None]] = None) -> Migration:
+                    post: Optional[Callable[[Any], None]] = None, raw_base_view: Optional[dict] = None) -> Migration:
     """Rewrite every mechanical legacy move of ``raw`` (a copy is returned; ``raw`` is not modified).
 
     ``base_view`` is the merged mapping of the file's ``extends`` bases, consulted (never edited) to decide
-    whether a pipeline already exists. A section of the wrong shape raises :class:`ConfigError` naming its path.
-    Upstream spellings (migrate_upstream.py) are rewritten first; ``post`` runs on the rewriter at the end.
+    whether a pipeline already exists; ``raw_base_view`` the same bases as written, for an upstream key that the
+    bases' own migration left out but this file completes (``artifact_subdir`` joins a base's ``output_root``).
+    A section of the wrong shape raises :class:`ConfigError` naming its path. Upstream spellings
+    (migrate_upstream.py) are rewritten first; ``post`` runs on the rewriter at the end.
     """
     if not isinstance(raw, dict):
         raise ConfigError([ConfigIssue("", f"top level must be a mapping of sections (got a {_kind(raw)})",
@@ -396,7 +404,7 @@ def migrate_mapping(raw: dict, base_view: Optional[dict] = None, *,
     issues = _shape_issues(raw)
     if issues:
         raise ConfigError(issues)
-    rw = _Rewriter(copy.deepcopy(raw), base_view or {})
+    rw = _Rewriter(copy.deepcopy(raw), base_view or {}, raw_base_view or {})
     upstream_pre(rw)
     old_variant = _get(rw.data, "custom.trainer_variant") == "rollout_matching_sft"
     if old_variant:

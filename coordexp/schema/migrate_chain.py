@@ -211,12 +211,17 @@ def _write(target: Path, text: str) -> None:
 def _in_place(files: list[ChainFile], upstream: bool, base: Path, how: str) -> ChainResult:
     """Every file of the chain, bases first; each sees its bases' migrated view (a pipeline made in a parent)."""
     views: dict[Path, dict] = {}
+    raw_views: dict[Path, dict] = {}  # the same bases as written: upstream keys their own migration left out
     outcomes, paths, plans = [], [], []
     for f in files:
         base_view: dict = {}
+        raw_base_view: dict = {}
         for b in f.bases:
             base_view = deep_merge(base_view, views[b])
-        migration = migrate_mapping(copy.deepcopy(f.raw), base_view, **_hooks(upstream, leaf=f is files[-1]))
+            raw_base_view = deep_merge(raw_base_view, raw_views[b])
+        raw_views[f.path] = deep_merge(raw_base_view, _own(f.raw))
+        migration = migrate_mapping(copy.deepcopy(f.raw), base_view, raw_base_view=raw_base_view,
+                                    **_hooks(upstream, leaf=f is files[-1]))
         if upstream:
             before = len(paths)
             resolve_paths(migration.data, base, paths, how)

@@ -76,7 +76,7 @@ def artifact_paths(rw: Any) -> None:
         return
     moved = False
     for root_key, target in (("output_root", "output_dir"), ("logging_root", "logging_dir")):
-        root = rw.view(f"training.{root_key}")
+        root = rw.view_as_written(f"training.{root_key}")  # a base's root was left out by its own migration
         if not isinstance(root, str) or not root.strip():
             continue
         value = f"{root.strip().rstrip('/')}/{sub.strip().strip('/')}"

@@ -91,6 +91,10 @@ _LEFT_OUT = {
     "experiment": "upstream's run notes have no owner in coordexp",
     "benchmark": "upstream's run notes have no owner in coordexp",
     "training.packing_mode": "packing is dynamic on the actual lengths (docs/design.md, decision 8)",
+    "training.output_root": ("coordexp has no output root: a file that sets training.artifact_subdir gets "
+                             "training.output_dir = output_root/artifact_subdir"),
+    "training.logging_root": ("coordexp has no logging root: a file that sets training.artifact_subdir gets "
+                              "training.logging_dir = logging_root/artifact_subdir"),
     "training.packing_length_precompute_workers": "no precomputed static packing: packing is dynamic",
     "training.static_packing_cache": "no precomputed static packing: packing is dynamic",
     "training.encoded_sample_cache": "no encoded-sample cache: records are encoded as they are read",

@@ -287,3 +287,18 @@ def test_upstream_metric_names_backends_and_box_formats_map_or_say_why(tmp_path)
     text, _ = _migrate(tmp_path, leaf, "other.yaml")
     assert "left out custom.bbox_format: coordexp's boxes are x1, y1, x2, y2" in text
     assert "left out rollout_matching.eval_rollout_backend: one backend" in text
+
+
+def test_in_place_the_leaf_joins_the_root_its_base_had(tmp_path):
+    """--in-place migrates base first: the base's output_root is left out there (coordexp has no root), and the
+    leaf that sets artifact_subdir still gets output_dir = root/subdir from the base as it was written."""
+    path = _write(tmp_path, STAGE2, "leaf.yaml")
+    result = runner.invoke(app, ["migrate", str(path), "--in-place", "--base-dir", str(tmp_path)],
+                           catch_exceptions=False)
+    assert result.exit_code == 2, result.output  # left-out features, as with -o
+    text = " ".join(result.output.split())
+    assert "left out training.output_root: coordexp has no output root" in text
+    assert "training.output_root + training.artifact_subdir -> training.output_dir" in text
+    assert _contract(path)["training"]["output_dir"] == str(tmp_path / "output" / "stage2_ab" /
+                                                             "lvis_bbox_max60_1024")
+    assert sorted(p.name for p in (tmp_path / "configs").rglob("*.bak")) == ["base.yaml.bak", "leaf.yaml.bak"]
