@@ -146,6 +146,12 @@ def _module(rw: Any, entry: Any, where: str) -> dict | None:
         rw.m.left_out.append(f"{where} ({shown}): {why} (value was {_short(entry)})")
         return None
     module = {key: entry[key] for key in ("name", "enabled", "weight", "channels") if key in entry}
+    channels = entry.get("channels")
+    if isinstance(channels, list) and sorted(map(str, channels)) in (["A"], ["B"]):
+        rw.m.left_out.append(f"{where}.channels: upstream ran it on channel {channels[0]} alone (its "
+                             f"{'ground-truth' if channels[0] == 'A' else 'rollout'} steps); coordexp runs a module on "
+                             "its ground-truth and rollout steps alike when its channels include B, and never "
+                             f"otherwise (value was {_short(channels)}, kept)")
     if "application" in entry:
         rw.m.left_out.append(f"{where}.application: {_APPLICATION} (value was {_short(entry['application'])})")
     config = entry.get("config") or {}

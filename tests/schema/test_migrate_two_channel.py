@@ -218,6 +218,8 @@ def test_every_key_of_an_upstream_pipeline_is_moved_or_named(tmp_path, objective
                                                                                            "channels")]
         if "application" in module:
             assert f"{where}.application" in report
+        if module["channels"] != ["A", "B"]:  # coordexp has no per-channel module: said
+            assert f"{where}.channels: upstream ran it on channel {module['channels'][0]} alone" in report
         for key, value in module["config"].items():
             if out["config"].get(renamed.get(key, key), object()) == value:
                 continue
