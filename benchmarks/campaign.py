@@ -148,7 +148,8 @@ class Runner:
             more = self.next_seed < self.phase.first_seed + self.phase.seeds
         else:
             more = self.gated + len(self.running) < self.phase.gated
-        if more and self.until is not None and _done(Path(self.args.results), self.phase.name, self.next_seed) is None:
+        done = result_path(Path(self.args.results), self.phase.name, self.next_seed).exists()
+        if more and self.until is not None and not done:  # a finished seed costs nothing: the run loop skips it
             ends = dt.datetime.now().astimezone() + dt.timedelta(seconds=self.seed_s)
             if ends > self.until:
                 self.out_of_time = True

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ValidationError
 
 from coordexp.schema.errors import ConfigIssue, ConfigRuleError, format_path, parse_path
 
-__all__ = ["PathTuple", "validation_issues"]
+__all__ = ["PathTuple", "short_repr", "validation_issues"]
 
 PathTuple = tuple[Union[str, int], ...]
 _MISSING = object()
@@ -78,7 +78,8 @@ def _allowed_keys(root: type, loc: tuple) -> Optional[list[str]]:
 SECRET_KEYS = frozenset({"sync_token"})  # config keys whose value an error message must not repeat
 
 
-def _describe(value: Any) -> str:
+def short_repr(value: Any) -> str:
+    """``repr(value)`` cut to 60 characters, for a value quoted in an error or a migration report."""
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
@@ -131,7 +132,7 @@ def _hint_for(err: dict, allowed: Optional[list[str]], key: str, root: Optional[
     if kind == "missing":
         return "required key is missing", f"Add `{key}: ...` (see `coordexp schema` for its type)."
     msg = err["msg"]
-    got = f" (got {_describe(value)})" if key not in SECRET_KEYS else ""  # a secret is never echoed
+    got = f" (got {short_repr(value)})" if key not in SECRET_KEYS else ""  # a secret is never echoed
     if kind in {"int_type", "float_type", "bool_type", "string_type"} and isinstance(value, str):
         if kind == "bool_type":
             return msg + got, "Write true or false without quotes (yes/no/on/off are strings)."

@@ -92,10 +92,10 @@ class Migration:
 
 
 class _Rewriter:
-    def __init__(self, data: dict, base_view: dict, raw_base_view: Optional[dict] = None):
+    def __init__(self, data: dict, base_view: dict, raw_base_view: dict):
         self.data = data
         self.base_view = base_view
-        self.raw_base_view = raw_base_view or {}
+        self.raw_base_view = raw_base_view
         self.m = Migration(data)
 
     def view(self, dotted: str) -> Any:

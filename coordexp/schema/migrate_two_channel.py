@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from coordexp.schema.dotted import ABSENT as _ABSENT, get as _get, pop as _pop
+from coordexp.schema.issues import short_repr as _short
 
 __all__ = ["TWO_CHANNEL_VARIANTS", "artifact_paths", "two_channel_pipeline", "coord_soft_ce_w1_additions",
            "effective_batch_wins", "unsupported_variant", "stage1_bbox_geo"]
@@ -61,11 +62,6 @@ _MODULE_WHY = {
 }
 _APPLICATION = ("coordexp has no routing presets: token_ce trains the text of the tail, coord_reg and bbox_geo every "
                 "supervised coordinate (docs/design.md, Loss)")
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def artifact_paths(rw: Any) -> None:

@@ -20,6 +20,7 @@ from coordexp.schema.base import MAX_PIXELS
 from coordexp.schema.legacy import find_legacy_keys
 from coordexp.schema.loader import _PATH_FIELDS
 from coordexp.schema.dotted import ABSENT as _ABSENT, get as _get, pop as _pop
+from coordexp.schema.issues import short_repr as _short
 from coordexp.schema.root import CoordExpConfig
 from coordexp.schema.training import BEST_MODEL_METRICS, TrainingConfig, best_model_metric
 from coordexp.schema.migrate_two_channel import (TWO_CHANNEL_VARIANTS, artifact_paths,
@@ -151,11 +152,6 @@ def _leave_out(rw: Any, dotted: str, why: str) -> None:
     value = _pop(rw.data, dotted)
     if value is not _ABSENT:
         rw.m.left_out.append(f"{dotted}: {why} (value was {_short(value)})")
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def upstream_pre(rw: Any) -> None:

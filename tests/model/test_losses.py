@@ -613,7 +613,10 @@ def _ranks_vs_one_process(seed: int, layout: list[tuple[int, int, int]], split: 
     whole.total.backward()
     parts = [range(split), range(split, len(segs))]
     own = [LossDenominators.of(batch(part)) for part in parts]
-    summed = replace(own[0] + own[1], ranks=2)
+    rank1 = []  # what rank 1 contributes to the all-reduce, as the trainer's collective would see it
+    own[1].over_ranks(lambda counts: rank1.extend(counts) or counts, 1)
+    summed = own[0].over_ranks(lambda counts: [a + b for a, b in zip(counts, rank1, strict=True)], 2)
+    assert summed == replace(own[0] + own[1], ranks=2)
     rank_logits = [logits[part.start:part.stop].clone().requires_grad_(True) for part in parts]
     results = [compute_objective(rank_logits[r], batch(parts[r]), COORD_IDS, pipe, summed if ranks_counts else own[r])
                for r in (0, 1)]

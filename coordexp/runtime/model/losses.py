@@ -13,7 +13,7 @@ full-vocab log-softmax over the whole sequence nor a copy of the supervised rows
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Mapping, NamedTuple, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -334,6 +334,14 @@ class LossDenominators:
             self.ce_weight + other.ce_weight, self.ce + other.ce, self.coord + other.coord, self.boxes + other.boxes,
             self.negatives + other.negatives, self.policy_tokens + other.policy_tokens,
         )
+
+    def over_ranks(self, sum_over_ranks: Callable[[list[float]], list[float]], ranks: int) -> "LossDenominators":
+        """These counts summed over ``ranks`` ranks by ``sum_over_ranks`` (an all-reduce every rank calls with the
+        same list), with ``ranks`` set (:meth:`scales`, :attr:`policy_normaliser`)."""
+        ce_weight, ce, coord, boxes, negatives, policy_tokens = sum_over_ranks(
+            [self.ce_weight, float(self.ce), float(self.coord), float(self.boxes), float(self.negatives),
+             float(self.policy_tokens)])
+        return LossDenominators(ce_weight, int(ce), int(coord), int(boxes), int(negatives), int(policy_tokens), ranks)
 
     @property
     def policy_normaliser(self) -> float:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
@@ -336,12 +335,8 @@ class CoordExpTrainer(Trainer):
         world = int(self.args.world_size)
         if world <= 1 or not model.training or not torch.distributed.is_initialized():
             return denominators
-        counts = reduce_values([float(denominators.ce_weight), float(denominators.ce), float(denominators.coord),
-                                float(denominators.boxes), float(denominators.negatives),
-                                float(denominators.policy_tokens)], "sum", world_size=world, device=self.args.device)
-        ce_weight, ce, coord, boxes, negatives, policy_tokens = counts
-        return LossDenominators(ce_weight, int(ce), int(coord), int(boxes), int(negatives), int(policy_tokens),
-                                ranks=world)
+        return denominators.over_ranks(
+            lambda counts: reduce_values(counts, "sum", world_size=world, device=self.args.device), world)
 
     def _require_finite_loss(self, loss: torch.Tensor, step: int) -> None:
         """A NaN or Inf loss stops the run before its backward: logged values alone miss it (transformers'
