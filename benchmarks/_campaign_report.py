@@ -305,3 +305,51 @@ def campaign_verdict(dense: dict[str, Any], sparse: dict[str, Any]) -> dict[str,
     ships = max(met, key=lambda n: arms[n]["dense_ap50_minus_stage1"]) if met else None
     return {"arms": arms, "ships": ships, "gated_seeds": {s: p["gated_seeds"] for s, p in parts.items()},
             "figures": {s: p["figures"] for s, p in parts.items()}}
+
+
+def _points(a: Any, b: Any) -> str:
+    """``a - b`` in points, one decimal; a difference that rounds to zero is ``0.0``, not ``-0.0``."""
+    if a is None or b is None:
+        return "-"
+    shown = f"{100 * (a - b):+.1f}"
+    return "0.0" if shown in ("+0.0", "-0.0") else shown
+
+
+def _first_last(values: Any, percent: bool) -> str:
+    if not values:
+        return "-"
+    return " -> ".join(f"{100 * v:.1f}%" if percent else f"{v:.2f}" for v in (values[0], values[-1]))
+
+
+def seed_figures(result: dict[str, Any]) -> list[str]:
+    """One finished seed's figures as a decision 20 amendment states them, read from its result file (so no figure
+    is typed by hand): the gate, ``stage1``'s premature EOS and tuned figures, and per arm the tuned and default
+    AP50 / F1 minus ``stage1`` in points, duplicates per image, the continuation wall time over the control's, and
+    the training rollouts' cut-off rate and reward, first quarter -> last."""
+    lines = []
+    for seed in result["seeds"]:
+        runs, gate = seed["runs"], seed.get("gate") or {}
+        base = runs.get("stage1") or {}
+        tuned, default = base.get("tuned") or {}, base.get("eval") or {}
+        minutes = f", {result['total_s'] / 60:.0f} minutes" if result.get("total_s") else ""
+        lines.append(f"seed {seed['seed']}{minutes}: gate {'passed' if gate.get('passed') else 'FAILED'}; stage1's "
+                     f"premature EOS {_pct(default.get('premature_eos_rate'))}% at the default decoding "
+                     f"({_pct(tuned.get('premature_eos_rate'))}% tuned); stage1 tuned AP50 / F1 "
+                     f"{_pct(tuned.get('AP50'))} / {_pct(tuned.get('f1'))}")
+        lines.append("| arm | tuned AP50 / F1 - stage1 | default AP50 / F1 - stage1 | duplicates per image, default "
+                     "-> tuned | wall x control | cut off, first -> last quarter | reward, first -> last quarter |")
+        lines.append("|---|---|---|---|---|---|---|")
+        control = _wall_s(runs.get(CONTROL) or {})
+        for name, run in runs.items():
+            if name == "stage1":
+                continue
+            t, e, train = run.get("tuned") or {}, run.get("eval") or {}, run.get("train") or {}
+            wall = _wall_s(run)
+            multiple = f"{wall / control:.1f}x" if wall and control else "-"
+            duplicates = " -> ".join(_cell("duplicates_per_image", x.get("duplicates_per_image")) for x in (e, t))
+            lines.append(f"| `{name}` | {_points(t.get('AP50'), tuned.get('AP50'))} / "
+                         f"{_points(t.get('f1'), tuned.get('f1'))} | {_points(e.get('AP50'), default.get('AP50'))} / "
+                         f"{_points(e.get('f1'), default.get('f1'))} | {duplicates} | {multiple} | "
+                         f"{_first_last(train.get('cut_off_quarters'), True)} | "
+                         f"{_first_last(train.get('reward_quarters'), False)} |")
+    return lines

@@ -8,6 +8,7 @@ seed starts (a seed that has started is an hour of work; stopping it loses that 
 same by the clock: a seed starts only if it is expected to end by then (the longest ``total_s`` of the phase's
 finished seeds, or ``--seed-minutes``), so a session's last lane is never spent on a seed its end would lose.
 
+``figures --of PHASE`` prints each finished seed's figures as decision 20's amendments state them.
 ``verdict`` reads the finals' result files and applies issue 53's whole rule (both settings' parts): which
 treatment beats the detector you have, and what ``coordexp init --stage 2`` should write (``--json``: as JSON).
 
@@ -283,9 +284,28 @@ def verdict(args: argparse.Namespace) -> int:
     return 0
 
 
+def figures(args: argparse.Namespace) -> int:
+    """Each finished seed's figures of ``--of PHASE`` (``--seeds``: these only) as an amendment states them."""
+    from _campaign_report import seed_figures
+
+    wanted = {int(s) for s in args.seeds.split(",") if s.strip()} if args.seeds else None
+    paths = sorted(Path(args.results).glob(f"issue53_{args.of}_seed*.json"))
+    shown = 0
+    for path in paths:
+        result = json.loads(path.read_text(encoding="utf-8"))
+        if wanted is not None and not wanted & {s["seed"] for s in result["seeds"]}:
+            continue
+        print(f"\n{path.name}\n" + "\n".join(seed_figures(result)))
+        shown += 1
+    if not shown:
+        raise SystemExit(f"figures: no {args.of} result{' of seeds ' + args.seeds if args.seeds else ''} in "
+                         f"{args.results}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("phase", choices=("calibration", "screen", "dense", "sparse", "verdict"))
+    parser.add_argument("phase", choices=("calibration", "screen", "dense", "sparse", "verdict", "figures"))
     parser.add_argument("--workroot", default="/tmp/coordexp_campaign", help="each seed's workdir and log go here")
     parser.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--lanes", type=int, default=2, help="seeds side by side (decision 20: two on 2 cores)")
@@ -299,12 +319,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="--until: one seed's expected minutes (default: the longest finished seed's)")
     parser.add_argument("--dry-run", action="store_true", help="print each seed's command, run nothing")
     parser.add_argument("--json", action="store_true", help="verdict: print the result as one JSON object")
+    parser.add_argument("--of", default="screen", choices=("calibration", "screen", "dense", "sparse"),
+                        help="figures: the phase whose finished seeds to show")
+    parser.add_argument("--seeds", help="figures: only these seeds, comma-separated")
     parser.add_argument("--bench", default=str(BENCH), help=argparse.SUPPRESS)
     parser.add_argument("--poll-s", type=float, default=10.0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.phase == "verdict":
+    if args.phase in ("verdict", "figures"):
         if str(ROOT / "benchmarks") not in sys.path:
             sys.path.insert(0, str(ROOT / "benchmarks"))
+        if args.phase == "figures":
+            try:
+                return figures(args)
+            except ValueError as exc:  # a seed list that is no list of numbers
+                parser.error(f"--seeds {args.seeds!r}: {exc}")
         return verdict(args)
     if args.lanes < 1:
         parser.error("--lanes must be at least 1")

@@ -206,3 +206,32 @@ def test_the_verdict_refuses_missing_or_misplaced_finals(tmp_path):
     (tmp_path / "results" / "issue53_sparse_seed331.json").unlink()
     with pytest.raises(SystemExit, match=r"the default part needs a grid run at --grid 4:4-12"):
         _run(tmp_path, "verdict")
+
+
+def _arm(ap50: float, f1: float, duplicates: float = 0.0, wall_s: float | None = None,
+         cut_off: list[float] | None = None, reward: list[float] | None = None) -> dict:
+    figures = {"AP50": ap50, "f1": f1, "duplicates_per_image": duplicates, "premature_eos_rate": 0.125}
+    return {"eval": dict(figures), "tuned": {**figures, "AP50": ap50 + 0.01, "premature_eos_rate": 0.25},
+            "train": {"wall_s": wall_s, "cut_off_quarters": cut_off, "reward_quarters": reward}}
+
+
+def test_figures_prints_each_seeds_amendment_figures_from_its_result_file(capsys, tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    runs = {"stage1": _arm(0.80, 0.85), "stage1_continued": _arm(0.8, 0.85004, 0.5, wall_s=60.0),
+            "reward_object": _arm(0.83, 0.81, 2.0, wall_s=600.0, cut_off=[0.1, 0.95], reward=[0.5, 0.25])}
+    for seed in (306, 307):
+        result = {"total_s": 5400.0, "seeds": [{"seed": seed, "gate": {"passed": seed == 306}, "runs": runs}]}
+        (results / f"issue53_screen_seed{seed}.json").write_text(json.dumps(result), encoding="utf-8")
+    assert _run(tmp_path, "figures", "--seeds", "307") == 0
+    out = capsys.readouterr().out
+    assert "seed 306" not in out
+    assert ("seed 307, 90 minutes: gate FAILED; stage1's premature EOS 12.5% at the default decoding (25.0% tuned); "
+            "stage1 tuned AP50 / F1 81.0 / 85.0") in out
+    assert "| `stage1_continued` | 0.0 / 0.0 | 0.0 / 0.0 | 0.50 -> 0.50 | 1.0x | - | - |" in out
+    assert "| `reward_object` | +3.0 / -4.0 | +3.0 / -4.0 | 2.00 -> 2.00 | 10.0x | 10.0% -> 95.0% | 0.50 -> 0.25 |" in out
+    assert "| `stage1` |" not in out
+    with pytest.raises(SystemExit, match="figures: no dense result"):
+        _run(tmp_path, "figures", "--of", "dense")
+    with pytest.raises(SystemExit):
+        _run(tmp_path, "figures", "--seeds", "3o6")
