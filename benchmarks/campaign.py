@@ -104,6 +104,11 @@ def result_path(results: Path, phase: str, seed: int) -> Path:
     return results / f"issue53_{phase}_seed{seed}.json"
 
 
+def phase_results(results: Path, phase: str) -> list[Path]:
+    """The phase's finished seeds' result files, by name (:func:`result_path`)."""
+    return sorted(results.glob(f"issue53_{phase}_seed*.json"))
+
+
 def json_line(stdout: str) -> dict[str, Any] | None:
     """The bench's last ``JSON {...}`` line, parsed; None when the seed printed none (it crashed)."""
     lines = [line for line in stdout.splitlines() if line.startswith("JSON ")]
@@ -247,7 +252,7 @@ def expected_seed_s(results: Path, phase: str, seed_minutes: float | None) -> fl
     if seed_minutes is not None:
         return seed_minutes * 60.0
     times = [float(json.loads(p.read_text(encoding="utf-8")).get("total_s") or 0.0)
-             for p in results.glob(f"issue53_{phase}_seed*.json")]
+             for p in phase_results(results, phase)]
     if not any(times):
         raise SystemExit(f"--until: no finished {phase} seed to time in {results}; give --seed-minutes M")
     return max(times)
@@ -257,7 +262,7 @@ def load_phase(results: Path, phase: str) -> dict[str, Any]:
     """Every result file of a phase as one run (bench_learning's ``merge_runs``: the options must agree)."""
     from _learning_options import merge_runs
 
-    paths = sorted(results.glob(f"issue53_{phase}_seed*.json"))
+    paths = phase_results(results, phase)
     if not paths:
         raise SystemExit(f"verdict: no {phase} result in {results} (issue53_{phase}_seed*.json)")
     return merge_runs([json.loads(path.read_text(encoding="utf-8")) for path in paths])
@@ -288,19 +293,26 @@ def figures(args: argparse.Namespace) -> int:
     """Each finished seed's figures of ``--of PHASE`` (``--seeds``: these only) as an amendment states them."""
     from _campaign_report import seed_figures
 
-    wanted = {int(s) for s in args.seeds.split(",") if s.strip()} if args.seeds else None
-    paths = sorted(Path(args.results).glob(f"issue53_{args.of}_seed*.json"))
+    wanted = set(args.seeds) if args.seeds else None
     shown = 0
-    for path in paths:
+    for path in phase_results(Path(args.results), args.of):
         result = json.loads(path.read_text(encoding="utf-8"))
         if wanted is not None and not wanted & {s["seed"] for s in result["seeds"]}:
             continue
         print(f"\n{path.name}\n" + "\n".join(seed_figures(result)))
         shown += 1
     if not shown:
-        raise SystemExit(f"figures: no {args.of} result{' of seeds ' + args.seeds if args.seeds else ''} in "
-                         f"{args.results}")
+        seeds = f" of seeds {','.join(map(str, args.seeds))}" if args.seeds else ""
+        raise SystemExit(f"figures: no {args.of} result{seeds} in {args.results}")
     return 0
+
+
+def seed_list(text: str) -> list[int]:
+    """``--seeds 306,307`` as numbers (argparse reports anything else as bad input)."""
+    try:
+        return [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give seed numbers, comma-separated (306,307)") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -321,19 +333,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="verdict: print the result as one JSON object")
     parser.add_argument("--of", default="screen", choices=("calibration", "screen", "dense", "sparse"),
                         help="figures: the phase whose finished seeds to show")
-    parser.add_argument("--seeds", help="figures: only these seeds, comma-separated")
+    parser.add_argument("--seeds", type=seed_list, help="figures: only these seeds, comma-separated")
     parser.add_argument("--bench", default=str(BENCH), help=argparse.SUPPRESS)
     parser.add_argument("--poll-s", type=float, default=10.0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.phase in ("verdict", "figures"):
         if str(ROOT / "benchmarks") not in sys.path:
             sys.path.insert(0, str(ROOT / "benchmarks"))
-        if args.phase == "figures":
-            try:
-                return figures(args)
-            except ValueError as exc:  # a seed list that is no list of numbers
-                parser.error(f"--seeds {args.seeds!r}: {exc}")
-        return verdict(args)
+        return figures(args) if args.phase == "figures" else verdict(args)
     if args.lanes < 1:
         parser.error("--lanes must be at least 1")
     if args.seed_minutes is not None and not 0 < args.seed_minutes < 10_000:

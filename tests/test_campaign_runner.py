@@ -233,5 +233,11 @@ def test_figures_prints_each_seeds_amendment_figures_from_its_result_file(capsys
     assert "| `stage1` |" not in out
     with pytest.raises(SystemExit, match="figures: no dense result"):
         _run(tmp_path, "figures", "--of", "dense")
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as bad_seeds:
         _run(tmp_path, "figures", "--seeds", "3o6")
+    assert bad_seeds.value.code == 2
+    assert "give seed numbers" in capsys.readouterr().err
+    # a damaged result file is reported as itself, not as a bad --seeds (JSONDecodeError is a ValueError)
+    (results / "issue53_screen_seed307.json").write_text("{", encoding="utf-8")
+    with pytest.raises(json.JSONDecodeError):
+        _run(tmp_path, "figures", "--seeds", "307")
